@@ -1,0 +1,36 @@
+"""lightning_rollout: threaded, autobatched RL data collection for PyTorch Lightning and TorchRL.
+
+Layers (lower ones never import upper ones, and none but ``lightning_rollout.lightning``
+imports Lightning): :mod:`~lightning_rollout.policy`, :mod:`~lightning_rollout.envs`,
+:mod:`~lightning_rollout.events`, :mod:`~lightning_rollout.loop`,
+:mod:`~lightning_rollout.collector`, :mod:`~lightning_rollout.lightning`.
+"""
+
+from .envs import ArraySpec, EnvAdapter, GymAdapter, TorchRLAdapter
+from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
+from .loop import EnvLoop, MultiEnvLoop
+from .policy import Agent, AutobatchPolicy, PolicyAnswer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "ArraySpec",
+    "AutobatchPolicy",
+    "CollectionError",
+    "EnvAdapter",
+    "EnvError",
+    "EnvLoop",
+    "EpisodeEnd",
+    "EventProcessor",
+    "GymAdapter",
+    "Interrupter",
+    "MultiEnvLoop",
+    "PolicyAnswer",
+    "PolicyError",
+    "Progress",
+    "StepTimeoutError",
+    "TimeStep",
+    "TorchRLAdapter",
+]

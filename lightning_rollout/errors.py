@@ -1,0 +1,62 @@
+"""Exceptions raised by collection.
+
+Every failure inside a worker thread (an env's ``reset``/``step``, the policy's
+forward pass, a hung step) is captured where it happens and re-raised in the
+thread that asked for data, as one of the classes below, with the original
+exception chained as ``__cause__`` so its traceback is kept.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CollectionError", "EnvError", "PolicyError", "StepTimeoutError"]
+
+
+class CollectionError(RuntimeError):
+    """Base class of every error raised by collection.
+
+    Attributes:
+        partial: transitions collected before the failure, as a TensorDict of
+            batch size ``[n]`` in arrival order (``None`` when nothing was
+            collected by the failing call). Nothing gathered before a fault is
+            lost: it travels on the exception.
+    """
+
+    partial: object | None = None
+
+
+class EnvError(CollectionError):
+    """An environment raised, returned bad data or hung.
+
+    Attributes:
+        env_id: index of the failing env in its loop (``0 .. num_envs - 1``).
+        step: 0-based count of the env steps that env had completed when it failed
+            (``-1`` for a failure in the first ``reset``).
+        phase: ``"reset"``, ``"step"`` or ``"check"`` (bad shape, dtype or NaN).
+    """
+
+    def __init__(self, message: str, *, env_id: int, step: int, phase: str) -> None:
+        super().__init__(f"env {env_id} failed in {phase} at step {step}: {message}")
+        self.env_id = env_id
+        self.step = step
+        self.phase = phase
+
+
+class PolicyError(CollectionError):
+    """The policy raised, or returned an output of the wrong batch size or without ``action``.
+
+    Attributes:
+        env_ids: the envs whose requests were in the failing forward pass.
+    """
+
+    def __init__(self, message: str, *, env_ids: tuple[int, ...] = ()) -> None:
+        suffix = f" (requests from envs {list(env_ids)})" if env_ids else ""
+        super().__init__(f"policy failed: {message}{suffix}")
+        self.env_ids = env_ids
+
+
+class StepTimeoutError(EnvError):
+    """An env step did not return within ``step_timeout`` seconds.
+
+    The stuck thread is a daemon: it is abandoned (named in the message) and
+    every other thread is shut down.
+    """

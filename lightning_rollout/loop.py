@@ -1,0 +1,900 @@
+"""Threaded, request-driven env loops with double batching (the seed's env runner).
+
+Threads and what they own
+-------------------------
+* The **driver** (the thread that calls :meth:`MultiEnvLoop.run_steps`,
+  :meth:`~MultiEnvLoop.run_env_steps` or :meth:`~MultiEnvLoop.run_episodes`)
+  owns every piece of bookkeeping in :class:`MultiEnvLoop`: requests in flight,
+  partially consumed blocks, counters. Only one thread may drive a loop at a time.
+* Each **env thread** (``lightning_rollout-<name>-env<i>``, a daemon) runs a
+  :class:`_Worker` that owns ``envs_per_thread`` envs, their adapters, their
+  running counters and two *staging slots* (preallocated numpy arrays of
+  ``envs_per_thread`` rows per key).
+* The policy's inference thread (see :mod:`lightning_rollout.policy`).
+
+Messages (only small tuples cross threads; data stays in the slots)
+--------------------------------------------------------------------
+* driver -> worker, on the worker's ``SimpleQueue``: ``("step",)``,
+  ``("episode", env_index, request_index)`` or ``("stop",)``.
+* worker -> driver, on the loop's shared ``SimpleQueue``:
+  ``("step", worker, slot)`` (a block of ``envs_per_thread`` transitions is ready in
+  that slot), ``("episode", worker, request_index, columns, length)`` or
+  ``("error", worker, exception)``.
+
+Double batching
+---------------
+In the default *lookahead* mode a worker computes its next step (policy call,
+then env step, into the free slot) **before** it is asked for it, then parks
+until a step request arrives and publishes the slot. At every moment each env
+has one finished step waiting or one request in flight, so inference and env
+work for the next batch overlap the driver's consumption of this one. With
+``lookahead=False`` (on-policy) a worker waits for the request *before* acting,
+so no step is ever acted with weights older than the request.
+
+Slot safety: the driver copies a published slot out before it sends that worker
+its next step request, and a worker only writes a slot after receiving the
+request that follows the slot's previous publication (or, in lookahead, into
+the other slot). Two slots per worker are therefore enough and no lock guards them.
+
+Waits and shutdown
+------------------
+Every blocking wait polls a stop flag (and the driver's :class:`Interrupter`)
+every 50 ms. :meth:`MultiEnvLoop.close` sets the flag, wakes every worker,
+closes the policy it created and joins every thread within ``join_timeout``.
+An exception in a worker (env ``reset``/``step``, a bad observation, the policy)
+is sent to the driver, which shuts everything down and raises it as
+:class:`~lightning_rollout.errors.EnvError` / :class:`~lightning_rollout.errors.PolicyError`
+naming the env and step, with the original exception chained and the
+transitions collected so far attached as ``exc.partial``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.envs.utils import ExplorationType
+
+from .envs import ArraySpec, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
+from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
+from .policy import Agent, AutobatchPolicy, _Stopped
+
+__all__ = ["EnvLoop", "MultiEnvLoop"]
+
+NestedKey = str | tuple[str, ...]
+_POLL_S = 0.05
+
+# Entries the loop writes for every transition, beside observations and policy outputs.
+_REWARD = ("next", "reward")
+_TERMINATED = ("next", "terminated")
+_TRUNCATED = ("next", "truncated")
+_DONE = ("next", "done")
+_STEP_COUNT = "step_count"
+_NEXT_STEP_COUNT = ("next", "step_count")
+_EP_REWARD = "episode_reward"
+_NEXT_EP_REWARD = ("next", "episode_reward")
+_TRAJ = ("collector", "traj_ids")
+_ENV_ID = ("collector", "env_id")
+_VERSION = "policy_version"
+
+
+def _next_key(key: NestedKey) -> tuple[str, ...]:
+    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+
+
+class _Layout:
+    """Per-transition storage layout: ``{key: ArraySpec}`` for everything a transition holds."""
+
+    def __init__(self, obs_spec: dict[NestedKey, ArraySpec], out_spec: dict[NestedKey, ArraySpec]) -> None:
+        self.obs_keys = list(obs_spec)
+        self.next_obs_keys = [_next_key(k) for k in obs_spec]
+        self.out_keys = list(out_spec)
+        one_f = ArraySpec((1,), np.dtype(np.float32))
+        one_b = ArraySpec((1,), np.dtype(bool))
+        one_i = ArraySpec((1,), np.dtype(np.int64))
+        scalar_i = ArraySpec((), np.dtype(np.int64))
+        self.specs: dict[NestedKey, ArraySpec] = {}
+        self.specs.update(obs_spec)
+        self.specs.update({_next_key(k): v for k, v in obs_spec.items()})
+        self.specs.update(out_spec)
+        self.specs.update({
+            _REWARD: one_f, _TERMINATED: one_b, _TRUNCATED: one_b, _DONE: one_b,
+            _STEP_COUNT: one_i, _NEXT_STEP_COUNT: one_i, _EP_REWARD: one_f, _NEXT_EP_REWARD: one_f,
+            _TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
+        })
+
+    def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+        lead = (rows,) if isinstance(rows, int) else rows
+        return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in self.specs.items()}
+
+
+def _to_tensordict(columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
+                   names: Sequence[str | None] | None = None) -> TensorDict:
+    """One TensorDict over numpy storage (zero-copy), with TorchRL's root flags added."""
+    td = TensorDict(batch_size=list(batch_size))
+    for key, value in columns.items():
+        td.set(key, torch.from_numpy(value))
+    flags = torch.zeros(*batch_size, 1, dtype=torch.bool)
+    td.set("done", flags)
+    td.set("terminated", flags.clone())
+    td.set("truncated", flags.clone())
+    if names is not None:
+        td.refine_names(*names)
+    return td
+
+
+class _Worker:
+    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
+
+    def __init__(self, loop: MultiEnvLoop, index: int, adapters: list[EnvAdapter], env_ids: list[int]) -> None:
+        self.loop = loop
+        self.index = index
+        self.adapters = adapters
+        self.env_ids = env_ids
+        self.rows = len(adapters)
+        layout = loop._layout
+        self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
+        self.cur_obs = {k: np.empty((self.rows, *s.shape), s.dtype) for k, s in loop._obs_spec.items()}
+        self.step_count = np.zeros(self.rows, dtype=np.int64)
+        self.episode_reward = np.zeros(self.rows, dtype=np.float64)
+        self.traj = np.zeros(self.rows, dtype=np.int64)
+        self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env
+        self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
+        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
+        self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
+        self.busy_env = -1
+        self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
+                                       daemon=True)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _reset_env(self, j: int, seed: int | None = None) -> None:
+        self.busy_env, self.busy_since = j, time.perf_counter()
+        try:
+            obs = self.adapters[j].reset(seed)
+        except Exception as exc:
+            raise EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
+                           step=int(self.steps_done[j]), phase="reset") from exc
+        finally:
+            self.busy_since = 0.0
+        self._check(j, obs)
+        for k, v in obs.items():
+            self.cur_obs[k][j] = v
+        self.step_count[j] = 0
+        self.episode_reward[j] = 0.0
+        self.traj[j] = next(self.loop._traj_counter)
+
+    def _check(self, j: int, obs: dict[NestedKey, np.ndarray]) -> None:
+        if not self.loop.validate:
+            return
+        for k, spec in self.loop._obs_spec.items():
+            v = obs.get(k)
+            problem = None
+            if v is None:
+                problem = f"observation key {k!r} is missing"
+            elif v.shape != spec.shape:
+                problem = f"observation {k!r} has shape {v.shape}, expected {spec.shape}"
+            elif not np.can_cast(v.dtype, spec.dtype, "same_kind"):
+                problem = f"observation {k!r} has dtype {v.dtype}, expected {spec.dtype}"
+            elif v.dtype.kind == "f" and np.isnan(v).any():
+                problem = f"observation {k!r} contains NaN"
+            if problem is not None:
+                raise EnvError(problem, env_id=self.env_ids[j], step=int(self.steps_done[j]), phase="check")
+
+    def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
+        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``."""
+        loop = self.loop
+        if self.random_left[envs[0]] > 0:
+            for r, j in zip(range(r0, r0 + rows), envs):
+                cols["action"][r] = self.adapters[j].random_action(loop._action_spec)
+                self.random_left[j] -= 1
+            for k in loop._layout.out_keys:
+                if k != "action":
+                    cols[k][r0:r0 + rows] = 0
+            cols[_VERSION][r0:r0 + rows] = -1
+            return
+        agent = self.agent
+        agent.submit({k: cols[k][r0:r0 + rows] for k in loop._layout.obs_keys}, exploration_type=loop.exploration_type)
+        answer = agent.result(loop._stop)
+        outputs, a, b = answer.outputs, answer.start, answer.stop
+        for k in loop._layout.out_keys:
+            cols[k][r0:r0 + rows] = outputs[k][a:b]
+        cols[_VERSION][r0:r0 + rows] = answer.version
+
+    def _env_step(self, cols: dict[NestedKey, np.ndarray], r: int, j: int) -> bool:
+        """Step env ``j`` with the action in row ``r`` of ``cols``; write the transition. Returns done."""
+        loop = self.loop
+        self.busy_env, self.busy_since = j, time.perf_counter()
+        try:
+            obs, reward, terminated, truncated = self.adapters[j].step(cols["action"][r])
+        except Exception as exc:
+            raise EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
+                           step=int(self.steps_done[j]), phase="step") from exc
+        finally:
+            self.busy_since = 0.0
+        self._check(j, obs)
+        self.steps_done[j] += 1
+        cols[_STEP_COUNT][r] = self.step_count[j]
+        cols[_EP_REWARD][r] = self.episode_reward[j]
+        self.step_count[j] += 1
+        self.episode_reward[j] += reward
+        if loop.max_episode_steps is not None and self.step_count[j] >= loop.max_episode_steps:
+            truncated = True
+        done = terminated or truncated
+        for k, nk in zip(loop._layout.obs_keys, loop._layout.next_obs_keys):
+            cols[nk][r] = obs[k]
+        cols[_REWARD][r] = reward
+        cols[_TERMINATED][r] = terminated
+        cols[_TRUNCATED][r] = truncated
+        cols[_DONE][r] = done
+        cols[_NEXT_STEP_COUNT][r] = self.step_count[j]
+        cols[_NEXT_EP_REWARD][r] = self.episode_reward[j]
+        cols[_TRAJ][r] = self.traj[j]
+        cols[_ENV_ID][r] = self.env_ids[j]
+        if not done:
+            for k in loop._layout.obs_keys:
+                self.cur_obs[k][j] = obs[k]
+        return done
+
+    def _compute(self, slot: int) -> None:
+        """One step of every env of this worker, into ``slots[slot]``."""
+        cols = self.slots[slot]
+        for k in self.loop._layout.obs_keys:
+            cols[k][:] = self.cur_obs[k]
+        self._act(cols, 0, self.rows, range(self.rows))
+        for j in range(self.rows):
+            if self._env_step(cols, j, j):
+                self._reset_env(j)
+
+    def _wait_request(self) -> tuple[Any, ...] | None:
+        self.agent.park()
+        try:
+            while True:
+                try:
+                    request = self.requests.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self.loop._stop.is_set():
+                        return None
+                    continue
+                return None if request[0] == "stop" else request
+        finally:
+            self.agent.unpark()
+
+    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
+        """A fresh episode on env ``j`` alone; the others of this worker wait."""
+        loop = self.loop
+        if staged is not None:  # the running step-mode episode is cut at its staged step
+            cols = self.slots[staged]
+            if not cols[_DONE][j, 0]:
+                cols[_TRUNCATED][j] = True
+                cols[_DONE][j] = True
+        self.agent.set_rows(1)
+        try:
+            self._reset_env(j)
+            capacity = 64
+            cols = loop._layout.allocate(capacity)
+            t = 0
+            while True:
+                if t == capacity:
+                    grown = loop._layout.allocate(capacity * 2)
+                    for k, v in cols.items():
+                        grown[k][:capacity] = v
+                    cols, capacity = grown, capacity * 2
+                for k in loop._layout.obs_keys:
+                    cols[k][t] = self.cur_obs[k][j]
+                self._act(cols, t, 1, (j,))
+                done = self._env_step(cols, t, j)
+                t += 1
+                if done:
+                    break
+                if loop._stop.is_set():
+                    raise _Stopped()
+            loop._ready.put(("episode", self.index, request_index, cols, t))
+            self._reset_env(j)
+        finally:
+            self.agent.set_rows(self.rows)
+
+    def _main(self) -> None:
+        loop = self.loop
+        try:
+            for j in range(self.rows):
+                seed = None if loop.seed is None else loop.seed + self.env_ids[j]
+                self._reset_env(j, seed)
+            slot = 0
+            staged: int | None = None
+            if loop.lookahead:
+                self._compute(slot)
+                staged = slot
+            while True:
+                request = self._wait_request()
+                if request is None:
+                    return
+                if request[0] == "step":
+                    if staged is None:
+                        self._compute(slot)
+                    loop._ready.put(("step", self.index, slot))
+                    slot ^= 1
+                    staged = None
+                    if loop.lookahead:
+                        self._compute(slot)
+                        staged = slot
+                else:
+                    self._run_episode(self.env_ids.index(request[1]), request[2], staged)
+        except _Stopped:
+            return
+        except BaseException as exc:  # forwarded to the driver, which re-raises it
+            loop._ready.put(("error", self.index, exc))
+        finally:
+            self.agent.close()
+            for adapter in self.adapters:
+                try:
+                    adapter.close()
+                except Exception:  # closing must not mask the real error
+                    pass
+
+
+class MultiEnvLoop:
+    """N envs in threads, one autobatched policy, request-driven collection.
+
+    The seed's ``MultiAgentEnvLoop``. Envs are created in the constructor (so a
+    bad id or space fails here), then each env thread resets its envs and, in
+    lookahead mode, computes its first step right away.
+
+    Args:
+        env: a gymnasium id, a factory returning a ``gymnasium.Env`` or a torchrl
+            ``EnvBase``, or a list of ``num_envs`` such factories.
+        policy: an :class:`AutobatchPolicy` (shared; then ``autobatch_size``,
+            ``max_wait`` and ``device`` must be left unset), a
+            ``TensorDictModule`` or a plain callable (wrapped in an
+            ``AutobatchPolicy`` owned and closed by this loop).
+
+    Keyword Args:
+        num_envs: number of envs (``>= 1``); inferred from a list of factories.
+        envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
+            1 is the seed's design; more threads only pay when env steps release
+            the GIL, so cheap Python envs run faster with several envs a thread.
+        autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
+        exploration_type: exploration mode of every request (``DETERMINISTIC``
+            for evaluation loops).
+        lookahead: True (default): envs stay one step ahead (double batching);
+            after a weight update each env may deliver one step acted with the
+            previous weights. False: on-policy, every step waits for its request.
+        eval: an evaluation loop: events go to the ``on_eval_*`` methods.
+        max_episode_steps: truncate episodes at this length (``None``: the env's own limit).
+        seed: env ``i`` is seeded with ``seed + i`` on its first reset; ``None``: unseeded.
+        random_steps_per_env: the first steps of each env are acted by a random
+            policy (the env's action space), with ``policy_version == -1``.
+        step_timeout: seconds; an env ``reset``/``step`` that takes longer raises
+            :class:`~lightning_rollout.errors.StepTimeoutError`. ``None``: no limit.
+        validate: check every observation's shape, dtype and NaNs (about 2 us a step).
+        processor: default :class:`EventProcessor` for every call.
+        interrupter: default :class:`Interrupter` for every call.
+        traj_id_start: first trajectory id (to continue counts after a resume).
+        name: used in thread names.
+        join_timeout: seconds :meth:`close` waits for each thread.
+
+    Raises:
+        ValueError: bad configuration, with what to change.
+
+    Threading: one driver thread at a time; :meth:`close` may be called from
+    any thread (it only sets flags and joins).
+    """
+
+    def __init__(
+        self,
+        env: str | EnvFactory | Sequence[EnvFactory],
+        policy: AutobatchPolicy | Callable[..., Any],
+        *,
+        num_envs: int | None = None,
+        envs_per_thread: int = 1,
+        autobatch_size: int | None = None,
+        max_wait: float | None = None,
+        device: torch.device | str | None = None,
+        exploration_type: ExplorationType = ExplorationType.RANDOM,
+        lookahead: bool = True,
+        eval: bool = False,
+        max_episode_steps: int | None = None,
+        seed: int | None = None,
+        random_steps_per_env: int = 0,
+        step_timeout: float | None = None,
+        validate: bool = True,
+        processor: EventProcessor | None = None,
+        interrupter: Interrupter | None = None,
+        traj_id_start: int = 0,
+        name: str = "loop",
+        join_timeout: float = 5.0,
+    ) -> None:
+        factories = self._factories(env, num_envs)
+        num_envs = len(factories)
+        _check_int("envs_per_thread", envs_per_thread, 1)
+        if num_envs % envs_per_thread:
+            raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+        if max_episode_steps is not None:
+            _check_int("max_episode_steps", max_episode_steps, 1)
+        _check_int("random_steps_per_env", random_steps_per_env, 0)
+        if step_timeout is not None and step_timeout <= 0:
+            raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+        if isinstance(policy, AutobatchPolicy):
+            if autobatch_size is not None or max_wait is not None or device is not None:
+                raise ValueError("autobatch_size, max_wait and device belong to the AutobatchPolicy you passed; "
+                                 "set them there, not on the loop")
+            self.policy, self._owns_policy = policy, False
+        else:
+            if autobatch_size is not None:
+                _check_int("autobatch_size", autobatch_size, 1)
+            self.policy = AutobatchPolicy(policy, autobatch_size=autobatch_size, max_wait=max_wait, device=device,
+                                          name=name)
+            self._owns_policy = True
+        self.num_envs = num_envs
+        self.envs_per_thread = envs_per_thread
+        self.exploration_type = exploration_type
+        self.lookahead = lookahead
+        self.eval = eval
+        self.max_episode_steps = max_episode_steps
+        self.seed = seed
+        self.step_timeout = step_timeout
+        self.validate = validate
+        self.processor = processor
+        self.interrupter = interrupter
+        self.name = name
+        self.join_timeout = join_timeout
+        self._random_steps_per_env = random_steps_per_env
+        self._traj_counter = itertools.count(traj_id_start)
+        self._stop = threading.Event()
+        self._closed = False
+        self._ready: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.frames = 0
+        self.episodes = 0
+
+        adapters: list[EnvAdapter] = []
+        try:
+            for factory in factories:
+                adapters.append(make_adapter(factory()))
+            self._obs_spec = adapters[0].observation_spec
+            for i, a in enumerate(adapters[1:], 1):
+                if a.observation_spec != self._obs_spec:
+                    raise ValueError(f"env {i} has observation spec {a.observation_spec}, env 0 has {self._obs_spec}; "
+                                     "all envs of a loop must share their spaces")
+            missing = [k for k in self.policy.in_keys if k not in self._obs_spec]
+            if missing:
+                raise ValueError(f"the policy reads {missing}, which the env does not provide "
+                                 f"(observation keys: {list(self._obs_spec)})")
+            probe_obs = {k: np.zeros((1, *s.shape), s.dtype) for k, s in self._obs_spec.items()
+                         if k in self.policy.in_keys}
+            out = self.policy.probe(probe_obs)
+            out_spec = {k: ArraySpec(shape, np.dtype(dtype)) for k, (shape, dtype) in out.items()
+                        if k not in self._obs_spec}
+            self._action_spec = out_spec["action"]
+            self._layout = _Layout(self._obs_spec, out_spec)
+            g = envs_per_thread
+            self._workers = [_Worker(self, w, adapters[w * g:(w + 1) * g], list(range(w * g, (w + 1) * g)))
+                             for w in range(num_envs // g)]
+        except BaseException:
+            for a in adapters:
+                a.close()
+            if self._owns_policy:
+                self.policy.close()
+            raise
+        # Driver-side bookkeeping (driver thread only).
+        self._in_flight = [False] * len(self._workers)
+        self._idle: deque[int] = deque(range(len(self._workers)))
+        self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
+        self._stray_episodes: list[tuple[Any, ...]] = []
+        for worker in self._workers:
+            worker.thread.start()
+
+    # -- construction helpers ------------------------------------------------------------
+    @staticmethod
+    def _factories(env: Any, num_envs: int | None) -> list[EnvFactory]:
+        if isinstance(env, (list, tuple)):
+            if not env:
+                raise ValueError("the list of env factories is empty; pass at least one")
+            if num_envs is not None and num_envs != len(env):
+                raise ValueError(f"num_envs={num_envs} but {len(env)} env factories were given; drop num_envs")
+            return [resolve_env_factory(e) for e in env]
+        n = 1 if num_envs is None else num_envs
+        _check_int("num_envs", n, 1)
+        factory = resolve_env_factory(env)
+        return [factory] * n
+
+    # -- public properties -----------------------------------------------------------------
+    @property
+    def observation_keys(self) -> list[NestedKey]:
+        return list(self._obs_spec)
+
+    @property
+    def action_spec(self) -> ArraySpec:
+        """Shape and dtype of one row of the policy's ``action`` (as stored)."""
+        return self._action_spec
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def next_traj_id(self) -> int:
+        """The id the next new trajectory will get (peeks without consuming)."""
+        value = next(self._traj_counter)
+        self._traj_counter = itertools.count(value)
+        return value
+
+    # -- policy ------------------------------------------------------------------------------
+    def update_policy(self, state: Any) -> int:
+        """Load new weights (a state_dict or a module); returns the new policy version."""
+        return self.policy.update(state)
+
+    def policy_state(self) -> Any:
+        """A copy of the current weights."""
+        return self.policy.state()
+
+    @property
+    def policy_version(self) -> int:
+        return self.policy.version
+
+    # -- driver side -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CollectionError(f"the loop {self.name!r} is closed")
+
+    def _request_step(self, w: int) -> None:
+        self._in_flight[w] = True
+        self._workers[w].requests.put(("step",))
+
+    def _wait(self, interrupter: Interrupter | None) -> tuple[Any, ...] | None:
+        """Next message from a worker; None when interrupted. Raises worker errors."""
+        while True:
+            try:
+                msg = self._ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                if interrupter is not None and interrupter.should_stop():
+                    return None
+                if self._stop.is_set():
+                    raise CollectionError(f"the loop {self.name!r} was closed while collecting")
+                self._check_timeouts()
+                continue
+            if msg[0] == "error":
+                raise msg[2]
+            if interrupter is not None and interrupter.should_stop():
+                self._ready.put(msg)  # keep it for the next call
+                return None
+            return msg
+
+    def _check_timeouts(self) -> None:
+        if self.step_timeout is None:
+            return
+        now = time.perf_counter()
+        for worker in self._workers:
+            since = worker.busy_since
+            if since and now - since > self.step_timeout:
+                j = worker.busy_env
+                raise StepTimeoutError(
+                    f"no answer within step_timeout={self.step_timeout} s; thread {worker.thread.name!r} is "
+                    "stuck inside the env and is abandoned (daemon)",
+                    env_id=worker.env_ids[j], step=int(worker.steps_done[j]), phase="step")
+
+    def _fail(self, exc: BaseException, partial: TensorDict | None) -> None:
+        if isinstance(exc, CollectionError) and partial is not None and partial.numel():
+            exc.partial = partial
+        self.close()
+        raise exc
+
+    def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor,
+              eval_: bool, total: int, first_frame: int) -> None:
+        """Events for rows ``rows`` of ``cols`` (driver thread); row ``rows[i]`` is frame ``first_frame + i``."""
+        wants_steps = processor.wants_timesteps
+        done = cols[_DONE][rows, 0]
+        if not wants_steps and not done.any():
+            return
+        on_step = processor.on_eval_timestep if eval_ else processor.on_timestep
+        on_end = processor.on_eval_episode_end if eval_ else processor.on_episode_end
+        extras = [k for k in self._layout.out_keys if k != "action"]
+        positions = range(len(rows)) if wants_steps else np.flatnonzero(done)
+        for i in positions:
+            r = rows[int(i)]
+            progress = Progress(first_frame + int(i), total)
+            if wants_steps:
+                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(cols[_REWARD][r, 0]),
+                                 step_count=int(cols[_NEXT_STEP_COUNT][r, 0]),
+                                 episode_reward=float(cols[_NEXT_EP_REWARD][r, 0]),
+                                 terminated=bool(cols[_TERMINATED][r, 0]), truncated=bool(cols[_TRUNCATED][r, 0]),
+                                 policy_version=int(cols[_VERSION][r]), progress=progress,
+                                 context={k: cols[k][r] for k in extras}, eval=eval_))
+            if cols[_DONE][r, 0]:
+                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(cols[_NEXT_STEP_COUNT][r, 0]),
+                                  reward=float(cols[_NEXT_EP_REWARD][r, 0]),
+                                  terminated=bool(cols[_TERMINATED][r, 0]), truncated=bool(cols[_TRUNCATED][r, 0]),
+                                  policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_))
+
+    def run_steps(self, n: int, *, processor: EventProcessor | None = None,
+                  interrupter: Interrupter | None = None) -> TensorDict:
+        """Collect exactly ``n`` transitions (fewer only if interrupted), in arrival order.
+
+        Each env's own transitions keep their order; envs are served fairly.
+
+        Args:
+            n: number of transitions (``>= 0``).
+            processor: events for this call (default: the loop's).
+            interrupter: checked while waiting (default: the loop's); when it
+                fires, the call returns what it has. Requests already sent are
+                delivered by the next call, never lost.
+
+        Returns:
+            A TensorDict of batch size ``[n]`` in TorchRL's layout (see the module docs).
+
+        Raises:
+            EnvError, PolicyError: a worker failed; ``exc.partial`` holds what was
+                collected; the loop is closed.
+            CollectionError: the loop is closed.
+        """
+        _check_int("n", n, 0)
+        self._check_open()
+        processor = processor if processor is not None else self.processor
+        interrupter = interrupter if interrupter is not None else self.interrupter
+        g = self.envs_per_thread
+        out = self._layout.allocate(n)
+        filled = 0
+        try:
+            # 1. rows left over from a block consumed in part by the previous call
+            for w in list(self._partials):
+                if filled == n:
+                    break
+                slot, r0 = self._partials.pop(w)
+                filled = self._take(out, filled, n, w, slot, r0, processor)
+            in_flight_rows = g * sum(self._in_flight)
+            # 2. ask idle workers, oldest idle first
+            while self._idle and filled + in_flight_rows < n:
+                w = self._idle.popleft()
+                self._request_step(w)
+                in_flight_rows += g
+            # 3. consume arrivals, re-asking while more is needed
+            while filled < n:
+                msg = self._wait(interrupter)
+                if msg is None:
+                    break
+                if msg[0] == "episode":
+                    self._stray_episodes.append(msg)
+                    continue
+                _, w, slot = msg
+                self._in_flight[w] = False
+                in_flight_rows -= g
+                filled = self._take(out, filled, n, w, slot, 0, processor)
+                if w not in self._partials:
+                    if filled + in_flight_rows < n:
+                        self._request_step(w)
+                        in_flight_rows += g
+                    else:
+                        self._idle.append(w)
+        except CollectionError as exc:
+            self._fail(exc, self._finish_flat(out, filled))
+        return self._finish_flat(out, filled)
+
+    def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int, slot: int, r0: int,
+              processor: EventProcessor | None) -> int:
+        """Copy rows ``r0:`` of worker ``w``'s slot into ``out[filled:]``; keep the rest as a partial."""
+        g = self.envs_per_thread
+        k = min(g - r0, n - filled)
+        src = self._workers[w].slots[slot]
+        for key, dst in out.items():
+            dst[filled:filled + k] = src[key][r0:r0 + k]
+        if r0 + k < g:
+            self._partials[w] = (slot, r0 + k)
+        elif r0 > 0:  # a partial block is now used up: the worker is free again
+            self._idle.append(w)
+        self._after_take(out, range(filled, filled + k), processor)
+        return filled + k
+
+    def _after_take(self, out: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None) -> None:
+        """Count delivered frames and episodes, and emit training events for ``rows``."""
+        first_frame = self.frames + 1
+        self.frames += len(rows)
+        if processor is not None:
+            self._emit(out, rows, processor, self.eval, -1, first_frame)
+        self.episodes += int(out[_DONE][rows, 0].sum())
+
+    def _finish_flat(self, out: dict[NestedKey, np.ndarray], filled: int) -> TensorDict:
+        if filled < len(out[_VERSION]):
+            out = {k: v[:filled] for k, v in out.items()}
+        return _to_tensordict(out, [filled])
+
+    def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
+                      interrupter: Interrupter | None = None) -> TensorDict:
+        """Collect exactly ``steps_per_env`` consecutive steps from every env.
+
+        TorchRL's batched layout: batch size ``[num_envs, steps_per_env]``, time
+        last, dim names ``[None, "time"]``; row ``i`` is env ``i``'s steps in order.
+
+        Returns:
+            The batch; if interrupted, the time dim is cut to the steps every env
+            delivered (steps beyond that are kept for the next call).
+
+        Raises:
+            See :meth:`run_steps`.
+        """
+        _check_int("steps_per_env", steps_per_env, 0)
+        self._check_open()
+        if self._partials:
+            raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
+                                  f"envs_per_thread={self.envs_per_thread} rows half consumed; ask run_steps for "
+                                  "multiples of envs_per_thread")
+        processor = processor if processor is not None else self.processor
+        interrupter = interrupter if interrupter is not None else self.interrupter
+        g, W, T = self.envs_per_thread, len(self._workers), steps_per_env
+        out = self._layout.allocate((W, g, T))
+        t = [0] * W  # steps received per worker
+        sent = [int(f) for f in self._in_flight]  # a step in flight from an interrupted call lands here
+        try:
+            for w, (slot, _) in list(self._partials.items()):  # whole blocks parked by run_episodes
+                del self._partials[w]
+                self._place(out, t, w, slot, T)
+            for w in range(W):
+                if T and not self._in_flight[w] and t[w] + sent[w] < T:
+                    if w in self._idle:
+                        self._idle.remove(w)
+                    self._request_step(w)
+                    sent[w] += 1
+            while min(t, default=T) < T:
+                msg = self._wait(interrupter)
+                if msg is None:
+                    break
+                if msg[0] == "episode":
+                    self._stray_episodes.append(msg)
+                    continue
+                _, w, slot = msg
+                self._in_flight[w] = False
+                sent[w] -= 1
+                self._place(out, t, w, slot, T)
+                if t[w] + sent[w] < T:
+                    self._request_step(w)
+                    sent[w] += 1
+                elif w not in self._partials:
+                    self._idle.append(w)
+        except CollectionError as exc:
+            self._fail(exc, self._finish_env_time(out, min(t, default=0), processor))
+        return self._finish_env_time(out, min(t, default=0), processor)
+
+    def _place(self, out: dict[NestedKey, np.ndarray], t: list[int], w: int, slot: int, T: int) -> None:
+        """Put worker ``w``'s block at its next time index, or park it for the next call when full."""
+        if t[w] == T:
+            self._partials[w] = (slot, 0)
+            return
+        src = self._workers[w].slots[slot]
+        for key, dst in out.items():
+            dst[w, :, t[w]] = src[key]
+        t[w] += 1
+
+    def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None) -> TensorDict:
+        flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
+        # events in time order, env by env within a time step
+        by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
+                   if k in (_DONE, _ENV_ID, _REWARD, _NEXT_STEP_COUNT, _NEXT_EP_REWARD, _TERMINATED, _TRUNCATED,
+                            _VERSION) or (processor is not None and processor.wants_timesteps)}
+        self._after_take(by_time, range(len(by_time[_DONE])), processor)
+        return _to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
+
+    def run_episodes(self, k: int, *, processor: EventProcessor | None = None,
+                     interrupter: Interrupter | None = None, rng: random.Random | None = None) -> list[TensorDict]:
+        """Run exactly ``k`` complete, fresh episodes (fewer only if interrupted).
+
+        Each asked env is reset first (a running step-mode episode is cut:
+        its waiting step is marked ``truncated``), runs one episode, and is asked
+        again until ``k`` requests were sent in total. When ``k < num_envs`` a
+        random subset of envs is asked.
+
+        Returns:
+            ``k`` TensorDicts of batch size ``[T_i]``, in request order (not
+            completion order, so short episodes are not favoured).
+
+        Raises:
+            See :meth:`run_steps`.
+        """
+        _check_int("k", k, 0)
+        self._check_open()
+        processor = processor if processor is not None else self.processor
+        interrupter = interrupter if interrupter is not None else self.interrupter
+        rng = rng or random.Random()
+        results: dict[int, TensorDict] = {}
+        envs = list(range(self.num_envs))
+        if k < self.num_envs:
+            envs = rng.sample(envs, k)
+        next_request = 0
+        g = self.envs_per_thread
+        try:
+            # Late episodes of an interrupted earlier call answered requests nobody waits for any more.
+            self._stray_episodes.clear()
+            for env_id in envs:
+                self._workers[env_id // g].requests.put(("episode", env_id, next_request))
+                next_request += 1
+            while len(results) < next_request:
+                msg = self._wait(interrupter)
+                if msg is None:
+                    break
+                if msg[0] == "step":
+                    _, w, slot = msg
+                    self._in_flight[w] = False
+                    self._partials[w] = (slot, 0)
+                    continue
+                _, w, index, cols, length = msg
+                trajectory = {key: v[:length].copy() for key, v in cols.items()}
+                if processor is not None:
+                    self._emit(trajectory, range(length), processor, self.eval, k, 1)
+                if not self.eval:
+                    self.episodes += 1
+                results[index] = _to_tensordict(trajectory, [length])
+                if next_request < k:
+                    env_id = int(trajectory[_ENV_ID][0])
+                    self._workers[w].requests.put(("episode", env_id, next_request))
+                    next_request += 1
+        except CollectionError as exc:
+            self._fail(exc, None)
+        return [results[i] for i in sorted(results)]
+
+    # -- shutdown ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop and join every thread (each within ``join_timeout``); idempotent, any thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for worker in self._workers if hasattr(self, "_workers") else ():
+            worker.requests.put(("stop",))
+        if self._owns_policy:
+            self.policy.close(self.join_timeout)
+        stuck = []
+        for worker in getattr(self, "_workers", ()):
+            if worker.thread is threading.current_thread() or not worker.thread.ident:
+                continue
+            worker.thread.join(self.join_timeout)
+            if worker.thread.is_alive():
+                stuck.append(worker.thread.name)
+        if stuck:
+            warnings.warn(f"threads {stuck} did not stop within {self.join_timeout} s (stuck in an env call); "
+                          "they are daemons and are abandoned", RuntimeWarning, stacklevel=2)
+
+    def __enter__(self) -> MultiEnvLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def threads(self) -> Iterator[threading.Thread]:
+        """The env threads (for monitoring)."""
+        return (w.thread for w in self._workers)
+
+
+class EnvLoop(MultiEnvLoop):
+    """One env in one thread: the seed's ``AgentEnvAsyncLoop``.
+
+    A :class:`MultiEnvLoop` with ``num_envs=1``. It registers itself with the
+    policy (the seed's standalone loop did not), so several loops can share one
+    :class:`AutobatchPolicy` without deadlock. Takes the same keyword arguments.
+    """
+
+    def __init__(self, env: str | EnvFactory, policy: AutobatchPolicy | Callable[..., Any], **kwargs: Any) -> None:
+        if kwargs.get("num_envs", 1) != 1:
+            raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
+        kwargs["num_envs"] = 1
+        super().__init__(env, policy, **kwargs)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,519 @@
+"""AutobatchPolicy: many threads ask for actions, one batched forward pass answers.
+
+Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
+
+* One **inference thread** (``lightning_rollout-<name>-inference``, a daemon)
+  owns the policy. It is started lazily and joined by :meth:`AutobatchPolicy.close`.
+* A client (one per env thread) is an :class:`Agent` obtained from
+  :meth:`AutobatchPolicy.register`; it stands for ``rows`` observations per
+  request (``envs_per_thread``). It is **active** while registered and not
+  parked: a client parks (:meth:`Agent.park`) before it blocks on anything but
+  the policy (waiting for the main thread) and unparks after. Counts are
+  per agent and can never go negative: parking twice is a no-op, and a closed
+  agent no longer counts.
+* :meth:`Agent.submit` queues one request of ``rows`` observations;
+  :meth:`Agent.result` waits for its answer. The inference thread flushes all
+  queued requests as soon as ``pending_rows >= min(active_rows, autobatch_size)``
+  (the seed's rule, re-checked whenever a client parks or leaves), or when the
+  oldest request has waited ``max_wait`` seconds.
+* A flush is **split by exploration mode**: deterministic and random requests
+  never share a forward pass (seed defect 1).
+* :meth:`AutobatchPolicy.update` is applied by the inference thread *between*
+  flushes: requests queued before the update are answered with the old weights
+  first. Every answer carries the :attr:`~AutobatchPolicy.version` of the
+  weights that produced it; each update increments it by one.
+* A forward pass that raises, returns a batch of the wrong size or no
+  ``action`` fails every request it was answering with :class:`PolicyError`
+  (the original exception chained). Every wait polls a stop flag, so nothing
+  blocks forever.
+
+Locks: ``_cond`` (a :class:`threading.Condition`) guards the queue, the agent
+counts and the update list; ``_weights_lock`` guards the policy's parameters
+(held by the inference thread while it runs or updates the policy, and by
+:meth:`state`). Both belong to this class alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+from .errors import CollectionError, PolicyError
+
+__all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
+
+NestedKey = str | tuple[str, ...]
+_POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
+
+
+class PolicyAnswer:
+    """The answer to one request: rows ``[start, stop)`` of a flushed batch.
+
+    Attributes:
+        outputs: ``{key: np.ndarray}`` for the *whole* flush, leading dim the
+            flush size; ``"action"`` is always present, plus every extra key the
+            policy wrote (``action_log_prob``, ``logits``, ``state_value``...).
+        start, stop: this request's rows in ``outputs``.
+        version: policy version that produced the rows.
+    """
+
+    __slots__ = ("outputs", "start", "stop", "version")
+
+    def __init__(self, outputs: dict[NestedKey, np.ndarray], start: int, stop: int, version: int) -> None:
+        self.outputs = outputs
+        self.start = start
+        self.stop = stop
+        self.version = version
+
+
+class _Request:
+    __slots__ = ("agent", "obs", "rows", "mode", "t0")
+
+    def __init__(self, agent: Agent, obs: dict[NestedKey, np.ndarray], rows: int, mode: ExplorationType) -> None:
+        self.agent = agent
+        self.obs = obs
+        self.rows = rows
+        self.mode = mode
+        self.t0 = time.perf_counter()
+
+
+class _Stopped(Exception):
+    """Raised inside a wait when its stop flag was set (internal control flow)."""
+
+
+class Agent:
+    """One client of an :class:`AutobatchPolicy`; owned by a single thread.
+
+    Obtained from :meth:`AutobatchPolicy.register`. Not thread-safe by design:
+    one env thread submits, waits and parks through it. Usable as a context
+    manager (``with policy.register(rows=1) as agent: ...`` closes it).
+
+    Args:
+        policy: the server.
+        rows: observations per request (``>= 1``).
+        env_ids: the envs this agent speaks for (used in error messages).
+    """
+
+    def __init__(self, policy: AutobatchPolicy, rows: int, env_ids: tuple[int, ...]) -> None:
+        self._policy = policy
+        self.rows = rows
+        self.env_ids = env_ids
+        self._active = True
+        self._closed = False
+        self._done = threading.Event()
+        self._answer: PolicyAnswer | None = None
+        self._error: BaseException | None = None
+
+    # -- registration -------------------------------------------------------------
+    def park(self) -> None:
+        """Stop counting as active (about to block on something other than the policy)."""
+        if self._active and not self._closed:
+            self._policy._set_active(self, False)
+
+    def unpark(self) -> None:
+        """Count as active again."""
+        if not self._active and not self._closed:
+            self._policy._set_active(self, True)
+
+    def set_rows(self, rows: int) -> None:
+        """Change how many rows this agent submits per request (and counts as active)."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self._policy._resize(self, rows)
+
+    def close(self) -> None:
+        """Unregister; idempotent. The server stops waiting for this agent."""
+        if not self._closed:
+            self.park()
+            self._closed = True
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests -------------------------------------------------------------------
+    def submit(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
+               exploration_type: ExplorationType | None = None) -> None:
+        """Queue one request of ``self.rows`` observations; answer with :meth:`result`.
+
+        Args:
+            obs: ``{key: array of shape [rows, *obs_shape]}`` for each input key.
+            deterministic: act with ``ExplorationType.DETERMINISTIC`` instead of RANDOM.
+            exploration_type: overrides ``deterministic`` when given.
+
+        Raises:
+            CollectionError: the policy was closed.
+        """
+        mode = exploration_type if exploration_type is not None else (
+            ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM)
+        self._done.clear()
+        self._answer = None
+        self._error = None
+        self._policy._enqueue(_Request(self, dict(obs), self.rows, mode))
+
+    def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
+        """Wait for the answer of the last :meth:`submit`.
+
+        Args:
+            stop: a flag checked every 50 ms; when set, the wait is abandoned.
+
+        Raises:
+            PolicyError: the forward pass for this request failed.
+            CollectionError: the policy was closed while waiting.
+            _Stopped: ``stop`` was set (internal; loops turn it into a return).
+        """
+        done = self._done
+        while not done.wait(_POLL_S):
+            if self._policy._closed:
+                raise CollectionError("the policy was closed while a request was waiting")
+            if stop is not None and stop.is_set():
+                raise _Stopped()
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
+
+    def _resolve(self, answer: PolicyAnswer | None, error: BaseException | None) -> None:
+        self._answer = answer
+        self._error = error
+        self._done.set()
+
+
+class AutobatchPolicy:
+    """Answer observations from many threads with one batched forward pass.
+
+    Args:
+        policy: either a ``tensordict.nn.TensorDictModuleBase`` (a TorchRL actor:
+            its ``in_keys`` are read from the observations, and ``action`` plus
+            every other key it writes are returned), or a plain callable
+            ``obs: Tensor[B, *obs_shape] -> action: Tensor[B, *action_shape]``
+            (it reads the single observation key).
+        autobatch_size: flush as soon as this many rows are queued, or all
+            active rows when fewer are active. ``None`` waits for every active
+            row (lock-step). Must be ``>= 1``.
+        max_wait: seconds; flush a partial batch once its oldest request has
+            waited this long. ``None`` never flushes early.
+        device: where the forward pass runs; default: the device of the
+            policy's first parameter, else CPU. Outputs come back on CPU.
+        name: used in the inference thread's name.
+
+    Raises:
+        ValueError: ``autobatch_size < 1``, ``max_wait < 0`` or a policy that is
+            not callable.
+
+    Thread safety: every public method may be called from any thread.
+    """
+
+    def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
+                 max_wait: float | None = None, device: torch.device | str | None = None,
+                 name: str = "policy") -> None:
+        if not callable(policy):
+            raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
+        if autobatch_size is not None and (not isinstance(autobatch_size, int) or autobatch_size < 1):
+            raise ValueError(f"autobatch_size must be a positive int or None, got {autobatch_size!r}")
+        if max_wait is not None and max_wait < 0:
+            raise ValueError(f"max_wait must be >= 0 seconds or None, got {max_wait!r}")
+        self.policy = policy
+        self.autobatch_size = autobatch_size
+        self.max_wait = max_wait
+        self.name = name
+        self.is_tensordict_module = isinstance(policy, TensorDictModuleBase)
+        self.device = torch.device(device) if device is not None else _module_device(policy)
+        self._version = 0
+        self._plain_state: Any = None  # state of a callable without state_dict
+        self._cond = threading.Condition()
+        self._weights_lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self._pending_rows = 0
+        self._active_rows = 0
+        self._updates: list[tuple[Any, threading.Event]] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # Statistics, read by benchmarks and tests (written by the inference thread).
+        self.num_flushes = 0
+        self.num_rows = 0
+
+    # -- properties --------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Version of the current weights: 0 at start, +1 per :meth:`update`."""
+        return self._version
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        """Observation keys the policy reads (``["observation"]`` for a plain callable)."""
+        if self.is_tensordict_module:
+            return list(self.policy.in_keys)  # type: ignore[attr-defined]
+        return ["observation"]
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Mean rows per forward pass since creation (0.0 before the first)."""
+        return self.num_rows / self.num_flushes if self.num_flushes else 0.0
+
+    # -- registration ------------------------------------------------------------
+    def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
+        """Register a client that submits ``rows`` observations per request.
+
+        The agent counts as active from now until it parks or closes.
+
+        Raises:
+            CollectionError: the policy is closed.
+            ValueError: ``rows < 1``.
+        """
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        agent = Agent(self, rows, env_ids)
+        with self._cond:
+            if self._closed:
+                raise CollectionError("cannot register on a closed AutobatchPolicy")
+            self._active_rows += rows
+            self._ensure_started()
+            self._cond.notify()
+        return agent
+
+    def _set_active(self, agent: Agent, active: bool) -> None:
+        with self._cond:
+            agent._active = active
+            self._active_rows += agent.rows if active else -agent.rows
+            self._cond.notify()
+
+    def _resize(self, agent: Agent, rows: int) -> None:
+        with self._cond:
+            if agent._active and not agent._closed:
+                self._active_rows += rows - agent.rows
+            agent.rows = rows
+            self._cond.notify()
+
+    def _enqueue(self, request: _Request) -> None:
+        with self._cond:
+            if self._closed:
+                raise CollectionError("the AutobatchPolicy is closed")
+            self._pending.append(request)
+            self._pending_rows += request.rows
+            self._cond.notify()
+
+    def probe(self, obs: Mapping[NestedKey, np.ndarray]) -> dict[NestedKey, tuple[tuple[int, ...], np.dtype]]:
+        """Run the policy once on ``obs`` (batch of 1) in the caller's thread; return each output's
+        ``(shape without batch dim, dtype)``. Used to preallocate storage.
+
+        Raises:
+            PolicyError: the policy failed or returned a malformed output.
+        """
+        rows = len(next(iter(obs.values())))
+        request = _Request(Agent(self, rows, ()), dict(obs), rows, ExplorationType.RANDOM)
+        try:
+            with self._weights_lock:
+                outputs = self._run_policy([request], rows)
+        except PolicyError:
+            raise
+        except Exception as exc:
+            raise PolicyError(f"{type(exc).__name__}: {exc} (while probing the policy with one observation)") from exc
+        return {k: (tuple(v.shape[1:]), v.dtype) for k, v in outputs.items()}
+
+    # -- weights -------------------------------------------------------------------
+    def update(self, state: Any, *, timeout: float | None = 60.0) -> int:
+        """Replace the weights; requests queued before this call get the old ones.
+
+        Args:
+            state: a ``state_dict``, an ``nn.Module`` / ``TensorDictModule`` with the
+                same parameters, or, for a plain callable without ``load_state_dict``,
+                any object (kept and returned by :meth:`state`).
+            timeout: seconds to wait for the inference thread to apply it.
+
+        Returns:
+            The new :attr:`version`.
+
+        Raises:
+            CollectionError: closed, or not applied within ``timeout``.
+        """
+        if isinstance(state, torch.nn.Module):
+            state = state.state_dict()
+        done = threading.Event()
+        with self._cond:
+            if self._closed:
+                raise CollectionError("cannot update a closed AutobatchPolicy")
+            if self._thread is None:  # nothing queued: apply in place
+                self._apply_update(state)
+                return self._version
+            self._updates.append((state, done))
+            self._cond.notify()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.wait(_POLL_S):
+            if self._closed:
+                raise CollectionError("the AutobatchPolicy was closed before the update was applied")
+            if deadline is not None and time.monotonic() > deadline:
+                raise CollectionError(f"policy update not applied within {timeout} s")
+        return self._version
+
+    def state(self) -> Any:
+        """A copy of the current weights (``state_dict`` tensors cloned), safe to keep."""
+        with self._weights_lock:
+            if hasattr(self.policy, "state_dict"):
+                return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for k, v in self.policy.state_dict().items()}  # type: ignore[attr-defined]
+            return copy.deepcopy(self._plain_state)
+
+    def _apply_update(self, state: Any) -> None:
+        with self._weights_lock:
+            if hasattr(self.policy, "load_state_dict"):
+                self.policy.load_state_dict(state)  # type: ignore[attr-defined]
+            else:
+                self._plain_state = state
+            self._version += 1
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"lightning_rollout-{self.name}-inference",
+                                            daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the inference thread, fail queued requests, join within ``timeout`` s. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending, self._pending_rows = self._pending, [], 0
+            self._cond.notify_all()
+        for request in pending:
+            request.agent._resolve(None, CollectionError("the AutobatchPolicy was closed"))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the inference thread --------------------------------------------------------
+    def _ready(self, now: float) -> bool:
+        if not self._pending:
+            return False
+        threshold = self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
+        if self._pending_rows >= threshold or self._updates:
+            return True
+        return self.max_wait is not None and now - self._pending[0].t0 >= self.max_wait
+
+    def _serve(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while True:
+                    if self._closed:
+                        return
+                    if self._ready(time.perf_counter()):
+                        batch, self._pending, self._pending_rows = self._pending, [], 0
+                        break
+                    if self._updates:
+                        batch = []
+                        break
+                    timeout = None
+                    if self.max_wait is not None and self._pending:
+                        timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
+                    cond.wait(timeout if timeout is not None else _POLL_S * 4)
+                updates, self._updates = self._updates, []
+            if batch:
+                self._flush(batch)
+            for state, done in updates:
+                try:
+                    self._apply_update(state)
+                finally:
+                    done.set()
+
+    def _flush(self, batch: list[_Request]) -> None:
+        first_mode = batch[0].mode
+        if all(r.mode is first_mode for r in batch):
+            self._forward(batch)
+            return
+        by_mode: dict[ExplorationType, list[_Request]] = {}
+        for request in batch:
+            by_mode.setdefault(request.mode, []).append(request)
+        for group in by_mode.values():
+            self._forward(group)
+
+    def _forward(self, batch: list[_Request]) -> None:
+        rows = sum(r.rows for r in batch)
+        try:
+            with self._weights_lock:
+                outputs = self._run_policy(batch, rows)
+                version = self._version
+        except BaseException as exc:  # forwarded to every waiting client
+            env_ids = tuple(i for r in batch for i in r.agent.env_ids)
+            error = exc if isinstance(exc, PolicyError) else PolicyError(f"{type(exc).__name__}: {exc}", env_ids=env_ids)
+            if error is not exc:
+                error.__cause__ = exc
+            for request in batch:
+                request.agent._resolve(None, error)
+            return
+        self.num_flushes += 1
+        self.num_rows += rows
+        start = 0
+        for request in batch:
+            stop = start + request.rows
+            request.agent._resolve(PolicyAnswer(outputs, start, stop, version), None)
+            start = stop
+
+    def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
+        keys = list(batch[0].obs)
+        if len(batch) == 1:
+            stacked = {k: torch.as_tensor(batch[0].obs[k]) for k in keys}
+        else:
+            stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
+        if self.device.type != "cpu":
+            stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
+        with torch.no_grad(), set_exploration_type(batch[0].mode):
+            if self.is_tensordict_module:
+                td = TensorDict(batch_size=[rows], device=self.device)
+                for k, v in stacked.items():
+                    td.set(k, v)
+                out = self.policy(td)
+                if out is None:
+                    out = td
+                if not isinstance(out, TensorDictBase):
+                    raise PolicyError(f"a TensorDictModule must return a TensorDict, got {type(out).__name__}")
+                if "action" not in out.keys():
+                    raise PolicyError("the policy wrote no 'action' key")
+                in_set = set(keys)
+                outputs = {k: _to_numpy(out.get(k)) for k in out.keys(True, True) if k not in in_set}
+            else:
+                if len(keys) != 1:
+                    raise PolicyError(f"a plain callable policy takes one observation, got keys {keys}")
+                action = self.policy(stacked[keys[0]])
+                if isinstance(action, TensorDictBase):
+                    outputs = {k: _to_numpy(action.get(k)) for k in action.keys(True, True)}
+                    if "action" not in outputs:
+                        raise PolicyError("the policy returned a TensorDict without an 'action' key")
+                else:
+                    outputs = {"action": _to_numpy(torch.as_tensor(action))}
+        for key, value in outputs.items():
+            if value.ndim == 0 or value.shape[0] != rows:
+                shape = tuple(value.shape)
+                raise PolicyError(f"'{key}' has shape {shape} for a batch of {rows} observations "
+                                  f"(the leading dim must be the batch size {rows})")
+        return outputs
+
+
+def _to_numpy(value: torch.Tensor) -> np.ndarray:
+    value = value.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    return value.numpy()
+
+
+def _module_device(policy: Any) -> torch.device:
+    if isinstance(policy, torch.nn.Module):
+        for p in policy.parameters():
+            return p.device
+    return torch.device("cpu")
