@@ -6,6 +6,7 @@ imports Lightning): :mod:`~lightning_rollout.policy`, :mod:`~lightning_rollout.e
 :mod:`~lightning_rollout.collector`, :mod:`~lightning_rollout.lightning`.
 """
 
+from .collector import ThreadedCollector
 from .envs import ArraySpec, EnvAdapter, GymAdapter, TorchRLAdapter
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
@@ -32,5 +33,6 @@ __all__ = [
     "Progress",
     "StepTimeoutError",
     "TimeStep",
+    "ThreadedCollector",
     "TorchRLAdapter",
 ]

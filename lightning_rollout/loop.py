@@ -50,7 +50,6 @@ transitions collected so far attached as ``exc.partial``.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import random
 import threading
@@ -173,7 +172,7 @@ class _Worker:
             self.cur_obs[k][j] = v
         self.step_count[j] = 0
         self.episode_reward[j] = 0.0
-        self.traj[j] = next(self.loop._traj_counter)
+        self.traj[j] = self.loop._traj_ids.next()
 
     def _check(self, j: int, obs: dict[NestedKey, np.ndarray]) -> None:
         if not self.loop.validate:
@@ -271,14 +270,18 @@ class _Worker:
         finally:
             self.agent.unpark()
 
-    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
-        """A fresh episode on env ``j`` alone; the others of this worker wait."""
-        loop = self.loop
-        if staged is not None:  # the running step-mode episode is cut at its staged step
+    def _cut(self, staged: int | None, j: int) -> None:
+        """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
+        if staged is not None:
             cols = self.slots[staged]
             if not cols[_DONE][j, 0]:
                 cols[_TRUNCATED][j] = True
                 cols[_DONE][j] = True
+
+    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
+        """A fresh episode on env ``j`` alone; the others of this worker wait."""
+        loop = self.loop
+        self._cut(staged, j)
         self.agent.set_rows(1)
         try:
             self._reset_env(j)
@@ -329,6 +332,12 @@ class _Worker:
                     if loop.lookahead:
                         self._compute(slot)
                         staged = slot
+                elif request[0] == "reset":
+                    for env_id, seed in request[1]:
+                        j = self.env_ids.index(env_id)
+                        self._cut(staged, j)
+                        self._reset_env(j, seed)
+                    loop._ready.put(("reset", self.index))
                 else:
                     self._run_episode(self.env_ids.index(request[1]), request[2], staged)
         except _Stopped:
@@ -383,6 +392,8 @@ class MultiEnvLoop:
         traj_id_start: first trajectory id (to continue counts after a resume).
         name: used in thread names.
         join_timeout: seconds :meth:`close` waits for each thread.
+        start: start the env threads now; ``False`` defers it to :meth:`start` or
+            the first ``run_*`` call (so ``seed`` and ``traj_id_start`` can still change).
 
     Raises:
         ValueError: bad configuration, with what to change.
@@ -414,6 +425,7 @@ class MultiEnvLoop:
         traj_id_start: int = 0,
         name: str = "loop",
         join_timeout: float = 5.0,
+        start: bool = True,
     ) -> None:
         factories = self._factories(env, num_envs)
         num_envs = len(factories)
@@ -450,7 +462,7 @@ class MultiEnvLoop:
         self.name = name
         self.join_timeout = join_timeout
         self._random_steps_per_env = random_steps_per_env
-        self._traj_counter = itertools.count(traj_id_start)
+        self._traj_ids = _Counter(traj_id_start)
         self._stop = threading.Event()
         self._closed = False
         self._ready: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -491,8 +503,17 @@ class MultiEnvLoop:
         self._idle: deque[int] = deque(range(len(self._workers)))
         self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
         self._stray_episodes: list[tuple[Any, ...]] = []
-        for worker in self._workers:
-            worker.thread.start()
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the env threads (done by the first ``run_*`` call when ``start=False``). Idempotent."""
+        self._check_open()
+        if not self._started:
+            self._started = True
+            for worker in self._workers:
+                worker.thread.start()
 
     # -- construction helpers ------------------------------------------------------------
     @staticmethod
@@ -524,10 +545,8 @@ class MultiEnvLoop:
 
     @property
     def next_traj_id(self) -> int:
-        """The id the next new trajectory will get (peeks without consuming)."""
-        value = next(self._traj_counter)
-        self._traj_counter = itertools.count(value)
-        return value
+        """The id the next new trajectory will get."""
+        return self._traj_ids.peek()
 
     # -- policy ------------------------------------------------------------------------------
     def update_policy(self, state: Any) -> int:
@@ -546,6 +565,56 @@ class MultiEnvLoop:
     def _check_open(self) -> None:
         if self._closed:
             raise CollectionError(f"the loop {self.name!r} is closed")
+
+    def _driver_ready(self) -> None:
+        self._check_open()
+        if not self._started:
+            self.start()
+
+    def set_traj_id_start(self, value: int) -> None:
+        """Continue trajectory ids from ``value`` (before the threads start, e.g. on resume)."""
+        if self._started:
+            raise CollectionError("set_traj_id_start must be called before the loop starts")
+        self._traj_ids = _Counter(value)
+
+    def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None,
+                   interrupter: Interrupter | None = None) -> None:
+        """Start a new episode now on the given envs (all by default), optionally reseeding them.
+
+        An env's undelivered lookahead step is kept and delivered by the next
+        call, marked ``truncated`` (its episode was cut here). Blocks until every
+        asked env was reset.
+
+        Raises:
+            ValueError: an env id out of range, or ``seeds`` of the wrong length.
+            EnvError: a reset failed (the loop is closed).
+        """
+        self._driver_ready()
+        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
+        for i in ids:
+            if not 0 <= i < self.num_envs:
+                raise ValueError(f"env id {i} out of range: the loop has {self.num_envs} envs")
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} envs")
+        per_worker: dict[int, list[tuple[int, int | None]]] = {}
+        for n, i in enumerate(ids):
+            per_worker.setdefault(i // self.envs_per_thread, []).append((i, None if seeds is None else seeds[n]))
+        for w, items in per_worker.items():
+            self._workers[w].requests.put(("reset", items))
+        waiting = set(per_worker)
+        try:
+            while waiting:
+                msg = self._wait(None)
+                assert msg is not None
+                if msg[0] == "reset":
+                    waiting.discard(msg[1])
+                elif msg[0] == "step":
+                    self._in_flight[msg[1]] = False
+                    self._partials[msg[1]] = (msg[2], 0)
+                else:
+                    self._stray_episodes.append(msg)
+        except CollectionError as exc:
+            self._fail(exc, None)
 
     def _request_step(self, w: int) -> None:
         self._in_flight[w] = True
@@ -638,7 +707,7 @@ class MultiEnvLoop:
             CollectionError: the loop is closed.
         """
         _check_int("n", n, 0)
-        self._check_open()
+        self._driver_ready()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         g = self.envs_per_thread
@@ -722,7 +791,7 @@ class MultiEnvLoop:
             See :meth:`run_steps`.
         """
         _check_int("steps_per_env", steps_per_env, 0)
-        self._check_open()
+        self._driver_ready()
         if self._partials:
             raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
                                   f"envs_per_thread={self.envs_per_thread} rows half consumed; ask run_steps for "
@@ -799,7 +868,7 @@ class MultiEnvLoop:
             See :meth:`run_steps`.
         """
         _check_int("k", k, 0)
-        self._check_open()
+        self._driver_ready()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         rng = rng or random.Random()
@@ -852,7 +921,12 @@ class MultiEnvLoop:
             self.policy.close(self.join_timeout)
         stuck = []
         for worker in getattr(self, "_workers", ()):
-            if worker.thread is threading.current_thread() or not worker.thread.ident:
+            if not worker.thread.ident:  # never started: its envs were never handed over
+                worker.agent.close()
+                for adapter in worker.adapters:
+                    adapter.close()
+                continue
+            if worker.thread is threading.current_thread():
                 continue
             worker.thread.join(self.join_timeout)
             if worker.thread.is_alive():
@@ -891,6 +965,24 @@ class EnvLoop(MultiEnvLoop):
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
         kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
+
+
+class _Counter:
+    """A thread-safe id counter (trajectory ids are drawn by env threads at each reset)."""
+
+    def __init__(self, start: int) -> None:
+        self._next = start
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            value = self._next
+            self._next += 1
+            return value
+
+    def peek(self) -> int:
+        with self._lock:
+            return self._next
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

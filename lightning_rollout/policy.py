@@ -53,6 +53,7 @@ __all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
 
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
+_SAME_WEIGHTS = object()  # update() was handed the acting policy itself
 
 
 class PolicyAnswer:
@@ -338,7 +339,9 @@ class AutobatchPolicy:
         Raises:
             CollectionError: closed, or not applied within ``timeout``.
         """
-        if isinstance(state, torch.nn.Module):
+        if state is self.policy:
+            state = _SAME_WEIGHTS  # the acting policy itself: weights are shared, only the version moves
+        elif isinstance(state, torch.nn.Module):
             state = state.state_dict()
         done = threading.Event()
         with self._cond:
@@ -365,9 +368,20 @@ class AutobatchPolicy:
                         for k, v in self.policy.state_dict().items()}  # type: ignore[attr-defined]
             return copy.deepcopy(self._plain_state)
 
+    def set_version(self, version: int) -> None:
+        """Set the version counter (used when resuming from a checkpoint)."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        with self._weights_lock:
+            self._version = version
+
     def _apply_update(self, state: Any) -> None:
         with self._weights_lock:
-            if hasattr(self.policy, "load_state_dict"):
+            if state is _SAME_WEIGHTS:
+                pass
+            elif isinstance(state, TensorDictBase) and isinstance(self.policy, torch.nn.Module):
+                state.to_module(self.policy)
+            elif hasattr(self.policy, "load_state_dict"):
                 self.policy.load_state_dict(state)  # type: ignore[attr-defined]
             else:
                 self._plain_state = state

@@ -1,0 +1,526 @@
+"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`.
+
+A TorchRL user replaces ``Collector(env_fn, policy, frames_per_batch=..., total_frames=...)``
+with ``ThreadedCollector(env_fn, policy, frames_per_batch=..., total_frames=..., num_envs=8)``
+and keeps the rest of the script: batches come in TorchRL's layout (see
+:mod:`lightning_rollout.loop` and the TorchRL guide), weights are pushed with
+``update_policy_weights_()``, batches go to a ``replay_buffer=`` when given.
+
+Policy sharing and versions
+---------------------------
+* ``on_policy=True`` (default): env threads wait for each batch's requests
+  before acting, so nothing runs between batches and the policy object you
+  passed is used directly, as TorchRL's ``Collector`` does on one device:
+  every batch is acted by the weights as they are when the batch starts, and
+  all its transitions carry one ``policy_version``.
+* ``on_policy=False``: envs run one step ahead (double batching) while you
+  train, so the collector acts with its **own copy** of the policy, refreshed
+  by ``update_policy_weights_()``. Lag bound: after an update, each env delivers
+  at most one step (``envs_per_thread`` rows per thread, plus a block left half
+  consumed by the previous batch) acted by the previous version.
+
+``policy_version`` starts at 0 and grows by one per ``update_policy_weights_()``.
+
+Threading: iterate from one thread. ``start()`` runs the iteration in a
+background thread (``lightning_rollout-<name>-background``) that writes into the
+replay buffer; ``async_shutdown()`` / ``shutdown()`` stop and join it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import gymnasium as gym
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from torchrl.collectors import BaseCollector
+from torchrl.collectors.utils import split_trajectories
+from torchrl.envs import EnvBase
+from torchrl.envs.utils import ExplorationType
+
+from .envs import EnvFactory, resolve_env_factory
+from .errors import CollectionError
+from .events import EventProcessor, Interrupter
+from .loop import MultiEnvLoop, _check_int
+from .policy import AutobatchPolicy
+
+__all__ = ["ThreadedCollector"]
+
+Layout = Literal["env_time", "flat"]
+
+
+class _RandomActor(TensorDictModuleBase):
+    """Uniformly random actions from a torchrl spec (the ``policy=None`` default, as TorchRL's)."""
+
+    def __init__(self, in_key: Any, action_spec: Any) -> None:
+        super().__init__()
+        self.in_keys = [in_key]
+        self.out_keys = ["action"]
+        self.action_spec = action_spec
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        td.set("action", self.action_spec.rand(td.batch_size))
+        return td
+
+
+def _action_spec_of(env: Any) -> Any:
+    if isinstance(env, EnvBase):
+        return env.action_spec
+    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform
+
+    return _gym_to_torchrl_spec_transform(env.action_space, categorical_action_encoding=False)
+
+
+class ThreadedCollector(BaseCollector):
+    """TorchRL collector whose envs run in threads behind one autobatched policy.
+
+    Args:
+        create_env_fn: a gymnasium id, a factory returning a ``gymnasium.Env`` or
+            an unbatched torchrl ``EnvBase`` (transforms included), a list of
+            such factories (one per env), or an unbatched env instance (then
+            ``num_envs`` must be 1).
+        policy: a ``TensorDictModule`` (e.g. a TorchRL ``ProbabilisticActor``),
+            a plain callable ``obs -> action``, or ``None`` for uniformly random
+            actions from the env's action spec.
+
+    Keyword Args:
+        frames_per_batch: transitions per batch. With ``layout="env_time"`` it
+            must be a multiple of ``num_envs``.
+        total_frames: stop after exactly this many frames; ``-1`` is endless.
+        num_envs: number of envs (default: the length of a list of factories, else 1).
+        envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`).
+        autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
+        layout: ``"env_time"``: batch size ``[num_envs, frames_per_batch // num_envs]``,
+            names ``[None, "time"]``, each row one env's consecutive steps (for
+            GAE / on-policy losses). ``"flat"``: ``[frames_per_batch]`` in arrival
+            order (for replay buffers).
+        device: default for ``policy_device`` and ``storing_device``.
+        storing_device: where batches are delivered (default CPU).
+        policy_device: where the policy runs (default: where its parameters are).
+            A device other than the policy's own makes the collector act with a copy.
+        max_frames_per_traj: truncate episodes at this length.
+        init_random_frames: the first frames (rounded up to a multiple of
+            ``num_envs``) are acted by uniformly random actions, ``policy_version == -1``.
+        reset_at_each_iter: reset every env before each batch.
+        split_trajs: split each batch by trajectory with TorchRL's ``split_trajectories``.
+        exploration_type: the exploration mode of every policy call.
+        replay_buffer: batches are written to it and iteration yields ``None``.
+        postproc: applied to every batch before it is yielded or stored.
+        on_policy: see the module docs.
+        seed: env ``i`` is seeded with ``seed + i`` (same as :meth:`set_seed` before iterating).
+        step_timeout: seconds before a hung env step raises ``StepTimeoutError``.
+        processor: an :class:`EventProcessor` receiving timestep / episode events.
+        interrupter: an :class:`Interrupter`; when it fires, the current batch ends early.
+        name: used in thread names.
+
+    Raises:
+        ValueError: inconsistent options, with what to change.
+    """
+
+    def __init__(
+        self,
+        create_env_fn: str | EnvFactory | Sequence[EnvFactory] | EnvBase | gym.Env,
+        policy: TensorDictModuleBase | Callable[..., Any] | None = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int = -1,
+        num_envs: int | None = None,
+        envs_per_thread: int = 1,
+        autobatch_size: int | None = None,
+        max_wait: float | None = None,
+        layout: Layout = "env_time",
+        device: torch.device | str | None = None,
+        storing_device: torch.device | str | None = None,
+        policy_device: torch.device | str | None = None,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int = 0,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        exploration_type: ExplorationType = ExplorationType.RANDOM,
+        replay_buffer: Any = None,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        on_policy: bool = True,
+        seed: int | None = None,
+        step_timeout: float | None = None,
+        processor: EventProcessor | None = None,
+        interrupter: Interrupter | None = None,
+        name: str = "collector",
+    ) -> None:
+        super().__init__()
+        factories = self._factories(create_env_fn, num_envs)
+        num_envs = len(factories)
+        _check_int("frames_per_batch", frames_per_batch, 1)
+        if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1 and total_frames != -1):
+            raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
+        _check_int("init_random_frames", init_random_frames or 0, 0)
+        if layout not in ("env_time", "flat"):
+            raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
+        if layout == "env_time":
+            if frames_per_batch % num_envs:
+                raise ValueError(
+                    f"frames_per_batch ({frames_per_batch}) must be a multiple of num_envs ({num_envs}) with "
+                    f"layout='env_time'; use frames_per_batch={math.ceil(frames_per_batch / num_envs) * num_envs} "
+                    "or layout='flat'")
+            if total_frames > 0 and total_frames % num_envs:
+                raise ValueError(f"total_frames ({total_frames}) must be a multiple of num_envs ({num_envs}) with "
+                                 "layout='env_time'")
+        if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
+            raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
+                             f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
+        if split_trajs and replay_buffer is not None:
+            raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
+
+        self.num_envs = num_envs
+        self.frames_per_batch = frames_per_batch
+        self.requested_frames_per_batch = frames_per_batch
+        self.total_frames = total_frames
+        self.init_random_frames = int(init_random_frames or 0)
+        self.layout = layout
+        self.reset_at_each_iter = reset_at_each_iter
+        self.split_trajs = split_trajs
+        self.exploration_type = exploration_type
+        self.replay_buffer = replay_buffer
+        self.extend_buffer = True
+        self.postproc = postproc
+        self.on_policy = on_policy
+        self.max_frames_per_traj = max_frames_per_traj
+        self.storing_device = torch.device(storing_device or device or "cpu")
+        self.processor = processor
+        self.interrupter = interrupter
+        self.name = name
+        self.trust_policy = True
+        self.compiled_policy = False
+        self.cudagraphed_policy = False
+        self._frames = 0
+        self._batches = 0
+        self._seed = seed
+        self._shut = False
+        self._background: threading.Thread | None = None
+        self._background_stop = threading.Event()
+        self._background_error: BaseException | None = None
+
+        if policy is None:
+            probe = factories[0]()
+            try:
+                obs_space_key = "observation"
+                if isinstance(probe, EnvBase):
+                    obs_space_key = next(iter(probe.observation_spec.keys(True, True)))
+                policy = _RandomActor(obs_space_key, _action_spec_of(probe))
+            finally:
+                probe.close()
+        self.policy = policy
+        policy_device = policy_device or device
+        own_device = _param_device(policy)
+        needs_copy = (not on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
+        acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
+        if policy_device is not None and isinstance(acting, torch.nn.Module):
+            acting = acting.to(policy_device)
+        self.policy_device = torch.device(policy_device) if policy_device is not None else own_device
+        self._acting_policy = acting
+        self._autobatch = AutobatchPolicy(acting, autobatch_size=autobatch_size, max_wait=max_wait,
+                                          device=self.policy_device, name=name)
+        try:
+            self._loop = MultiEnvLoop(
+                factories, self._autobatch, envs_per_thread=envs_per_thread, exploration_type=exploration_type,
+                lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
+                random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
+                processor=processor, interrupter=interrupter, name=name, start=False)
+        except BaseException:
+            self._autobatch.close()
+            raise
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _factories(create_env_fn: Any, num_envs: int | None) -> list[EnvFactory]:
+        if isinstance(create_env_fn, (EnvBase, gym.Env)):
+            if isinstance(create_env_fn, EnvBase) and tuple(create_env_fn.batch_size) != ():
+                raise ValueError(
+                    f"got a batched env (batch_size={tuple(create_env_fn.batch_size)}); ThreadedCollector "
+                    "parallelises itself: pass a factory of one env and num_envs (e.g. lambda: GymEnv(...))")
+            if num_envs not in (None, 1):
+                raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
+            instance = create_env_fn
+            return [lambda: instance]
+        if isinstance(create_env_fn, (list, tuple)):
+            if not create_env_fn:
+                raise ValueError("create_env_fn is an empty list; pass at least one factory")
+            if num_envs is not None and num_envs != len(create_env_fn):
+                raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
+            return [resolve_env_factory(f) for f in create_env_fn]
+        n = 1 if num_envs is None else num_envs
+        _check_int("num_envs", n, 1)
+        return [resolve_env_factory(create_env_fn)] * n
+
+    # -- properties TorchRL code reads ------------------------------------------------------------
+    @property
+    def frames(self) -> int:
+        """Frames delivered so far (batches yielded or written to the buffer)."""
+        return self._frames
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the next request will use (+1 per ``update_policy_weights_``)."""
+        return self._autobatch.version
+
+    @property
+    def loop(self) -> MultiEnvLoop:
+        """The underlying :class:`MultiEnvLoop` (for events and statistics)."""
+        return self._loop
+
+    @property
+    def autobatch_policy(self) -> AutobatchPolicy:
+        """The :class:`AutobatchPolicy` answering the env threads (``mean_batch_size`` etc.)."""
+        return self._autobatch
+
+    def __len__(self) -> int:
+        """Number of batches of a finite collector.
+
+        Raises:
+            TypeError: the collector is endless (``total_frames=-1``); Lightning and
+                ``len()`` users treat ``TypeError`` as "no length".
+        """
+        if self.total_frames > 0:
+            return -(-self.total_frames // self.frames_per_batch)
+        raise TypeError("an endless ThreadedCollector (total_frames=-1) has no length")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_envs={self.num_envs}, frames_per_batch={self.frames_per_batch}, "
+                f"total_frames={self.total_frames}, layout={self.layout!r}, on_policy={self.on_policy})")
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """Yield batches until ``total_frames`` (forever when -1); ``None`` per batch with a replay buffer.
+
+        Raises:
+            EnvError, PolicyError: a worker failed; the collector is shut down.
+            CollectionError: the collector was shut down.
+        """
+        while self.total_frames < 0 or self._frames < self.total_frames:
+            batch = self.collect_batch()
+            if batch is None:
+                return
+            if self.replay_buffer is not None:
+                self._extend(batch)
+                yield None
+            else:
+                yield batch
+
+    def collect_batch(self) -> TensorDictBase | None:
+        """Collect one batch (at most what is left of ``total_frames``), post-processed.
+
+        Returns ``None`` when the interrupter stopped collection before any frame.
+        """
+        if self._shut:
+            raise CollectionError("the collector is shut down")
+        left = self.frames_per_batch if self.total_frames < 0 else min(self.frames_per_batch,
+                                                                       self.total_frames - self._frames)
+        if self.reset_at_each_iter and self._batches:
+            self._loop.reset_envs()
+        if self.layout == "env_time":
+            batch = self._loop.run_env_steps(left // self.num_envs)
+        else:
+            batch = self._loop.run_steps(left)
+        if batch.numel() == 0 and left > 0:
+            return None
+        self._frames += batch.numel()
+        self._batches += 1
+        if self.storing_device.type != "cpu":
+            batch = batch.to(self.storing_device)
+        if self.split_trajs:
+            batch = split_trajectories(batch, prefix="collector")
+        if self.postproc is not None:
+            batch = self.postproc(batch)
+        if self.post_collect_hook is not None:
+            self.post_collect_hook(batch)
+        return batch
+
+    def _extend(self, batch: TensorDictBase) -> None:
+        storage = getattr(self.replay_buffer, "_storage", None)
+        if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1:
+            batch = batch.reshape(-1)
+        self.replay_buffer.extend(batch)
+
+    def getattr_rb(self, attr: str) -> Any:
+        """An attribute of the replay buffer (TorchRL's trainers read ``write_count``)."""
+        return getattr(self.replay_buffer, attr)
+
+    # -- background collection -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Collect in a background thread into ``replay_buffer`` until ``total_frames`` or shutdown.
+
+        Raises:
+            RuntimeError: no replay buffer, or already started.
+        """
+        if self.replay_buffer is None:
+            raise RuntimeError("start() needs a replay_buffer: collected batches are written there")
+        if self._background is not None:
+            raise RuntimeError("the collector is already running in the background")
+        self._background_stop.clear()
+        if self.interrupter is None:
+            self.interrupter = Interrupter()
+            self._loop.interrupter = self.interrupter
+        self._background = threading.Thread(target=self._run_background,
+                                             name=f"lightning_rollout-{self.name}-background", daemon=True)
+        self._background.start()
+
+    def _run_background(self) -> None:
+        try:
+            for _ in self.iterator():
+                if self._background_stop.is_set():
+                    return
+        except BaseException as exc:  # re-raised by async_shutdown / shutdown
+            self._background_error = exc
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Pause background collection inside the ``with`` block."""
+        running = self._background is not None
+        if running:
+            self._stop_background()
+        try:
+            yield
+        finally:
+            if running and not self._shut:
+                self.start()
+
+    def _stop_background(self, timeout: float | None = None) -> None:
+        thread = self._background
+        if thread is None:
+            return
+        self._background_stop.set()
+        assert self.interrupter is not None
+        self.interrupter.stop()
+        thread.join(timeout if timeout is not None else 10.0)
+        self.interrupter.reset()
+        self._background = None
+
+    def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:
+        """Stop background collection and shut down (re-raises a background error)."""
+        self.shutdown(timeout=timeout, close_env=close_env)
+
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Stop every thread and close the envs; idempotent, safe from ``__del__`` or after an error.
+
+        Raises:
+            Exception: the error that ended background collection, if any and ``raise_on_error``.
+        """
+        if self._shut:
+            return
+        self._shut = True
+        self._stop_background(timeout)
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.close()
+        self._autobatch.close()
+        error, self._background_error = self._background_error, None
+        if error is not None and raise_on_error:
+            raise error
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown(raise_on_error=False)
+        except Exception:  # never raise from a finalizer (modules may be gone at exit)
+            pass
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def update_policy_weights_(
+        self,
+        policy_or_weights: TensorDictBase | TensorDictModuleBase | torch.nn.Module | dict | None = None,
+        *,
+        weights: TensorDictBase | dict | None = None,
+        policy: TensorDictModuleBase | torch.nn.Module | None = None,
+        worker_ids: Any = None,
+        model_id: str | None = None,
+        weights_dict: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature).
+
+        With no argument the weights are pulled from the policy given at
+        construction. Otherwise pass a module, a ``state_dict`` or a
+        ``TensorDict`` of weights (``TensorDict.from_module(policy)``).
+        Requests already queued are answered with the old weights.
+
+        Raises:
+            ValueError: more than one source of weights, or an unknown ``model_id``.
+        """
+        sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
+        if len(sources) > 1:
+            raise ValueError("pass the new weights once: positional, weights= or policy=")
+        if weights_dict is not None:
+            if set(weights_dict) - {"policy"}:
+                raise ValueError(f"only model_id 'policy' exists here, got {sorted(weights_dict)}")
+            sources = [weights_dict["policy"]]
+        if model_id not in (None, "policy"):
+            raise ValueError(f"only model_id 'policy' exists here, got {model_id!r}")
+        source = sources[0] if sources else self.policy
+        self._autobatch.update(source)
+
+    # -- seeds, reset, state --------------------------------------------------------------------------------
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed env ``i`` with ``seed + i``; returns the next unused seed (``seed + num_envs``).
+
+        Before iteration starts this only records the seeds; afterwards every env
+        is reset with its new seed (a running episode is cut, marked truncated).
+        ``static_seed`` is accepted for TorchRL compatibility (seeds are always per env).
+        """
+        _check_int("seed", seed, 0)
+        self._seed = seed
+        if self._loop._started:
+            self._loop.reset_envs(seeds=[seed + i for i in range(self.num_envs)])
+        else:
+            self._loop.seed = seed
+        return seed + self.num_envs
+
+    def reset(self, index: int | Sequence[int] | None = None, **kwargs: Any) -> None:
+        """Start new episodes on the given envs (all by default)."""
+        ids = None if index is None else ([index] if isinstance(index, int) else list(index))
+        self._loop.reset_envs(ids)
+
+    def state_dict(self) -> OrderedDict:
+        """Counters, seed, policy version and acting weights (``torch.load(weights_only=True)``-safe)."""
+        return OrderedDict(
+            frames=self._frames,
+            batches=self._batches,
+            next_traj_id=self._loop.next_traj_id,
+            policy_version=self._autobatch.version,
+            seed=-1 if self._seed is None else self._seed,
+            policy_state_dict=self._autobatch.state() if isinstance(self._acting_policy, torch.nn.Module) else {},
+        )
+
+    def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
+        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
+
+        Raises:
+            ValueError: a foreign or truncated state (missing keys).
+        """
+        required = {"frames", "batches", "next_traj_id", "policy_version", "seed", "policy_state_dict"}
+        missing = required - set(state_dict)
+        if missing:
+            raise ValueError(f"not a ThreadedCollector state: missing {sorted(missing)}")
+        self._frames = int(state_dict["frames"])
+        self._batches = int(state_dict["batches"])
+        if state_dict["policy_state_dict"]:
+            self._autobatch.update(state_dict["policy_state_dict"])
+        self._autobatch.set_version(int(state_dict["policy_version"]))
+        seed = int(state_dict["seed"])
+        if not self._loop._started:
+            self._loop.set_traj_id_start(int(state_dict["next_traj_id"]))
+            if seed >= 0:
+                self._seed = self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume
+        elif seed >= 0:
+            self.set_seed(seed + self._frames)
+
+
+def _param_device(policy: Any) -> torch.device:
+    if isinstance(policy, torch.nn.Module):
+        for p in policy.parameters():
+            return p.device
+    return torch.device("cpu")
