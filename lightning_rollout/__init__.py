@@ -13,6 +13,17 @@ from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from .loop import EnvLoop, MultiEnvLoop
 from .policy import Agent, AutobatchPolicy, PolicyAnswer
 
+_LIGHTNING_NAMES = ("EpisodeStatsLogger", "RolloutCallback", "RolloutDataModule", "RolloutEvaluation")
+
+
+def __getattr__(name: str) -> object:
+    # The Lightning layer is imported on first use, so TorchRL-only users never pay for importing Lightning.
+    if name in _LIGHTNING_NAMES:
+        from . import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'lightning_rollout' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -24,6 +35,7 @@ __all__ = [
     "EnvError",
     "EnvLoop",
     "EpisodeEnd",
+    "EpisodeStatsLogger",
     "EventProcessor",
     "GymAdapter",
     "Interrupter",
@@ -31,6 +43,9 @@ __all__ = [
     "PolicyAnswer",
     "PolicyError",
     "Progress",
+    "RolloutCallback",
+    "RolloutDataModule",
+    "RolloutEvaluation",
     "StepTimeoutError",
     "TimeStep",
     "ThreadedCollector",

@@ -484,15 +484,21 @@ class ThreadedCollector(BaseCollector):
         ids = None if index is None else ([index] if isinstance(index, int) else list(index))
         self._loop.reset_envs(ids)
 
-    def state_dict(self) -> OrderedDict:
-        """Counters, seed, policy version and acting weights (``torch.load(weights_only=True)``-safe)."""
+    def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
+        """Counters, seed, policy version and acting weights (``torch.load(weights_only=True)``-safe).
+
+        Args:
+            with_policy: include the acting weights (``False`` when they are saved
+                elsewhere, e.g. in a LightningModule checkpoint).
+        """
         return OrderedDict(
             frames=self._frames,
             batches=self._batches,
             next_traj_id=self._loop.next_traj_id,
             policy_version=self._autobatch.version,
             seed=-1 if self._seed is None else self._seed,
-            policy_state_dict=self._autobatch.state() if isinstance(self._acting_policy, torch.nn.Module) else {},
+            policy_state_dict=(self._autobatch.state()
+                               if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}),
         )
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
