@@ -18,21 +18,27 @@ from lightning_rollout.lightning import RolloutCallback
 class StopWhenSolved(RolloutCallback):
     """Stop training once an evaluation round's mean return reaches ``target``.
 
-    Records ``solved_at_frames`` (frames collected by this rank when solved) and
-    ``best`` (best mean evaluation return seen).
+    Records ``solved_at_frames`` (frames collected by this rank when solved),
+    ``best`` (best mean evaluation return seen) and ``history``.
     """
+
+    def first_frames_reaching(self, threshold: float) -> int | None:
+        """Frames collected when an evaluation round first averaged ``threshold`` or more."""
+        return next((frames for frames, value in self.history if value >= threshold), None)
 
     def __init__(self, target: float) -> None:
         self.target = target
         self.best = float("-inf")
         self.last = float("nan")
         self.solved_at_frames: int | None = None
+        self.history: list[tuple[int, float]] = []  # (frames, mean evaluation return) per round
 
     def on_eval_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episodes: list[EpisodeEnd]) -> None:
         if not episodes:
             return
         self.last = sum(e.reward for e in episodes) / len(episodes)
         self.best = max(self.best, self.last)
+        self.history.append((trainer.datamodule.collector.frames, self.last))
         if self.last >= self.target and self.solved_at_frames is None:
             self.solved_at_frames = trainer.datamodule.collector.frames
             trainer.should_stop = True
@@ -85,4 +91,5 @@ def plot_learning_curve(log_dir: str, png_path: str, *, title: str) -> str:
 def summary(solver: StopWhenSolved, seconds: float, frames: int) -> dict[str, Any]:
     """What an example prints at the end (and what the slow tests read back)."""
     return {"best_eval_return": solver.best, "last_eval_return": solver.last,
-            "solved_at_frames": solver.solved_at_frames, "frames": frames, "seconds": round(seconds, 1)}
+            "solved_at_frames": solver.solved_at_frames, "frames": frames, "seconds": round(seconds, 1),
+            "eval_history": solver.history}

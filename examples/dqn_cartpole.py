@@ -41,20 +41,20 @@ class Config:
     num_envs: int = 8
     envs_per_thread: int = 4
     frames_per_batch: int = 64      # frames added to the replay buffer per training step
-    updates_per_batch: int = 8      # gradient steps per training step (one per 8 frames)
+    updates_per_batch: int = 4      # gradient steps per training step (one per 16 frames)
     learning_starts: int = 2_000    # random frames before learning
     buffer_size: int = 50_000
     sample_size: int = 128
-    lr: float = 1e-3
+    lr: float = 5e-4
     gamma: float = 0.99
-    target_update_every: int = 250  # gradient steps between hard target-network updates
+    target_update_every: int = 500  # gradient steps between hard target-network updates
     eps_start: float = 1.0
     eps_end: float = 0.05
     eps_frames: int = 40_000        # frames over which epsilon anneals linearly
     hidden: int = 128
     eval_every_frames: int = 10_000
     eval_episodes: int = 8
-    target_return: float = 500.0
+    target_return: float = 475.0
     seed: int = 0
     out: str = "runs/dqn_cartpole"
 
@@ -77,7 +77,7 @@ class DQN(pl.LightningModule):
         self.cfg = cfg
         self.automatic_optimization = False
         self.actor = make_actor(cfg)
-        self.loss = DQNLoss(self.actor[0], loss_function="l2", delay_value=True, double_dqn=True,
+        self.loss = DQNLoss(self.actor[0], loss_function="smooth_l1", delay_value=True, double_dqn=True,
                             action_space="one_hot")
         self.loss.make_value_estimator(gamma=cfg.gamma)
         self.target_updater = HardUpdate(self.loss, value_network_update_interval=cfg.target_update_every)
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.fit(DQN(cfg), datamodule=datamodule)
     result = summary(solver, time.perf_counter() - start, datamodule.collector.frames)
     result["log_dir"] = logger.log_dir
+    result["first_frames_eval_300"] = solver.first_frames_reaching(300.0)
     print("RESULT " + json.dumps(result))
     print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
           f"after {result['frames']} frames in {result['seconds']} s")

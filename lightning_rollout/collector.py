@@ -33,7 +33,7 @@ import copy
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -160,6 +160,13 @@ class ThreadedCollector(BaseCollector):
         if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1 and total_frames != -1):
             raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
         _check_int("init_random_frames", init_random_frames or 0, 0)
+        if max_frames_per_traj is not None:
+            _check_int("max_frames_per_traj", max_frames_per_traj, 1)
+        for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device)):
+            try:
+                torch.device(dev) if dev is not None else None
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"{label} must be a torch device such as 'cpu' or 'cuda:0', got {dev!r}") from exc
         if layout not in ("env_time", "flat"):
             raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
         if layout == "env_time":
@@ -323,17 +330,24 @@ class ThreadedCollector(BaseCollector):
                                                                        self.total_frames - self._frames)
         if self.reset_at_each_iter and self._batches:
             self._loop.reset_envs()
-        if self.layout == "env_time":
-            batch = self._loop.run_env_steps(left // self.num_envs)
-        else:
-            batch = self._loop.run_steps(left)
-        if batch.numel() == 0 and left > 0:
+        try:
+            if self.layout == "env_time":
+                batch = self._loop.run_env_steps(left // self.num_envs)
+            else:
+                batch = self._loop.run_steps(left)
+        except BaseException:  # the loop closed itself; stop the inference thread too (safe from any thread)
+            self._autobatch.close()
+            raise
+        frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
+        if frames == 0 and left > 0:
             return None
-        self._frames += batch.numel()
+        self._frames += frames
         self._batches += 1
         if self.storing_device.type != "cpu":
             batch = batch.to(self.storing_device)
         if self.split_trajs:
+            if batch.ndim == 1:  # flat: arrival order interleaves envs; split_trajectories needs contiguous trajectories
+                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
             batch = split_trajectories(batch, prefix="collector")
         if self.postproc is not None:
             batch = self.postproc(batch)
@@ -507,6 +521,9 @@ class ThreadedCollector(BaseCollector):
         Raises:
             ValueError: a foreign or truncated state (missing keys).
         """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"not a ThreadedCollector state: expected a dict from state_dict(), got "
+                             f"{type(state_dict).__name__}")
         required = {"frames", "batches", "next_traj_id", "policy_version", "seed", "policy_state_dict"}
         missing = required - set(state_dict)
         if missing:

@@ -70,7 +70,9 @@ class EnvAdapter(Protocol):
         """A uniformly random action in the policy's format described by ``template``."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the env (called once, by the env's thread, when the loop closes)."""
+        ...
 
 
 def _space_spec(space: gym.Space) -> ArraySpec:

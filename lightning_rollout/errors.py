@@ -30,7 +30,7 @@ class EnvError(CollectionError):
     Attributes:
         env_id: index of the failing env in its loop (``0 .. num_envs - 1``).
         step: 0-based count of the env steps that env had completed when it failed
-            (``-1`` for a failure in the first ``reset``).
+            (``0`` for a failure in the first ``reset``).
         phase: ``"reset"``, ``"step"`` or ``"check"`` (bad shape, dtype or NaN).
     """
 
@@ -46,12 +46,18 @@ class PolicyError(CollectionError):
 
     Attributes:
         env_ids: the envs whose requests were in the failing forward pass.
+        step: 0-based count of the env steps the reporting env had completed
+            when its request failed (``None`` when raised outside an env thread).
+        reason: ``message`` as given (without the env / step suffix).
     """
 
-    def __init__(self, message: str, *, env_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, *, env_ids: tuple[int, ...] = (), step: int | None = None) -> None:
         suffix = f" (requests from envs {list(env_ids)})" if env_ids else ""
-        super().__init__(f"policy failed: {message}{suffix}")
+        at = f" at step {step}" if step is not None else ""
+        super().__init__(f"policy failed{at}: {message}{suffix}")
         self.env_ids = env_ids
+        self.step = step
+        self.reason = message
 
 
 class StepTimeoutError(EnvError):

@@ -70,6 +70,7 @@ class TimeStep:
 
     @property
     def done(self) -> bool:
+        """``terminated or truncated``: the episode ended with this step."""
         return self.terminated or self.truncated
 
 

@@ -50,6 +50,7 @@ transitions collected so far attached as ``exc.partial``.
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
@@ -67,7 +68,7 @@ from torchrl.envs.utils import ExplorationType
 from .envs import ArraySpec, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
-from .policy import Agent, AutobatchPolicy, _Stopped
+from .policy import Agent, AutobatchPolicy, _is_real, _Stopped
 
 __all__ = ["EnvLoop", "MultiEnvLoop"]
 
@@ -133,6 +134,20 @@ def _to_tensordict(columns: dict[NestedKey, np.ndarray], batch_size: Sequence[in
     return td
 
 
+def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A public collection call: whatever way it ends, the driver stops holding workers active."""
+
+    @functools.wraps(method)
+    def wrapper(self: MultiEnvLoop, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if hasattr(self, "_workers"):
+                self._release_all_holds()
+
+    return wrapper
+
+
 class _Worker:
     """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
 
@@ -154,6 +169,13 @@ class _Worker:
         self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
         self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
         self.busy_env = -1
+        # The agent counts as active while this thread works (``_working``) or while the driver
+        # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
+        # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
+        # every flush then has all envs (lock-step), instead of whichever thread woke first.
+        self._gate = threading.Lock()
+        self._working = True
+        self._held = False
         self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
                                        daemon=True)
 
@@ -205,10 +227,21 @@ class _Worker:
             return
         agent = self.agent
         agent.submit({k: cols[k][r0:r0 + rows] for k in loop._layout.obs_keys}, exploration_type=loop.exploration_type)
-        answer = agent.result(loop._stop)
+        step = int(self.steps_done[envs[0]])
+        try:
+            answer = agent.result(loop._stop)
+        except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
+            raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
+                              step=step) from exc
         outputs, a, b = answer.outputs, answer.start, answer.stop
         for k in loop._layout.out_keys:
-            cols[k][r0:r0 + rows] = outputs[k][a:b]
+            value = outputs.get(k)
+            if value is None or value.shape[1:] != cols[k].shape[1:]:
+                got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
+                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape "
+                                  f"{tuple(cols[k].shape[1:])} per row when probed at construction",
+                                  env_ids=tuple(self.env_ids[j] for j in envs), step=step)
+            cols[k][r0:r0 + rows] = value[a:b]
         cols[_VERSION][r0:r0 + rows] = answer.version
 
     def _env_step(self, cols: dict[NestedKey, np.ndarray], r: int, j: int) -> bool:
@@ -256,8 +289,20 @@ class _Worker:
             if self._env_step(cols, j, j):
                 self._reset_env(j)
 
+    def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
+        """Update the two reasons to count as active (any thread); the agent follows their ``or``."""
+        with self._gate:
+            if working is not None:
+                self._working = working
+            if held is not None:
+                self._held = held
+            if self._working or self._held:
+                self.agent.unpark()
+            else:
+                self.agent.park()
+
     def _wait_request(self) -> tuple[Any, ...] | None:
-        self.agent.park()
+        self._set_activity(working=False)
         try:
             while True:
                 try:
@@ -268,7 +313,7 @@ class _Worker:
                     continue
                 return None if request[0] == "stop" else request
         finally:
-            self.agent.unpark()
+            self._set_activity(working=True)
 
     def _cut(self, staged: int | None, j: int) -> None:
         """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
@@ -343,6 +388,12 @@ class _Worker:
         except _Stopped:
             return
         except BaseException as exc:  # forwarded to the driver, which re-raises it
+            if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
+                j = max(self.busy_env, 0)
+                wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
+                                   step=int(self.steps_done[j]), phase="step")
+                wrapped.__cause__ = exc
+                exc = wrapped
             loop._ready.put(("error", self.index, exc))
         finally:
             self.agent.close()
@@ -435,8 +486,21 @@ class MultiEnvLoop:
         if max_episode_steps is not None:
             _check_int("max_episode_steps", max_episode_steps, 1)
         _check_int("random_steps_per_env", random_steps_per_env, 0)
-        if step_timeout is not None and step_timeout <= 0:
-            raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+        if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
+            raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
+        if not _is_real(join_timeout) or not join_timeout >= 0:
+            raise ValueError(f"join_timeout must be a number of seconds >= 0, got {join_timeout!r}")
+        _check_int("traj_id_start", traj_id_start, 0)
+        if seed is not None:
+            _check_int("seed", seed, 0)
+        if not isinstance(exploration_type, ExplorationType):
+            raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
+                             f"got {exploration_type!r}")
+        if processor is not None and not all(callable(getattr(processor, m, None)) for m in (
+                "on_timestep", "on_episode_end", "on_eval_timestep", "on_eval_episode_end")):
+            raise ValueError(f"processor must be an EventProcessor (subclass it), got {type(processor).__name__}")
+        if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
+            raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
         if isinstance(policy, AutobatchPolicy):
             if autobatch_size is not None or max_wait is not None or device is not None:
                 raise ValueError("autobatch_size, max_wait and device belong to the AutobatchPolicy you passed; "
@@ -503,6 +567,7 @@ class MultiEnvLoop:
         self._idle: deque[int] = deque(range(len(self._workers)))
         self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
         self._stray_episodes: list[tuple[Any, ...]] = []
+        self._deferred: list[int] | None = None
         self._started = False
         if start:
             self.start()
@@ -532,6 +597,7 @@ class MultiEnvLoop:
     # -- public properties -----------------------------------------------------------------
     @property
     def observation_keys(self) -> list[NestedKey]:
+        """The keys each env emits as observations (``["observation"]`` for most gymnasium envs)."""
         return list(self._obs_spec)
 
     @property
@@ -541,6 +607,7 @@ class MultiEnvLoop:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called (or a worker failure closed the loop)."""
         return self._closed
 
     @property
@@ -559,6 +626,7 @@ class MultiEnvLoop:
 
     @property
     def policy_version(self) -> int:
+        """Version of the weights the next policy call will use."""
         return self.policy.version
 
     # -- driver side -----------------------------------------------------------------------------
@@ -577,6 +645,7 @@ class MultiEnvLoop:
             raise CollectionError("set_traj_id_start must be called before the loop starts")
         self._traj_ids = _Counter(value)
 
+    @_driver_call
     def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None,
                    interrupter: Interrupter | None = None) -> None:
         """Start a new episode now on the given envs (all by default), optionally reseeding them.
@@ -615,13 +684,39 @@ class MultiEnvLoop:
                     self._stray_episodes.append(msg)
         except CollectionError as exc:
             self._fail(exc, None)
+        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
+            self.close()
+            raise
 
     def _request_step(self, w: int) -> None:
         self._in_flight[w] = True
-        self._workers[w].requests.put(("step",))
+        self._workers[w]._set_activity(held=True)
+        if self._deferred is not None:  # a burst: every worker is held before any is woken
+            self._deferred.append(w)
+        else:
+            self._workers[w].requests.put(("step",))
+
+    def _send_deferred(self) -> None:
+        deferred, self._deferred = self._deferred or [], None
+        for w in deferred:
+            self._workers[w].requests.put(("step",))
+
+    def _release_holds(self) -> None:
+        """Stop holding workers whose answer was consumed and that were not asked again."""
+        for worker, in_flight in zip(self._workers, self._in_flight):
+            if worker._held and not in_flight:
+                worker._set_activity(held=False)
+
+    def _release_all_holds(self) -> None:
+        """The driver leaves: hold nobody (a worker still in flight counts itself while it works)."""
+        self._deferred = None
+        for worker in self._workers:
+            if worker._held:
+                worker._set_activity(held=False)
 
     def _wait(self, interrupter: Interrupter | None) -> tuple[Any, ...] | None:
         """Next message from a worker; None when interrupted. Raises worker errors."""
+        self._release_holds()
         while True:
             try:
                 msg = self._ready.get(timeout=_POLL_S)
@@ -647,6 +742,7 @@ class MultiEnvLoop:
             since = worker.busy_since
             if since and now - since > self.step_timeout:
                 j = worker.busy_env
+                worker.abandoned = True  # close() does not wait for it
                 raise StepTimeoutError(
                     f"no answer within step_timeout={self.step_timeout} s; thread {worker.thread.name!r} is "
                     "stuck inside the env and is abandoned (daemon)",
@@ -685,6 +781,7 @@ class MultiEnvLoop:
                                   terminated=bool(cols[_TERMINATED][r, 0]), truncated=bool(cols[_TRUNCATED][r, 0]),
                                   policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_))
 
+    @_driver_call
     def run_steps(self, n: int, *, processor: EventProcessor | None = None,
                   interrupter: Interrupter | None = None) -> TensorDict:
         """Collect exactly ``n`` transitions (fewer only if interrupted), in arrival order.
@@ -704,7 +801,12 @@ class MultiEnvLoop:
         Raises:
             EnvError, PolicyError: a worker failed; ``exc.partial`` holds what was
                 collected; the loop is closed.
-            CollectionError: the loop is closed.
+            StepTimeoutError: an env call exceeded ``step_timeout``; its thread is
+                abandoned (not joined), the others are closed.
+            CollectionError: the loop is closed (e.g. :meth:`close` from another thread).
+            KeyboardInterrupt: (or an exception from the processor) re-raised after
+                closing the loop: a call cut at an arbitrary point cannot be resumed.
+                Use an :class:`Interrupter` to stop early and keep the loop usable.
         """
         _check_int("n", n, 0)
         self._driver_ready()
@@ -722,10 +824,12 @@ class MultiEnvLoop:
                 filled = self._take(out, filled, n, w, slot, r0, processor)
             in_flight_rows = g * sum(self._in_flight)
             # 2. ask idle workers, oldest idle first
+            self._deferred = []
             while self._idle and filled + in_flight_rows < n:
                 w = self._idle.popleft()
                 self._request_step(w)
                 in_flight_rows += g
+            self._send_deferred()
             # 3. consume arrivals, re-asking while more is needed
             while filled < n:
                 msg = self._wait(interrupter)
@@ -746,6 +850,9 @@ class MultiEnvLoop:
                         self._idle.append(w)
         except CollectionError as exc:
             self._fail(exc, self._finish_flat(out, filled))
+        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
+            self.close()
+            raise
         return self._finish_flat(out, filled)
 
     def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int, slot: int, r0: int,
@@ -776,6 +883,7 @@ class MultiEnvLoop:
             out = {k: v[:filled] for k, v in out.items()}
         return _to_tensordict(out, [filled])
 
+    @_driver_call
     def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
                       interrupter: Interrupter | None = None) -> TensorDict:
         """Collect exactly ``steps_per_env`` consecutive steps from every env.
@@ -792,7 +900,7 @@ class MultiEnvLoop:
         """
         _check_int("steps_per_env", steps_per_env, 0)
         self._driver_ready()
-        if self._partials:
+        if any(r0 for _, r0 in self._partials.values()):  # whole blocks (r0 == 0) are placed below
             raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
                                   f"envs_per_thread={self.envs_per_thread} rows half consumed; ask run_steps for "
                                   "multiples of envs_per_thread")
@@ -806,12 +914,14 @@ class MultiEnvLoop:
             for w, (slot, _) in list(self._partials.items()):  # whole blocks parked by run_episodes
                 del self._partials[w]
                 self._place(out, t, w, slot, T)
+            self._deferred = []
             for w in range(W):
                 if T and not self._in_flight[w] and t[w] + sent[w] < T:
                     if w in self._idle:
                         self._idle.remove(w)
                     self._request_step(w)
                     sent[w] += 1
+            self._send_deferred()
             while min(t, default=T) < T:
                 msg = self._wait(interrupter)
                 if msg is None:
@@ -830,6 +940,9 @@ class MultiEnvLoop:
                     self._idle.append(w)
         except CollectionError as exc:
             self._fail(exc, self._finish_env_time(out, min(t, default=0), processor))
+        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
+            self.close()
+            raise
         return self._finish_env_time(out, min(t, default=0), processor)
 
     def _place(self, out: dict[NestedKey, np.ndarray], t: list[int], w: int, slot: int, T: int) -> None:
@@ -851,6 +964,7 @@ class MultiEnvLoop:
         self._after_take(by_time, range(len(by_time[_DONE])), processor)
         return _to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
 
+    @_driver_call
     def run_episodes(self, k: int, *, processor: EventProcessor | None = None,
                      interrupter: Interrupter | None = None, rng: random.Random | None = None) -> list[TensorDict]:
         """Run exactly ``k`` complete, fresh episodes (fewer only if interrupted).
@@ -865,7 +979,9 @@ class MultiEnvLoop:
             completion order, so short episodes are not favoured).
 
         Raises:
-            See :meth:`run_steps`.
+            See :meth:`run_steps`; here ``exc.partial`` holds the episodes completed
+            before the failure, concatenated in request order (batch size
+            ``[sum of their lengths]``; ``None`` when none was complete).
         """
         _check_int("k", k, 0)
         self._driver_ready()
@@ -905,7 +1021,11 @@ class MultiEnvLoop:
                     self._workers[w].requests.put(("episode", env_id, next_request))
                     next_request += 1
         except CollectionError as exc:
-            self._fail(exc, None)
+            done = [results[i] for i in sorted(results)]
+            self._fail(exc, torch.cat(done) if done else None)
+        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
+            self.close()
+            raise
         return [results[i] for i in sorted(results)]
 
     # -- shutdown ------------------------------------------------------------------------------------
@@ -927,6 +1047,9 @@ class MultiEnvLoop:
                     adapter.close()
                 continue
             if worker.thread is threading.current_thread():
+                continue
+            if getattr(worker, "abandoned", False) and worker.thread.is_alive():  # stuck past step_timeout
+                stuck.append(worker.thread.name)
                 continue
             worker.thread.join(self.join_timeout)
             if worker.thread.is_alive():

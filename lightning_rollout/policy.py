@@ -117,13 +117,11 @@ class Agent:
     # -- registration -------------------------------------------------------------
     def park(self) -> None:
         """Stop counting as active (about to block on something other than the policy)."""
-        if self._active and not self._closed:
-            self._policy._set_active(self, False)
+        self._policy._set_active(self, False)
 
     def unpark(self) -> None:
         """Count as active again."""
-        if not self._active and not self._closed:
-            self._policy._set_active(self, True)
+        self._policy._set_active(self, True)
 
     def set_rows(self, rows: int) -> None:
         """Change how many rows this agent submits per request (and counts as active)."""
@@ -134,8 +132,7 @@ class Agent:
     def close(self) -> None:
         """Unregister; idempotent. The server stops waiting for this agent."""
         if not self._closed:
-            self.park()
-            self._closed = True
+            self._policy._set_active(self, False, close=True)
 
     def __enter__(self) -> Agent:
         return self
@@ -221,10 +218,16 @@ class AutobatchPolicy:
                  name: str = "policy") -> None:
         if not callable(policy):
             raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-        if autobatch_size is not None and (not isinstance(autobatch_size, int) or autobatch_size < 1):
+        if autobatch_size is not None and (not isinstance(autobatch_size, int) or isinstance(autobatch_size, bool)
+                                           or autobatch_size < 1):
             raise ValueError(f"autobatch_size must be a positive int or None, got {autobatch_size!r}")
-        if max_wait is not None and max_wait < 0:
-            raise ValueError(f"max_wait must be >= 0 seconds or None, got {max_wait!r}")
+        if max_wait is not None and (not _is_real(max_wait) or not max_wait >= 0):
+            raise ValueError(f"max_wait must be a number of seconds >= 0 or None, got {max_wait!r}")
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
         self.policy = policy
         self.autobatch_size = autobatch_size
         self.max_wait = max_wait
@@ -284,10 +287,17 @@ class AutobatchPolicy:
             self._cond.notify()
         return agent
 
-    def _set_active(self, agent: Agent, active: bool) -> None:
+    def _set_active(self, agent: Agent, active: bool, close: bool = False) -> None:
+        # The check is made under the lock: park/unpark/close may race (a loop's driver
+        # holds an agent active while its env thread parks or closes it).
         with self._cond:
-            agent._active = active
-            self._active_rows += agent.rows if active else -agent.rows
+            if agent._closed:
+                return
+            if close:
+                agent._closed = True
+            if agent._active != active:
+                agent._active = active
+                self._active_rows += agent.rows if active else -agent.rows
             self._cond.notify()
 
     def _resize(self, agent: Agent, rows: int) -> None:
@@ -338,6 +348,8 @@ class AutobatchPolicy:
 
         Raises:
             CollectionError: closed, or not applied within ``timeout``.
+            ValueError: the policy rejected ``state`` (wrong keys or shapes); the
+                version is unchanged and collection goes on with the old weights.
         """
         if state is self.policy:
             state = _SAME_WEIGHTS  # the acting policy itself: weights are shared, only the version moves
@@ -358,6 +370,9 @@ class AutobatchPolicy:
                 raise CollectionError("the AutobatchPolicy was closed before the update was applied")
             if deadline is not None and time.monotonic() > deadline:
                 raise CollectionError(f"policy update not applied within {timeout} s")
+        error = getattr(done, "error", None)
+        if error is not None:
+            raise error
         return self._version
 
     def state(self) -> Any:
@@ -377,14 +392,18 @@ class AutobatchPolicy:
 
     def _apply_update(self, state: Any) -> None:
         with self._weights_lock:
-            if state is _SAME_WEIGHTS:
-                pass
-            elif isinstance(state, TensorDictBase) and isinstance(self.policy, torch.nn.Module):
-                state.to_module(self.policy)
-            elif hasattr(self.policy, "load_state_dict"):
-                self.policy.load_state_dict(state)  # type: ignore[attr-defined]
-            else:
-                self._plain_state = state
+            try:
+                if state is _SAME_WEIGHTS:
+                    pass
+                elif isinstance(state, TensorDictBase) and isinstance(self.policy, torch.nn.Module):
+                    state.to_module(self.policy)
+                elif hasattr(self.policy, "load_state_dict"):
+                    self.policy.load_state_dict(state)  # type: ignore[attr-defined]
+                else:
+                    self._plain_state = state
+            except Exception as exc:  # the version does not move; the inference thread keeps serving
+                raise ValueError(f"the policy rejected the new weights ({type(exc).__name__}: {exc}); pass a "
+                                 "state_dict, TensorDict or module of the same architecture") from exc
             self._version += 1
 
     # -- lifecycle ------------------------------------------------------------------
@@ -409,6 +428,7 @@ class AutobatchPolicy:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called."""
         return self._closed
 
     # -- the inference thread --------------------------------------------------------
@@ -443,6 +463,8 @@ class AutobatchPolicy:
             for state, done in updates:
                 try:
                     self._apply_update(state)
+                except Exception as exc:  # re-raised by update() in its caller's thread
+                    done.error = exc  # type: ignore[attr-defined]
                 finally:
                     done.set()
 
@@ -465,7 +487,10 @@ class AutobatchPolicy:
                 version = self._version
         except BaseException as exc:  # forwarded to every waiting client
             env_ids = tuple(i for r in batch for i in r.agent.env_ids)
-            error = exc if isinstance(exc, PolicyError) else PolicyError(f"{type(exc).__name__}: {exc}", env_ids=env_ids)
+            if isinstance(exc, PolicyError):  # raised by _run_policy, which does not know the envs
+                error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
+            else:
+                error = PolicyError(f"{type(exc).__name__}: {exc}", env_ids=env_ids)
             if error is not exc:
                 error.__cause__ = exc
             for request in batch:
@@ -517,6 +542,11 @@ class AutobatchPolicy:
                 raise PolicyError(f"'{key}' has shape {shape} for a batch of {rows} observations "
                                   f"(the leading dim must be the batch size {rows})")
         return outputs
+
+
+def _is_real(value: Any) -> bool:
+    """An int or float that is not a bool (NaN passes here; compare with ``>=`` to refuse it)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray:

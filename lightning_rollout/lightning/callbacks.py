@@ -16,6 +16,13 @@ that batch, where Lightning forbids ``self.log``. So callbacks that log keep
 what they saw and log it from ``on_train_batch_end``, where logging is allowed.
 Values are reduced across DDP ranks there (every rank calls the same
 collectives in the same order each step), so logged metrics are global.
+
+Metrics that exist only at some steps (episode returns: only when an episode
+ended; evaluation: every N steps) are not sent to the logger through
+``self.log``: Lightning would write their last value again at every later step
+of the epoch. They go to ``self.log(..., logger=False)`` (``callback_metrics``,
+so ``ModelCheckpoint`` / ``EarlyStopping`` see them, and the progress bar) and
+straight to ``trainer.loggers`` at the step Lightning uses for that training step.
 """
 
 from __future__ import annotations
@@ -77,14 +84,31 @@ def _global_stats(trainer: pl.Trainer, values: list[float]) -> dict[str, float]:
     return {"sum": float(sums[0]), "count": float(sums[1]), "min": -float(extremes[0]), "max": float(extremes[1])}
 
 
+def _logger_step(trainer: pl.Trainer) -> int:
+    """The step at which Lightning writes what ``self.log`` received in this training step's hooks."""
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+
+
+def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Write ``metrics`` once to every logger of the trainer, at ``step`` (global rank zero only)."""
+    if not metrics or not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+
+
 class EpisodeStatsLogger(RolloutCallback):
     """Log collection statistics at each training step's ``global_step``.
 
     Metrics (``prefix`` defaults to ``"rollout"``), reduced across ranks:
 
-    * ``rollout/episode_reward`` (mean), ``_max``, ``_min`` and ``rollout/episode_length``
-      over the episodes finished since the previous training step (logged only
-      at steps where some episode finished);
+    * ``rollout/episode_reward`` (mean), ``_max``, ``_min`` and ``rollout/episode_length``:
+      in ``callback_metrics`` and the progress bar, over the episodes finished since the
+      previous training step (updated only at steps where some episode finished); in
+      the logger, over the episodes finished since the previous write (at the steps
+      ``log_every_n_steps`` selects, and only if some episode finished), so no episode
+      is left out of the curves and no value is written twice;
     * ``rollout/episodes`` and ``rollout/frames``: totals since the start;
     * ``rollout/fps``: frames per second of collection for the last batch;
     * ``rollout/policy_lag``: mean number of weight updates between the policy
@@ -105,6 +129,11 @@ class EpisodeStatsLogger(RolloutCallback):
         self._batch_seconds = 0.0
         self._lag: float | None = None
         self._last_batch_time: float | None = None
+        self._unwritten: dict[str, float] = self._no_episodes()
+
+    @staticmethod
+    def _no_episodes() -> dict[str, float]:
+        return {"sum": 0.0, "count": 0.0, "min": math.inf, "max": -math.inf, "length_sum": 0.0}
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         self._rewards.append(episode.reward)
@@ -132,10 +161,25 @@ class EpisodeStatsLogger(RolloutCallback):
         self._episodes += int(rewards["count"])
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         if rewards["count"]:
-            pl_module.log(f"{p}/episode_reward", rewards["sum"] / rewards["count"], prog_bar=self.prog_bar, **log)
-            pl_module.log(f"{p}/episode_reward_max", rewards["max"], **log)
-            pl_module.log(f"{p}/episode_reward_min", rewards["min"], **log)
-            pl_module.log(f"{p}/episode_length", lengths["sum"] / lengths["count"], **log)
+            only_callbacks = dict(log, logger=False)  # written to the logger below, once
+            pl_module.log(f"{p}/episode_reward", rewards["sum"] / rewards["count"], prog_bar=self.prog_bar,
+                          **only_callbacks)
+            pl_module.log(f"{p}/episode_reward_max", rewards["max"], **only_callbacks)
+            pl_module.log(f"{p}/episode_reward_min", rewards["min"], **only_callbacks)
+            pl_module.log(f"{p}/episode_length", lengths["sum"] / lengths["count"], **only_callbacks)
+            u = self._unwritten
+            u["sum"] += rewards["sum"]
+            u["count"] += rewards["count"]
+            u["min"] = min(u["min"], rewards["min"])
+            u["max"] = max(u["max"], rewards["max"])
+            u["length_sum"] += lengths["sum"]
+        step = _logger_step(trainer)
+        if self._unwritten["count"] and ((step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop):
+            u = self._unwritten  # same rule as Lightning's for what self.log sends to the logger
+            _write_to_loggers(trainer, {f"{p}/episode_reward": u["sum"] / u["count"], f"{p}/episode_reward_max": u["max"],
+                                        f"{p}/episode_reward_min": u["min"],
+                                        f"{p}/episode_length": u["length_sum"] / u["count"]}, step)
+            self._unwritten = self._no_episodes()
         pl_module.log(f"{p}/episodes", float(self._episodes), **log)
         pl_module.log(f"{p}/frames", frames["sum"], prog_bar=self.prog_bar, **log)
         if fps["count"]:
@@ -199,6 +243,12 @@ class RolloutEvaluation(RolloutCallback):
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool = True) -> list[EpisodeEnd]:
         """Run one evaluation round now; returns this rank's episodes.
 
+        Args:
+            log: called from a hook where ``self.log`` is allowed (``on_train_batch_end``):
+                the metrics also go to ``callback_metrics`` and the progress bar. Otherwise
+                (``on_train_end``) they are only written to the loggers, at the last training
+                step. Every rank must call this together (the metrics are reduced across ranks).
+
         Raises:
             RuntimeError: the trainer's datamodule is not a ``RolloutDataModule``.
         """
@@ -220,17 +270,18 @@ class RolloutEvaluation(RolloutCallback):
         for callback in trainer.callbacks:
             if isinstance(callback, RolloutCallback):
                 callback.on_eval_end(trainer, pl_module, episodes)
-        if log and rewards["count"]:
+        if rewards["count"]:
             p = self.prefix
-            kw = dict(on_step=True, on_epoch=False, batch_size=1)
-            pl_module.log(f"{p}/episode_reward", rewards["sum"] / rewards["count"], prog_bar=True, **kw)
-            pl_module.log(f"{p}/episode_reward_min", rewards["min"], **kw)
-            pl_module.log(f"{p}/episode_reward_max", rewards["max"], **kw)
-            pl_module.log(f"{p}/episode_length", lengths["sum"] / lengths["count"], **kw)
-            pl_module.log(f"{p}/seconds", seconds, **kw)
-        elif not log and trainer.logger is not None and rewards["count"] and trainer.is_global_zero:
-            # on_train_end does not allow self.log: write straight to the logger
-            trainer.logger.log_metrics({f"{self.prefix}/episode_reward": rewards["sum"] / rewards["count"],
-                                        f"{self.prefix}/episode_length": lengths["sum"] / lengths["count"]},
-                                       step=trainer.global_step)
+            metrics = {f"{p}/episode_reward": rewards["sum"] / rewards["count"], f"{p}/episode_reward_min": rewards["min"],
+                       f"{p}/episode_reward_max": rewards["max"],
+                       f"{p}/episode_length": lengths["sum"] / lengths["count"], f"{p}/seconds": seconds}
+            if log:  # callback_metrics (ModelCheckpoint, EarlyStopping) and progress bar; not the logger (see module)
+                kw = dict(on_step=True, on_epoch=False, batch_size=1, logger=False)
+                for name, value in metrics.items():
+                    pl_module.log(name, value, prog_bar=name == f"{p}/episode_reward", **kw)
+                _write_to_loggers(trainer, metrics, _logger_step(trainer))
+            else:
+                # on_train_end does not allow self.log; Lightning's step counter has moved past the last
+                # training step there, so write at that training step's logger step
+                _write_to_loggers(trainer, metrics, max(_logger_step(trainer) - 1, 0))
         return episodes

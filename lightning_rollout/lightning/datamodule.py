@@ -150,6 +150,12 @@ class RolloutDataModule(pl.LightningDataModule):
         if layout == "env_time" and frames_per_batch % num_envs:
             raise ValueError(f"frames_per_batch ({frames_per_batch}) must be a multiple of num_envs ({num_envs}) "
                              "with layout='env_time'")
+        if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1
+                                                                                   and total_frames != -1):
+            raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
+        if layout == "env_time" and total_frames > 0 and total_frames % num_envs:
+            raise ValueError(f"total_frames ({total_frames}) must be a multiple of num_envs ({num_envs}) "
+                             "with layout='env_time'")
         if not (isinstance(policy, str) or callable(policy)):
             raise ValueError("policy must be the name of the LightningModule attribute holding the actor, "
                              "or a callable taking the module and returning the actor")
@@ -217,7 +223,14 @@ class RolloutDataModule(pl.LightningDataModule):
 
         Returns an iterable with a length (``batches_per_epoch`` for an endless
         collector, the remaining batches for a finite one) and no ``state_dict``.
+        A later ``fit`` with the same DataModule gets a fresh collector that continues
+        the counts (or those of its ``ckpt_path``).
         """
+        if self.collector is not None and self.collector._shut:
+            if self._pending_state is None and self._final_state is not None:
+                self._pending_state = {"collector": dict(self._final_state), "episodes": self.collector.loop.episodes}
+            self.collector = None
+            self._final_state = None
         if self.collector is None:
             self._build_collector()
         assert self.collector is not None
@@ -254,6 +267,9 @@ class RolloutDataModule(pl.LightningDataModule):
             if self.trainer is not None:
                 self.trainer.should_stop = True
             return None
+        if self.trainer is not None and 0 < self.total_frames <= self.collector.frames:
+            # the last batch: stop after it, rather than running one more (empty) epoch to find out
+            self.trainer.should_stop = True
         if self._dispatcher is not None:
             for callback in self._dispatcher.callbacks:
                 callback.on_rollout_batch(self.trainer, self.trainer.lightning_module, batch)
@@ -310,7 +326,7 @@ class RolloutDataModule(pl.LightningDataModule):
             return
         if "collector" not in state_dict:
             raise ValueError(f"not a RolloutDataModule state (keys: {sorted(state_dict)})")
-        if self.collector is not None:
+        if self.collector is not None and not self.collector._shut:
             self.collector.load_state_dict(state_dict["collector"])
             self.collector.loop.episodes = int(state_dict.get("episodes", 0))
         else:

@@ -1,0 +1,269 @@
+"""One small function per contender: build it for a :class:`Workload`, return a :class:`Session`.
+
+Every contender gets the same env, env count, policy weights and frame count.
+A :class:`Session` is built once (setup is not timed), warmed up, then asked
+``run(frames)`` once per repetition; it steps until at least ``frames``
+transitions were delivered and returns how many were.
+
+Policy: :func:`make_mlp` builds the MLP (``4-64-64-2`` or wider) once per
+workload. TorchRL-protocol contenders (ours included) get it as a
+``TensorDictModule`` actor writing a one-hot greedy ``action`` (torchrl's
+CartPole action format); the gymnasium loops call the same weights as a plain
+batched callable returning action indices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict.nn import TensorDictModule
+
+from . import envs as bench_envs
+
+__all__ = ["GreedyActor", "Session", "Workload", "make_mlp"]
+
+
+def make_mlp(hidden: tuple[int, ...] = (64, 64), obs_dim: int = 4, n_actions: int = 2, seed: int = 0) -> torch.nn.Module:
+    """``obs_dim - hidden... - n_actions`` with tanh, deterministic weights."""
+    torch.manual_seed(seed)
+    sizes = (obs_dim, *hidden)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(sizes[-1], n_actions))
+    return torch.nn.Sequential(*layers)
+
+
+class GreedyActor(torch.nn.Module):
+    """``obs -> argmax(net(obs))``, as an index or one-hot (module-level: picklable for worker processes)."""
+
+    def __init__(self, net: torch.nn.Module, one_hot: bool) -> None:
+        super().__init__()
+        self.net = net
+        self.one_hot = one_hot
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        index = self.net(obs).argmax(-1)
+        if self.one_hot:
+            return torch.nn.functional.one_hot(index, self.net[-1].out_features).to(torch.int64)
+        return index
+
+
+@dataclass
+class Workload:
+    """What every contender of one scenario runs."""
+
+    env_id: str
+    num_envs: int
+    frames_per_batch: int
+    hidden: tuple[int, ...] = (64, 64)
+    net: torch.nn.Module = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.net = make_mlp(self.hidden)
+
+    def actor(self) -> TensorDictModule:
+        """The TorchRL actor (one-hot ``action``)."""
+        return TensorDictModule(GreedyActor(self.net, one_hot=True), in_keys=["observation"], out_keys=["action"])
+
+    def callable_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The same weights as a plain batched callable ``obs[N, 4] -> action indices[N]``."""
+        actor = GreedyActor(self.net, one_hot=False)
+
+        def act(obs: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                return actor(torch.from_numpy(obs)).numpy()
+
+        return act
+
+    def gym_envs(self) -> list[Callable[[], gym.Env]]:
+        return [bench_envs.gym_factory(self.env_id)] * self.num_envs
+
+    def torchrl_envs(self, n: int | None = None) -> list[Callable[[], Any]]:
+        return [bench_envs.torchrl_factory(self.env_id)] * (self.num_envs if n is None else n)
+
+
+@dataclass
+class Session:
+    """A built contender: ``run(frames) -> frames delivered``; ``stats()`` after runs; ``close()``."""
+
+    run: Callable[[int], int]
+    close: Callable[[], None]
+    stats: Callable[[], dict[str, float]] = dict
+
+
+def _collector_session(collector: Any, stats: Callable[[], dict[str, float]] = dict) -> Session:
+    """Drive any TorchRL-style iterable collector (endless, ``total_frames=-1``)."""
+    batches: Iterator[Any] = iter(collector)
+
+    def run(frames: int) -> int:
+        got = 0
+        while got < frames:
+            got += next(batches).numel()
+        return got
+
+    return Session(run, collector.shutdown, stats)
+
+
+# -- ours ---------------------------------------------------------------------------------------------------
+def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int = 1, autobatch_size: int | None = None,
+             max_wait: float | None = None, on_policy: bool = True) -> Session:
+    """``lightning_rollout.ThreadedCollector`` over gymnasium envs, one-hot actor."""
+    from lightning_rollout import ThreadedCollector
+
+    collector = ThreadedCollector(w.gym_envs(), w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1,
+                                  envs_per_thread=envs_per_thread, autobatch_size=autobatch_size, max_wait=max_wait,
+                                  layout=layout, on_policy=on_policy, name="bench")
+    policy = collector.autobatch_policy
+    return _collector_session(collector, lambda: {"mean_flush_batch": policy.mean_batch_size})
+
+
+# -- torchrl --------------------------------------------------------------------------------------------------
+def torchrl_serial(w: Workload) -> Session:
+    """torchrl ``Collector(SerialEnv(num_envs))``."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import SerialEnv
+
+    env = SerialEnv(w.num_envs, w.torchrl_envs(1)[0])
+    return _collector_session(Collector(env, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1))
+
+
+def torchrl_parallel(w: Workload) -> Session:
+    """torchrl ``Collector(ParallelEnv(num_envs))``: one process per env."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import ParallelEnv
+
+    env = ParallelEnv(w.num_envs, w.torchrl_envs(1)[0])
+    return _collector_session(Collector(env, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1))
+
+
+def torchrl_multisync(w: Workload) -> Session:
+    """torchrl ``MultiSyncCollector``: one worker process per core, each over a ``SerialEnv`` of its share."""
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs import SerialEnv
+
+    workers = max(1, min(w.num_envs, _cores()))
+    while w.num_envs % workers:
+        workers -= 1
+    make = [_SerialFactory(w.num_envs // workers, w.env_id)] * workers
+    collector = MultiSyncCollector(make, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1)
+    return _collector_session(collector)
+
+
+class _SerialFactory:
+    """Picklable ``SerialEnv(n, env)`` factory for collector worker processes."""
+
+    def __init__(self, n: int, env_id: str) -> None:
+        self.n, self.env_id = n, env_id
+
+    def __call__(self) -> Any:
+        from torchrl.envs import SerialEnv
+
+        return SerialEnv(self.n, bench_envs.torchrl_factory(self.env_id))
+
+
+def torchrl_async_batched(w: Workload) -> Session:
+    """torchrl ``AsyncBatchedCollector(backend="threading")``: its own threaded autobatcher."""
+    from torchrl.collectors import AsyncBatchedCollector
+
+    collector = AsyncBatchedCollector(w.torchrl_envs(), policy=w.actor(), frames_per_batch=w.frames_per_batch,
+                                      total_frames=-1, max_batch_size=w.num_envs, backend="threading")
+    return _collector_session(collector)
+
+
+# -- gymnasium + plain loop (the no-collector limit) ------------------------------------------------------------
+def _vector_loop(vec: gym.vector.VectorEnv, policy: Callable[[np.ndarray], np.ndarray]) -> Session:
+    obs, _ = vec.reset(seed=0)
+    state = {"obs": obs}
+    n = vec.num_envs
+
+    def run(frames: int) -> int:
+        o = state["obs"]
+        steps = math.ceil(frames / n)
+        for _ in range(steps):
+            o, _, _, _, _ = vec.step(policy(o))
+        state["obs"] = o
+        return steps * n
+
+    return Session(run, vec.close)
+
+
+def gym_sync(w: Workload) -> Session:
+    """gymnasium ``SyncVectorEnv`` + the batched policy in a plain loop."""
+    return _vector_loop(gym.vector.SyncVectorEnv(w.gym_envs()), w.callable_policy())
+
+
+def gym_async(w: Workload) -> Session:
+    """gymnasium ``AsyncVectorEnv`` (one process per env) + the batched policy in a plain loop."""
+    return _vector_loop(gym.vector.AsyncVectorEnv(w.gym_envs()), w.callable_policy())
+
+
+# -- Lightning overhead: the same training step under Trainer.fit and in a plain loop -----------------------------
+def _loss(actor: TensorDictModule, batch: Any) -> torch.Tensor:
+    """Behaviour cloning of the collected actions: cheap, and touches every observation."""
+    logits = actor.module.net(batch["observation"].reshape(-1, batch["observation"].shape[-1]))
+    return torch.nn.functional.cross_entropy(logits, batch["action"].reshape(-1, logits.shape[-1]).argmax(-1))
+
+
+def plain_training_loop(w: Workload) -> Session:
+    """A fresh ``ThreadedCollector`` per run; per batch: push weights, one Adam step."""
+    from lightning_rollout import ThreadedCollector
+
+    actor = w.actor()
+    optimizer = torch.optim.Adam(actor.parameters(), lr=1e-4)
+
+    def run(frames: int) -> int:
+        collector = ThreadedCollector(w.gym_envs(), actor, frames_per_batch=w.frames_per_batch, total_frames=frames,
+                                      name="bench-plain")
+        try:
+            for batch in collector:
+                loss = _loss(actor, batch)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                collector.update_policy_weights_(actor)
+        finally:
+            collector.shutdown()
+        return collector.frames
+
+    return Session(run, lambda: None)
+
+
+def lightning_fit(w: Workload) -> Session:
+    """``Trainer.fit`` with ``RolloutDataModule`` (fresh per run), the same step under automatic optimisation."""
+    import lightning.pytorch as pl
+    from lightning_rollout.lightning import RolloutDataModule
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.actor = w.actor()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return _loss(self.actor, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.actor.parameters(), lr=1e-4)
+
+    module = Module()
+
+    def run(frames: int) -> int:
+        dm = RolloutDataModule(bench_envs.gym_factory(w.env_id), num_envs=w.num_envs,
+                               frames_per_batch=w.frames_per_batch, total_frames=frames, log_stats=False)
+        trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, accelerator="cpu", devices=1)
+        trainer.fit(module, datamodule=dm)
+        return dm.collector.frames
+
+    return Session(run, lambda: None)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))

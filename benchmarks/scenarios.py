@@ -1,0 +1,160 @@
+"""The six scenarios of issue 6: workload, contenders, frame counts and the targets to reach.
+
+Contender names starting with ``threaded`` are ours (``lightning_rollout``);
+the others are the peers. Frame counts are the full run's; ``--quick`` uses
+``quick_batches`` small batches instead, so every scenario takes seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import contenders as c
+from .envs import CARTPOLE, SLEEP, STRAGGLER, measure_step_time
+
+__all__ = ["SCENARIOS", "Scenario", "Target", "lightning_available"]
+
+Builder = Callable[[c.Workload], c.Session]
+
+# Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
+PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv"}
+
+
+def _threaded(**kwargs: Any) -> Builder:
+    return functools.partial(c.threaded, **kwargs)
+
+
+PEERS: dict[str, Builder] = {
+    "torchrl Collector(SerialEnv)": c.torchrl_serial,
+    "torchrl Collector(ParallelEnv)": c.torchrl_parallel,
+    "torchrl MultiSyncCollector": c.torchrl_multisync,
+    "torchrl AsyncBatchedCollector(threading)": c.torchrl_async_batched,
+    "gym SyncVectorEnv loop": c.gym_sync,
+    "gym AsyncVectorEnv loop": c.gym_async,
+}
+LOCK_STEP = ["gym SyncVectorEnv loop", "torchrl Collector(SerialEnv)", "torchrl Collector(ParallelEnv)"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """``value(ours) / value(peer) >= minimum``; ``ours`` may list several (the best counts).
+
+    ``peer`` is a contender name, or ``"ideal"`` (the scenario's ``ideal_steps_per_s``).
+    ``metric`` is ``"median"`` or ``"mean_flush_batch"`` (then ``peer`` is ``"num_envs"``).
+    """
+
+    label: str
+    ours: tuple[str, ...]
+    peer: str
+    minimum: float
+    metric: str = "median"
+
+
+@dataclass
+class Scenario:
+    name: str
+    title: str
+    env_id: str
+    num_envs: int
+    frames: int
+    steps_per_env_per_batch: int
+    contenders: dict[str, Builder]
+    targets: list[Target] = field(default_factory=list)
+    hidden: tuple[int, ...] = (64, 64)
+    track_memory: bool = False
+    quick_batches: int = 3
+    ideal_from_step_time: bool = False
+    requires: Callable[[], str | None] = lambda: None  # a reason to skip, or None
+    note: str = ""
+
+    def workload(self, quick: bool) -> c.Workload:
+        per_env = 4 if quick else self.steps_per_env_per_batch
+        return c.Workload(self.env_id, self.num_envs, self.num_envs * per_env, hidden=self.hidden)
+
+    def frame_count(self, workload: c.Workload, quick: bool) -> int:
+        return workload.frames_per_batch * self.quick_batches if quick else self.frames
+
+    def extras(self, quick: bool) -> dict[str, float]:
+        """Scenario-level figures measured before the contenders (the ideal of a GIL-releasing env)."""
+        if not self.ideal_from_step_time:
+            return {}
+        step_time = measure_step_time(self.env_id, steps=20 if quick else 300)
+        return {"step_time_s": step_time, "ideal_steps_per_s": self.num_envs / step_time}
+
+
+def lightning_available() -> str | None:
+    """None when ``lightning_rollout.lightning.RolloutDataModule`` imports, else why not."""
+    try:
+        from lightning_rollout import lightning as lr_lightning
+    except Exception as exc:  # the package is missing or broken
+        return f"lightning_rollout.lightning cannot be imported ({type(exc).__name__}: {exc})"
+    if not hasattr(lr_lightning, "RolloutDataModule"):
+        return "lightning_rollout.lightning has no RolloutDataModule yet"
+    return None
+
+
+_ALL_OURS_CHEAP = {
+    "threaded env_time": _threaded(),
+    "threaded flat": _threaded(layout="flat"),
+    "threaded env_time ept=4": _threaded(envs_per_thread=4),
+    "threaded env_time ept=8": _threaded(envs_per_thread=8),
+    "threaded flat ept=8 off-policy": _threaded(layout="flat", envs_per_thread=8, on_policy=False),
+}
+_OURS_GIL = {
+    "threaded env_time": _threaded(),
+    "threaded flat": _threaded(layout="flat"),
+    "threaded flat max_wait=0.5ms": _threaded(layout="flat", max_wait=0.0005),
+    "threaded flat autobatch=4 off-policy": _threaded(layout="flat", autobatch_size=4, on_policy=False),
+}
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario(
+        "cheap", "Cheap env: CartPole, MLP 4-64-64-2, 8 envs", CARTPOLE, 8, 100_000, 128,
+        {**_ALL_OURS_CHEAP, **PEERS},
+        [Target(">= 10x AsyncBatchedCollector(threading)", tuple(_ALL_OURS_CHEAP),
+                "torchrl AsyncBatchedCollector(threading)", 10.0),
+         Target(">= 5x Collector(SerialEnv)", tuple(_ALL_OURS_CHEAP), "torchrl Collector(SerialEnv)", 5.0),
+         Target(">= 0.5x SyncVectorEnv loop (aim 0.8x)", tuple(_ALL_OURS_CHEAP), "gym SyncVectorEnv loop", 0.5)]),
+    Scenario(
+        "gil", "GIL-releasing env: step sleeps 2 ms, 16 envs", SLEEP, 16, 16_000, 64,
+        {**_OURS_GIL, **PEERS},
+        [Target(">= 0.8x ideal num_envs / step_time", tuple(_OURS_GIL), "ideal", 0.8),
+         Target("ahead of AsyncVectorEnv", tuple(_OURS_GIL), "gym AsyncVectorEnv loop", 1.0)],
+        ideal_from_step_time=True),
+    Scenario(
+        "stragglers", "Stragglers: Pareto(2) step time, mean 1 ms, 16 envs", STRAGGLER, 16, 16_000, 64,
+        {**_OURS_GIL, **{k: PEERS[k] for k in (*LOCK_STEP, "gym AsyncVectorEnv loop")}},
+        [Target(f">= 2x {peer}", tuple(_OURS_GIL), peer, 2.0) for peer in LOCK_STEP],
+        ideal_from_step_time=True),
+    Scenario(
+        "heavy_policy", "Heavy policy: MLP 4-1024-1024-1024-2, CartPole, 32 envs", CARTPOLE, 32, 16_384, 32,
+        {"threaded env_time": _threaded(),
+         "threaded env_time autobatch=1": _threaded(autobatch_size=1),
+         "threaded flat ept=8 off-policy": _threaded(layout="flat", envs_per_thread=8, on_policy=False),
+         "gym SyncVectorEnv loop": c.gym_sync,
+         "torchrl Collector(SerialEnv)": c.torchrl_serial},
+        [Target(">= 4x autobatch_size=1", ("threaded env_time",), "threaded env_time autobatch=1", 4.0),
+         Target("mean flush batch >= 0.8 x num_envs", ("threaded env_time",), "num_envs", 0.8,
+                metric="mean_flush_batch")],
+        hidden=(1024, 1024, 1024)),
+    Scenario(
+        "lightning", "Lightning overhead: Trainer.fit + RolloutDataModule vs plain loop, CartPole, 8 envs",
+        CARTPOLE, 8, 51_200, 128,
+        {"threaded Trainer.fit(RolloutDataModule)": c.lightning_fit,
+         "plain loop over ThreadedCollector": c.plain_training_loop},
+        [Target("at most 10% slower than the plain loop", ("threaded Trainer.fit(RolloutDataModule)",),
+                "plain loop over ThreadedCollector", 0.9)],
+        requires=lightning_available,
+        note="each run builds its collector (and Trainer) afresh: setup is part of the figure for both"),
+    Scenario(
+        "scale", "Scale: 128 CartPole envs in threads (peak RSS of the process tree)", CARTPOLE, 128, 65_536, 16,
+        {"threaded env_time": _threaded(),
+         "threaded env_time ept=16": _threaded(envs_per_thread=16),
+         "torchrl AsyncBatchedCollector(threading)": c.torchrl_async_batched,
+         "gym SyncVectorEnv loop": c.gym_sync},
+        track_memory=True, quick_batches=2),
+]}

@@ -1,0 +1,100 @@
+"""DDP helper for ``tests/test_lightning.py``: 2 CPU processes (gloo), one collector per rank.
+
+Run as ``python tests/ddp_script.py --out DIR`` (Lightning's script launcher
+re-executes this file for rank 1). Each rank writes into ``DIR``:
+
+* ``obs_rank{r}.pt``: the observation of its first training batch;
+* ``rank{r}.json``: its local episode returns grouped by batch and by evaluation
+  round (a logged round at step 2, an unlogged one at train end), the metrics it
+  logged last (``trainer.callback_metrics``), its frame and episode counts and
+  the number of training steps it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning.pytorch as pl
+import torch
+from tensordict.nn import TensorDictModule
+from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
+
+from lightning_rollout import RolloutCallback, RolloutDataModule
+
+NUM_ENVS = 2
+FRAMES_PER_BATCH = 32
+MAX_STEPS = 3
+
+
+class Agent(pl.LightningModule):
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        net = TensorDictModule(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"],
+                               out_keys=["logits"])
+        self.actor = ProbabilisticActor(net, in_keys=["logits"], distribution_class=OneHotCategorical)
+        self.out_dir = out_dir
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        if self.steps == 0:
+            torch.save(batch["observation"].clone(), os.path.join(self.out_dir, f"obs_rank{self.global_rank}.pt"))
+        self.steps += 1
+        logits = self.actor(batch.select("observation").clone())["logits"]
+        return -logits.log_softmax(-1).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class EpisodeRecorder(RolloutCallback):
+    """This rank's finished episode returns, grouped by the batch that finished them."""
+
+    def __init__(self) -> None:
+        self.pending: list[float] = []
+        self.per_batch: list[list[float]] = []
+        self.eval_rounds: list[list[float]] = []
+
+    def on_episode_end(self, trainer, pl_module, episode) -> None:
+        self.pending.append(float(episode.reward))
+
+    def on_rollout_batch(self, trainer, pl_module, batch) -> None:
+        self.per_batch.append(self.pending)
+        self.pending = []
+
+    def on_eval_end(self, trainer, pl_module, episodes) -> None:
+        self.eval_rounds.append([float(e.reward) for e in episodes])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_num_threads(1)
+
+    recorder = EpisodeRecorder()
+    dm = RolloutDataModule("CartPole-v1", num_envs=NUM_ENVS, frames_per_batch=FRAMES_PER_BATCH, seed=0,
+                           eval_every_n_steps=2, eval_episodes=2, eval_max_episode_steps=40)
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False,
+                         callbacks=[recorder], enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False, log_every_n_steps=1)
+    model = Agent(args.out)
+    trainer.fit(model, datamodule=dm)
+    report = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "steps": model.steps,
+        "frames": dm.collector.frames,
+        "episodes": dm.collector.loop.episodes,
+        "per_batch_rewards": recorder.per_batch,
+        "eval_rounds": recorder.eval_rounds,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The examples run end to end (smoke runs on tiny budgets), and PPO really learns (slow).
+
+Each example runs in its own interpreter, as a user runs it, and must exit 0,
+print its ``RESULT {json}`` line and write its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(name: str, *args: str, timeout: float = 300) -> dict | list:
+    """Run ``examples/<name>`` with ``args``; return its parsed ``RESULT`` line."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"{name} printed no RESULT line:\n{proc.stdout[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_ppo_example_trains_logs_and_draws_a_learning_curve(tmp_path: Path) -> None:
+    result = run_example("ppo_cartpole.py", "--demo", "--frames", "4096", "--num-envs", "4", "--envs-per-thread", "2",
+                         "--steps-per-env", "64", "--eval-every-frames", "1024", "--eval-episodes", "2",
+                         "--out", str(tmp_path))
+    assert result["frames"] == 4096
+    assert len(result["eval_history"]) >= 1
+    log_dir = Path(result["log_dir"])
+    assert list(log_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert Path(result["learning_curve"]).stat().st_size > 0
+    assert result["best_checkpoint"] and Path(result["best_checkpoint"]).exists()
+
+
+def test_dqn_example_fills_a_replay_buffer_and_learns_a_few_steps(tmp_path: Path) -> None:
+    result = run_example("dqn_cartpole.py", "--frames", "3200", "--num-envs", "4", "--envs-per-thread", "2",
+                         "--learning-starts", "512", "--eval-every-frames", "1024", "--eval-episodes", "2",
+                         "--out", str(tmp_path))
+    assert result["frames"] == 3200
+    assert result["eval_history"], "no evaluation ran"
+    assert list(Path(result["log_dir"]).glob("events.out.tfevents.*"))
+
+
+def test_torchrl_swap_runs_both_collectors_in_the_same_training_loop() -> None:
+    results = run_example("torchrl_swap.py", "--collector", "both", "--frames", "2048", "--frames-per-batch", "512",
+                          "--num-envs", "4")
+    assert [r["collector"] for r in results] == ["torchrl", "threaded"]
+    assert all(r["collect_fps"] > 0 for r in results)
+
+
+def test_custom_env_example_compares_threads_with_a_sequential_vector_env() -> None:
+    result = run_example("custom_env.py", "--num-envs", "4", "--latency", "0.001", "--frames", "400")
+    assert result["num_envs"] == 4
+    assert result["threaded_fps"] > 0 and result["sync_vector_env_fps"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ppo_reaches_cartpole_solved_bar_within_300k_frames(seed: int, tmp_path: Path) -> None:
+    """The issue's bar: deterministic evaluation return >= 475 within 300k frames (2 of 3 seeds are required;
+    each seed is its own test, so a report shows which ones made it)."""
+    result = run_example("ppo_cartpole.py", "--frames", "300000", "--seed", str(seed), "--out", str(tmp_path),
+                         timeout=1800)
+    assert result["best_eval_return"] >= 475, result
