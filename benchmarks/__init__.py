@@ -7,6 +7,6 @@ envs), :mod:`.contenders` (one function per contender), :mod:`.scenarios`
 (workloads and targets), :mod:`.harness` (timing), :mod:`.report` (outputs).
 """
 
-from .__main__ import main, run_scenario
+from .cli import main, run_scenario
 
 __all__ = ["main", "run_scenario"]

@@ -14,6 +14,7 @@ batched callable returning action indices.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -240,6 +241,8 @@ def lightning_fit(w: Workload) -> Session:
     """``Trainer.fit`` with ``RolloutDataModule`` (fresh per run), the same step under automatic optimisation."""
     import lightning.pytorch as pl
     from lightning_rollout.lightning import RolloutDataModule
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner per Trainer
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

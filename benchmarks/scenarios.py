@@ -19,8 +19,6 @@ __all__ = ["SCENARIOS", "Scenario", "Target", "lightning_available"]
 
 Builder = Callable[[c.Workload], c.Session]
 
-# Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
-PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv"}
 
 
 def _threaded(**kwargs: Any) -> Builder:
@@ -35,6 +33,8 @@ PEERS: dict[str, Builder] = {
     "gym SyncVectorEnv loop": c.gym_sync,
     "gym AsyncVectorEnv loop": c.gym_async,
 }
+# Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
+PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv loop"}
 LOCK_STEP = ["gym SyncVectorEnv loop", "torchrl Collector(SerialEnv)", "torchrl Collector(ParallelEnv)"]
 
 
@@ -65,13 +65,13 @@ class Scenario:
     targets: list[Target] = field(default_factory=list)
     hidden: tuple[int, ...] = (64, 64)
     track_memory: bool = False
-    quick_batches: int = 3
+    quick_batches: int = 2
     ideal_from_step_time: bool = False
     requires: Callable[[], str | None] = lambda: None  # a reason to skip, or None
     note: str = ""
 
     def workload(self, quick: bool) -> c.Workload:
-        per_env = 4 if quick else self.steps_per_env_per_batch
+        per_env = 2 if quick else self.steps_per_env_per_batch
         return c.Workload(self.env_id, self.num_envs, self.num_envs * per_env, hidden=self.hidden)
 
     def frame_count(self, workload: c.Workload, quick: bool) -> int:
@@ -156,5 +156,5 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
          "threaded env_time ept=16": _threaded(envs_per_thread=16),
          "torchrl AsyncBatchedCollector(threading)": c.torchrl_async_batched,
          "gym SyncVectorEnv loop": c.gym_sync},
-        track_memory=True, quick_batches=2),
+        track_memory=True),
 ]}

@@ -37,22 +37,24 @@ from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
 @dataclass
 class Config:
+    """Hyperparameters after RL Baselines3 Zoo's tuned DQN for CartPole-v1 (replay ratio 0.5, fast target sync)."""
+
     frames: int = 150_000
     num_envs: int = 8
     envs_per_thread: int = 4
-    frames_per_batch: int = 64      # frames added to the replay buffer per training step
-    updates_per_batch: int = 4      # gradient steps per training step (one per 16 frames)
-    learning_starts: int = 2_000    # random frames before learning
-    buffer_size: int = 50_000
-    sample_size: int = 128
-    lr: float = 5e-4
+    frames_per_batch: int = 256     # frames added to the replay buffer per training step
+    updates_per_batch: int = 128    # gradient steps per training step (one per 2 frames)
+    learning_starts: int = 1_000    # random frames before learning
+    buffer_size: int = 100_000
+    sample_size: int = 64
+    lr: float = 2.3e-3
     gamma: float = 0.99
-    target_update_every: int = 500  # gradient steps between hard target-network updates
+    target_update_every: int = 10   # gradient steps between hard target-network updates
     eps_start: float = 1.0
-    eps_end: float = 0.05
-    eps_frames: int = 40_000        # frames over which epsilon anneals linearly
-    hidden: int = 128
-    eval_every_frames: int = 10_000
+    eps_end: float = 0.04
+    eps_frames: int = 8_000         # frames over which epsilon anneals linearly
+    hidden: int = 256
+    eval_every_frames: int = 10_240
     eval_episodes: int = 8
     target_return: float = 475.0
     seed: int = 0
@@ -77,7 +79,7 @@ class DQN(pl.LightningModule):
         self.cfg = cfg
         self.automatic_optimization = False
         self.actor = make_actor(cfg)
-        self.loss = DQNLoss(self.actor[0], loss_function="smooth_l1", delay_value=True, double_dqn=True,
+        self.loss = DQNLoss(self.actor[0], loss_function="l2", delay_value=True, double_dqn=True,
                             action_space="one_hot")
         self.loss.make_value_estimator(gamma=cfg.gamma)
         self.target_updater = HardUpdate(self.loss, value_network_update_interval=cfg.target_update_every)

@@ -412,7 +412,8 @@ def test_checkpoint_saved_after_fit_holds_collector_state_once_and_resume_contin
     assert trainer2.callback_metrics["rollout/frames"].item() == 4 * 32
     assert trainer2.callback_metrics["rollout/episodes"].item() == dm2.collector.loop.episodes
     trainer2.save_checkpoint(str(tmp_path / "resumed.ckpt"))
-    assert torch.load(str(tmp_path / "resumed.ckpt"), weights_only=True)["RolloutDataModule"]["collector"]["frames"] == 128
+    resumed = torch.load(str(tmp_path / "resumed.ckpt"), weights_only=True)
+    assert resumed["RolloutDataModule"]["collector"]["frames"] == 128
 
 
 def test_a_second_fit_with_the_same_datamodule_continues_the_counts():

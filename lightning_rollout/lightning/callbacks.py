@@ -176,8 +176,8 @@ class EpisodeStatsLogger(RolloutCallback):
         step = _logger_step(trainer)
         if self._unwritten["count"] and ((step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop):
             u = self._unwritten  # same rule as Lightning's for what self.log sends to the logger
-            _write_to_loggers(trainer, {f"{p}/episode_reward": u["sum"] / u["count"], f"{p}/episode_reward_max": u["max"],
-                                        f"{p}/episode_reward_min": u["min"],
+            _write_to_loggers(trainer, {f"{p}/episode_reward": u["sum"] / u["count"],
+                                        f"{p}/episode_reward_max": u["max"], f"{p}/episode_reward_min": u["min"],
                                         f"{p}/episode_length": u["length_sum"] / u["count"]}, step)
             self._unwritten = self._no_episodes()
         pl_module.log(f"{p}/episodes", float(self._episodes), **log)
@@ -272,8 +272,8 @@ class RolloutEvaluation(RolloutCallback):
                 callback.on_eval_end(trainer, pl_module, episodes)
         if rewards["count"]:
             p = self.prefix
-            metrics = {f"{p}/episode_reward": rewards["sum"] / rewards["count"], f"{p}/episode_reward_min": rewards["min"],
-                       f"{p}/episode_reward_max": rewards["max"],
+            metrics = {f"{p}/episode_reward": rewards["sum"] / rewards["count"],
+                       f"{p}/episode_reward_min": rewards["min"], f"{p}/episode_reward_max": rewards["max"],
                        f"{p}/episode_length": lengths["sum"] / lengths["count"], f"{p}/seconds": seconds}
             if log:  # callback_metrics (ModelCheckpoint, EarlyStopping) and progress bar; not the logger (see module)
                 kw = dict(on_step=True, on_epoch=False, batch_size=1, logger=False)

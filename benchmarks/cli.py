@@ -1,0 +1,93 @@
+"""The benchmark runner; command line: ``python -m benchmarks [--quick] [--scenario NAME ...] [--out DIR] [--repeats K]``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["main", "run_scenario"]
+
+
+def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[str] | None = None,
+                 processes: bool = True, frames_scale: float = 1.0, log: Any = print) -> dict[str, Any]:
+    """Run every contender of ``scenario`` (filtered by glob patterns ``contenders``) in this process tree."""
+    from .harness import measure
+    from .report import evaluate_targets
+    from .scenarios import PROCESS_CONTENDERS
+
+    workload = scenario.workload(quick)
+    frames = scenario.frame_count(workload, quick)
+    if not quick and frames_scale != 1.0:
+        frames = max(workload.frames_per_batch, round(frames * frames_scale / workload.frames_per_batch)
+                     * workload.frames_per_batch)
+    entry: dict[str, Any] = {
+        "name": scenario.name, "title": scenario.title, "env_id": scenario.env_id, "num_envs": scenario.num_envs,
+        "hidden": list(scenario.hidden), "frames": frames, "frames_per_batch": workload.frames_per_batch,
+        "repeats": repeats, "track_memory": scenario.track_memory, "note": scenario.note,
+        "targets": [dataclasses.asdict(t) for t in scenario.targets], "extras": {}, "results": {}}
+    reason = scenario.requires()
+    if reason:
+        log(f"[{scenario.name}] skipped: {reason}")
+        entry.update(skipped=reason, target_results=[])
+        return entry
+    entry["extras"] = scenario.extras(quick)
+    for name, build in scenario.contenders.items():
+        if contenders and not any(fnmatch.fnmatch(name, p) for p in contenders):
+            continue
+        if not processes and name in PROCESS_CONTENDERS:
+            continue
+        t0 = time.perf_counter()
+        result = measure(lambda: build(workload), frames, repeats, warmup_frames=workload.frames_per_batch,
+                         track_memory=scenario.track_memory)
+        entry["results"][name] = result
+        figure = f"{result['median']:,.0f} steps/s" if result.get("median") else f"FAILED {result['error']}"
+        log(f"[{scenario.name}] {name}: {figure} ({time.perf_counter() - t0:.1f} s)")
+    entry["target_results"] = evaluate_targets(entry)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the scenarios, write the report, return it (as written to ``results.json``)."""
+    from .report import machine, write_all
+    from .scenarios import SCENARIOS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny frame counts: a smoke run of seconds per scenario")
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), metavar="NAME",
+                        help=f"run only these (repeatable; default all: {', '.join(SCENARIOS)})")
+    parser.add_argument("--contender", action="append", metavar="GLOB",
+                        help="run only contenders whose name matches (repeatable), e.g. 'threaded*'")
+    parser.add_argument("--no-processes", action="store_true",
+                        help="leave out peers that start worker processes (ParallelEnv, MultiSync, AsyncVectorEnv)")
+    parser.add_argument("--frames-scale", type=float, default=1.0,
+                        help="multiply every full-run frame count (e.g. 0.2 for a shorter run; ignored with --quick)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads in this process (default %(default)s: the small policies lose "
+                             "far more to thread wake-ups than they gain, and every contender gets the same)")
+    parser.add_argument("--out", default="benchmarks/results", help="output folder (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3; 2 with --quick)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 3)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(args.torch_threads)
+    names = args.scenario or list(SCENARIOS)
+    report: dict[str, Any] = {"command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "quick": args.quick, "machine": machine(), "scenarios": []}
+    for name in names:
+        report["scenarios"].append(run_scenario(SCENARIOS[name], quick=args.quick, repeats=repeats,
+                                                contenders=args.contender, processes=not args.no_processes,
+                                                frames_scale=args.frames_scale))
+    paths = write_all(report, args.out)
+    print("wrote " + ", ".join(paths.values()))
+    return report
+
+

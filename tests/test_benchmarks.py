@@ -1,0 +1,72 @@
+"""The benchmark harness itself: a ``--quick`` run of every scenario completes and writes a
+well-formed ``results.json``, ``table.md`` and ``plot.png``. No timing assertions.
+
+Peers that start worker processes (``ParallelEnv``, ``MultiSyncCollector``,
+``AsyncVectorEnv``) take seconds each just to start on 2 cores; the main test
+leaves them out (``--no-processes``) and a slow test covers them on one scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(out: str, *args: str, timeout: float) -> dict:
+    # A subprocess: the benchmark's threads and worker processes cannot leak into the test session.
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--repeats", "1", "--out", out, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def _check_report(report: dict, out: str, scenarios: list[str]) -> None:
+    assert [s["name"] for s in report["scenarios"]] == scenarios
+    assert report["machine"]["cores"] >= 1
+    table = open(os.path.join(out, "table.md")).read()
+    assert table.startswith("# lightning_rollout benchmarks")
+    with open(os.path.join(out, "plot.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for s in report["scenarios"]:
+        assert f"## {s['title']}" in table
+        if s.get("skipped"):
+            assert "Skipped:" in table
+            continue
+        assert s["results"], s["name"]
+        for name, r in s["results"].items():
+            assert r["error"] is None, (s["name"], name, r.get("traceback"))
+            assert len(r["steps_per_s"]) == 1 and r["median"] > 0
+            assert sum(r["frames"]) >= s["frames"]
+            assert f"| {name} |" in table
+            if name.startswith("threaded") and s["name"] != "lightning":
+                assert 1 <= r["stats"]["mean_flush_batch"] <= s["num_envs"]
+            if s["track_memory"]:
+                assert r["peak_rss_mb"] > 0
+        for t in s["target_results"]:  # a target against a peer left out is "not measured"
+            if t["peer"] in s["results"] or t["peer"] in ("ideal", "num_envs"):
+                assert t["passed"] in (True, False) and t["ratio"] > 0, t
+            else:
+                assert t["passed"] is None
+
+
+def test_quick_run_of_every_scenario(tmp_path):
+    from benchmarks.scenarios import SCENARIOS
+
+    out = str(tmp_path / "quick")
+    report = _run(out, "--no-processes", timeout=120)
+    _check_report(report, out, list(SCENARIOS))
+
+
+@pytest.mark.slow
+def test_quick_run_with_process_peers(tmp_path):
+    out = str(tmp_path / "quick")
+    report = _run(out, "--scenario", "cheap", timeout=600)
+    _check_report(report, out, ["cheap"])
+    assert "torchrl Collector(ParallelEnv)" in report["scenarios"][0]["results"]
