@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--frames", type=int, default=Config.frames)
     parser.add_argument("--num-envs", type=int, default=Config.num_envs)
     parser.add_argument("--envs-per-thread", type=int, default=Config.envs_per_thread)
+    parser.add_argument("--frames-per-batch", type=int, default=Config.frames_per_batch)
+    parser.add_argument("--updates-per-batch", type=int, default=Config.updates_per_batch)
     parser.add_argument("--learning-starts", type=int, default=Config.learning_starts)
     parser.add_argument("--eval-every-frames", type=int, default=Config.eval_every_frames)
     parser.add_argument("--eval-episodes", type=int, default=Config.eval_episodes)
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=Config.out)
     args = parser.parse_args(argv)
     cfg = Config(frames=args.frames, num_envs=args.num_envs, envs_per_thread=args.envs_per_thread,
+                 frames_per_batch=args.frames_per_batch, updates_per_batch=args.updates_per_batch,
                  learning_starts=args.learning_starts, eval_every_frames=args.eval_every_frames,
                  eval_episodes=args.eval_episodes, target_return=args.target_return, seed=args.seed, out=args.out)
     pl.seed_everything(cfg.seed, verbose=False)

@@ -42,10 +42,10 @@ def test_ppo_example_trains_logs_and_draws_a_learning_curve(tmp_path: Path) -> N
 
 
 def test_dqn_example_fills_a_replay_buffer_and_learns_a_few_steps(tmp_path: Path) -> None:
-    result = run_example("dqn_cartpole.py", "--frames", "3200", "--num-envs", "4", "--envs-per-thread", "2",
-                         "--learning-starts", "512", "--eval-every-frames", "1024", "--eval-episodes", "2",
-                         "--out", str(tmp_path))
-    assert result["frames"] == 3200
+    result = run_example("dqn_cartpole.py", "--frames", "2048", "--frames-per-batch", "128", "--updates-per-batch",
+                         "8", "--num-envs", "4", "--envs-per-thread", "2", "--learning-starts", "512",
+                         "--eval-every-frames", "1024", "--eval-episodes", "2", "--out", str(tmp_path))
+    assert result["frames"] == 2048
     assert result["eval_history"], "no evaluation ran"
     assert list(Path(result["log_dir"]).glob("events.out.tfevents.*"))
 

@@ -236,16 +236,18 @@ def test_per_step_events_are_not_built_when_no_callback_overrides_on_rollout_ste
 class FlippingAgent(pl.LightningModule):
     """Deterministic actor whose every optimizer step flips its greedy action for every observation.
 
-    Only the output bias is trained: step ``k`` moves ``bias[0] - bias[1]`` by
-    ``-/+ 20 (k + 1)`` alternately, so the logit gap goes -20, +20, -40, +40, ...,
-    which dwarfs the observation-dependent part. An action acted by the weights
-    of one step earlier is therefore always the other action.
+    Only the output bias is trained. It starts at a gap ``bias[0] - bias[1] = +10``
+    and step ``k`` moves the gap by ``-/+ 20 (k + 1)`` alternately, so the gap goes
+    +10, -10, +30, -30, ..., which dwarfs the observation-dependent part: an action
+    acted by the weights of one step earlier is therefore always the other action.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.actor = make_actor(4)
         self.bias = [m for m in self.actor.modules() if isinstance(m, torch.nn.Linear)][-1].bias
+        with torch.no_grad():
+            self.bias.copy_(torch.tensor([10.0, 0.0]))
         self.records: list[dict] = []
         self._previous: ProbabilisticActor | None = None  # weights before the last optimizer step (not a submodule)
 
