@@ -3,7 +3,13 @@
 Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
 
 * One **inference thread** (``lightning_rollout-<name>-inference``, a daemon)
-  owns the policy. It is started lazily and joined by :meth:`AutobatchPolicy.close`.
+  serves the queue: partial flushes after ``max_wait``, flushes made ready by a
+  client parking, and weight updates. It is started lazily and joined by
+  :meth:`AutobatchPolicy.close`. With ``flush_in_caller=True`` (default) a
+  client whose request makes the queue flushable runs that forward pass in its
+  own thread instead when that request is the whole batch (one wake-up less
+  each way); forward passes never overlap
+  (they run under ``_weights_lock``).
 * A client (one per env thread) is an :class:`Agent` obtained from
   :meth:`AutobatchPolicy.register`; it stands for ``rows`` observations per
   request (``envs_per_thread``). It is **active** while registered and not
@@ -12,8 +18,8 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   per agent and can never go negative: parking twice is a no-op, and a closed
   agent no longer counts.
 * :meth:`Agent.submit` queues one request of ``rows`` observations;
-  :meth:`Agent.result` waits for its answer. The inference thread flushes all
-  queued requests as soon as ``pending_rows >= min(active_rows, autobatch_size)``
+  :meth:`Agent.result` waits for its answer. All queued requests are flushed
+  as soon as ``pending_rows >= min(active_rows, autobatch_size)``
   (the seed's rule, re-checked whenever a client parks or leaves), or when the
   oldest request has waited ``max_wait`` seconds.
 * A flush is **split by exploration mode**: deterministic and random requests
@@ -29,8 +35,10 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
 
 Locks: ``_cond`` (a :class:`threading.Condition`) guards the queue, the agent
 counts and the update list; ``_weights_lock`` guards the policy's parameters
-(held by the inference thread while it runs or updates the policy, and by
-:meth:`state`). Both belong to this class alone.
+(held by whichever thread runs a forward pass or applies an update, and by
+:meth:`state`). Order: a thread holding ``_cond`` may try-acquire
+``_weights_lock`` (never blocking); no thread holding ``_weights_lock`` takes
+``_cond``. Both belong to this class alone.
 """
 
 from __future__ import annotations
@@ -205,6 +213,10 @@ class AutobatchPolicy:
         device: where the forward pass runs; default: the device of the
             policy's first parameter, else CPU. Outputs come back on CPU.
         name: used in the inference thread's name.
+        flush_in_caller: a request that is a whole flushable batch by itself runs its
+            forward pass in the submitting thread (default; saves two thread hand-offs,
+            +35% on CartPole with one thread of 8 envs). ``False``: every forward pass
+            runs on the inference thread.
 
     Raises:
         ValueError: ``autobatch_size < 1``, ``max_wait < 0`` or a policy that is
@@ -215,7 +227,7 @@ class AutobatchPolicy:
 
     def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
                  max_wait: float | None = None, device: torch.device | str | None = None,
-                 name: str = "policy") -> None:
+                 name: str = "policy", flush_in_caller: bool = True) -> None:
         if not callable(policy):
             raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
         if autobatch_size is not None and (not isinstance(autobatch_size, int) or isinstance(autobatch_size, bool)
@@ -232,6 +244,7 @@ class AutobatchPolicy:
         self.autobatch_size = autobatch_size
         self.max_wait = max_wait
         self.name = name
+        self.flush_in_caller = bool(flush_in_caller)
         self.is_tensordict_module = isinstance(policy, TensorDictModuleBase)
         self._direct = _direct_module(policy)  # a plain TensorDictModule's inner module, called without a TensorDict
         self.device = torch.device(device) if device is not None else _module_device(policy)
@@ -245,7 +258,7 @@ class AutobatchPolicy:
         self._updates: list[tuple[Any, threading.Event]] = []
         self._closed = False
         self._thread: threading.Thread | None = None
-        # Statistics, read by benchmarks and tests (written by the inference thread).
+        # Statistics, read by benchmarks and tests (written under _weights_lock by whichever thread flushes).
         self.num_flushes = 0
         self.num_rows = 0
 
@@ -315,7 +328,22 @@ class AutobatchPolicy:
                 raise CollectionError("the AutobatchPolicy is closed")
             self._pending.append(request)
             self._pending_rows += request.rows
-            self._cond.notify()
+            # Caller-runs flush: a request that is a whole flushable batch by itself (one thread serves
+            # every active env, e.g. envs_per_thread == num_envs) runs its forward pass in its own thread,
+            # saving the two wake-ups of a round trip through the inference thread. With requests of
+            # several threads the inference thread flushes (measured: having one client answer the
+            # others serialises their wake-ups behind it). The weights lock is taken before the queue
+            # is released, so no update slips between taking and running the batch; if the lock is
+            # busy or an update waits, the inference thread flushes.
+            if not (self.flush_in_caller and len(self._pending) == 1 and not self._updates
+                    and self._ready(request.t0) and self._weights_lock.acquire(blocking=False)):
+                self._cond.notify()
+                return
+            batch, self._pending, self._pending_rows = self._pending, [], 0
+        try:
+            self._flush_locked(batch)
+        finally:
+            self._weights_lock.release()
 
     def probe(self, obs: Mapping[NestedKey, np.ndarray]) -> dict[NestedKey, tuple[tuple[int, ...], np.dtype]]:
         """Run the policy once on ``obs`` (batch of 1) in the caller's thread; return each output's
@@ -461,7 +489,8 @@ class AutobatchPolicy:
                     cond.wait(timeout if timeout is not None else _POLL_S * 4)
                 updates, self._updates = self._updates, []
             if batch:
-                self._flush(batch)
+                with self._weights_lock:
+                    self._flush_locked(batch)
             for state, done in updates:
                 try:
                     self._apply_update(state)
@@ -470,7 +499,8 @@ class AutobatchPolicy:
                 finally:
                     done.set()
 
-    def _flush(self, batch: list[_Request]) -> None:
+    def _flush_locked(self, batch: list[_Request]) -> None:
+        """Answer ``batch``, one forward pass per exploration mode (``_weights_lock`` held)."""
         first_mode = batch[0].mode
         if all(r.mode is first_mode for r in batch):
             self._forward(batch)
@@ -484,9 +514,8 @@ class AutobatchPolicy:
     def _forward(self, batch: list[_Request]) -> None:
         rows = sum(r.rows for r in batch)
         try:
-            with self._weights_lock:
-                outputs = self._run_policy(batch, rows)
-                version = self._version
+            outputs = self._run_policy(batch, rows)
+            version = self._version
         except BaseException as exc:  # forwarded to every waiting client
             env_ids = tuple(i for r in batch for i in r.agent.env_ids)
             if isinstance(exc, PolicyError):  # raised by _run_policy, which does not know the envs

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -109,21 +110,30 @@ def mock_envs(n: int, **kwargs) -> list[Callable[[], MockEnv]]:
     return [lambda i=i: MockEnv(i, **kwargs) for i in range(n)]
 
 
+def called_from_probe() -> bool:
+    """True inside ``AutobatchPolicy.probe`` (the shape-discovery call a loop makes at construction)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "probe" and frame.f_code.co_filename.endswith("policy.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class CountingPolicy:
     """Plain callable policy ``obs[B, 3] -> action[B]`` that counts its forward passes.
 
-    The action is ``(episode + t) % 2`` of the observation (deterministic). Only calls from a
-    thread other than the one that built the policy (the inference thread) are recorded, so the
-    loop's one-row probe at construction is left out.
+    The action is ``(episode + t) % 2`` of the observation (deterministic). Every forward pass
+    is recorded (whichever thread runs it) except the loop's one-row probe at construction
+    (``AutobatchPolicy.probe``), so batch sizes are those of real flushes.
     """
 
     def __init__(self) -> None:
-        self._owner = threading.get_ident()
         self._lock = threading.Lock()
         self.batch_sizes: list[int] = []
 
     def __call__(self, obs: torch.Tensor) -> torch.Tensor:
-        if threading.get_ident() != self._owner:
+        if not called_from_probe():
             with self._lock:
                 self.batch_sizes.append(int(obs.shape[0]))
         return (obs[:, 1] + obs[:, 2]).long() % 2

@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from conftest import CountingPolicy, MockEnv, mock_envs
+from conftest import CountingPolicy, MockEnv, called_from_probe, mock_envs
 from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, MultiEnvLoop, PolicyError,
                                StepTimeoutError, ThreadedCollector)
 from reliability_helpers import assert_no_rollout_threads, bounded, rollout_threads
@@ -195,14 +195,14 @@ def test_env_bad_observation(kind, words, mode):
 
 
 class FaultyPolicy(CountingPolicy):
-    """CountingPolicy whose ``k``-th forward pass in the inference thread (1-based) goes wrong."""
+    """CountingPolicy whose ``k``-th forward pass (1-based, the loop's probe not counted) goes wrong."""
 
     def __init__(self, k: int, kind: str) -> None:
         super().__init__()
         self.k, self.kind, self.n = k, kind, 0
 
     def __call__(self, obs):
-        if threading.get_ident() != self._owner:
+        if not called_from_probe():
             self.n += 1
             if self.n == self.k:
                 b = obs.shape[0]
