@@ -568,6 +568,7 @@ class MultiEnvLoop:
         self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
         self._stray_episodes: list[tuple[Any, ...]] = []
         self._deferred: list[int] | None = None
+        self._answered_since_wait: list[int] = []  # answered workers not yet released (driver only)
         self._started = False
         if start:
             self.start()
@@ -678,7 +679,7 @@ class MultiEnvLoop:
                 if msg[0] == "reset":
                     waiting.discard(msg[1])
                 elif msg[0] == "step":
-                    self._in_flight[msg[1]] = False
+                    self._answered(msg[1])
                     self._partials[msg[1]] = (msg[2], 0)
                 else:
                     self._stray_episodes.append(msg)
@@ -701,15 +702,23 @@ class MultiEnvLoop:
         for w in deferred:
             self._workers[w].requests.put(("step",))
 
+    def _answered(self, w: int) -> None:
+        """Worker ``w``'s step arrived: no longer in flight; released at the next wait unless asked again."""
+        self._in_flight[w] = False
+        self._answered_since_wait.append(w)
+
     def _release_holds(self) -> None:
         """Stop holding workers whose answer was consumed and that were not asked again."""
-        for worker, in_flight in zip(self._workers, self._in_flight):
-            if worker._held and not in_flight:
+        answered, self._answered_since_wait = self._answered_since_wait, []
+        for w in answered:
+            worker = self._workers[w]
+            if worker._held and not self._in_flight[w]:
                 worker._set_activity(held=False)
 
     def _release_all_holds(self) -> None:
         """The driver leaves: hold nobody (a worker still in flight counts itself while it works)."""
         self._deferred = None
+        self._answered_since_wait = []
         for worker in self._workers:
             if worker._held:
                 worker._set_activity(held=False)
@@ -839,7 +848,7 @@ class MultiEnvLoop:
                     self._stray_episodes.append(msg)
                     continue
                 _, w, slot = msg
-                self._in_flight[w] = False
+                self._answered(w)
                 in_flight_rows -= g
                 filled = self._take(out, filled, n, w, slot, 0, processor)
                 if w not in self._partials:
@@ -930,7 +939,7 @@ class MultiEnvLoop:
                     self._stray_episodes.append(msg)
                     continue
                 _, w, slot = msg
-                self._in_flight[w] = False
+                self._answered(w)
                 sent[w] -= 1
                 self._place(out, t, w, slot, T)
                 if t[w] + sent[w] < T:
@@ -1006,7 +1015,7 @@ class MultiEnvLoop:
                     break
                 if msg[0] == "step":
                     _, w, slot = msg
-                    self._in_flight[w] = False
+                    self._answered(w)
                     self._partials[w] = (slot, 0)
                     continue
                 _, w, index, cols, length = msg
