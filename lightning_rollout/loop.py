@@ -743,6 +743,22 @@ class MultiEnvLoop:
                 return None
             return msg
 
+    def _next_step(self, interrupter: Interrupter | None) -> tuple[int, int] | None:
+        """``(worker, slot)`` of the next step block to arrive; None when interrupted.
+
+        Late episodes of an interrupted ``run_episodes`` arriving meanwhile are set aside.
+        """
+        while True:
+            msg = self._wait(interrupter)
+            if msg is None:
+                return None
+            if msg[0] == "episode":
+                self._stray_episodes.append(msg)
+                continue
+            _, w, slot = msg
+            self._answered(w)
+            return w, slot
+
     def _check_timeouts(self) -> None:
         if self.step_timeout is None:
             return
@@ -841,14 +857,10 @@ class MultiEnvLoop:
             self._send_deferred()
             # 3. consume arrivals, re-asking while more is needed
             while filled < n:
-                msg = self._wait(interrupter)
-                if msg is None:
+                arrival = self._next_step(interrupter)
+                if arrival is None:
                     break
-                if msg[0] == "episode":
-                    self._stray_episodes.append(msg)
-                    continue
-                _, w, slot = msg
-                self._answered(w)
+                w, slot = arrival
                 in_flight_rows -= g
                 filled = self._take(out, filled, n, w, slot, 0, processor)
                 if w not in self._partials:
@@ -932,14 +944,10 @@ class MultiEnvLoop:
                     sent[w] += 1
             self._send_deferred()
             while min(t, default=T) < T:
-                msg = self._wait(interrupter)
-                if msg is None:
+                arrival = self._next_step(interrupter)
+                if arrival is None:
                     break
-                if msg[0] == "episode":
-                    self._stray_episodes.append(msg)
-                    continue
-                _, w, slot = msg
-                self._answered(w)
+                w, slot = arrival
                 sent[w] -= 1
                 self._place(out, t, w, slot, T)
                 if t[w] + sent[w] < T:

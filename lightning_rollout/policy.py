@@ -18,7 +18,8 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   per agent and can never go negative: parking twice is a no-op, and a closed
   agent no longer counts.
 * :meth:`Agent.submit` queues one request of ``rows`` observations;
-  :meth:`Agent.result` waits for its answer. All queued requests are flushed
+  :meth:`Agent.result` waits for its answer. The oldest queued requests, up to
+  ``autobatch_size`` rows (whole requests, at least one), are flushed
   as soon as ``pending_rows >= min(active_rows, autobatch_size)``
   (the seed's rule, re-checked whenever a client parks or leaves), or when the
   oldest request has waited ``max_wait`` seconds.
@@ -206,8 +207,9 @@ class AutobatchPolicy:
             ``obs: Tensor[B, *obs_shape] -> action: Tensor[B, *action_shape]``
             (it reads the single observation key).
         autobatch_size: flush as soon as this many rows are queued, or all
-            active rows when fewer are active. ``None`` waits for every active
-            row (lock-step). Must be ``>= 1``.
+            active rows when fewer are active; a forward pass takes at most this
+            many rows (whole requests, at least one). ``None`` waits for every
+            active row (lock-step) and takes all. Must be ``>= 1``.
         max_wait: seconds; flush a partial batch once its oldest request has
             waited this long. ``None`` never flushes early.
         device: where the forward pass runs; default: the device of the
@@ -339,7 +341,7 @@ class AutobatchPolicy:
                     and self._ready(request.t0) and self._weights_lock.acquire(blocking=False)):
                 self._cond.notify()
                 return
-            batch, self._pending, self._pending_rows = self._pending, [], 0
+            batch = self._take_batch()
         try:
             self._flush_locked(batch)
         finally:
@@ -470,6 +472,22 @@ class AutobatchPolicy:
             return True
         return self.max_wait is not None and now - self._pending[0].t0 >= self.max_wait
 
+    def _take_batch(self) -> list[_Request]:
+        """Dequeue the next batch (``_cond`` held): the oldest requests, up to ``autobatch_size`` rows
+        (at least one request; a request is never split)."""
+        if self.autobatch_size is None or self._pending_rows <= self.autobatch_size:
+            batch, self._pending, self._pending_rows = self._pending, [], 0
+            return batch
+        rows, count = 0, 0
+        for request in self._pending:
+            if count and rows + request.rows > self.autobatch_size:
+                break
+            rows += request.rows
+            count += 1
+        batch, self._pending = self._pending[:count], self._pending[count:]
+        self._pending_rows -= rows
+        return batch
+
     def _serve(self) -> None:
         cond = self._cond
         while True:
@@ -477,18 +495,20 @@ class AutobatchPolicy:
                 while True:
                     if self._closed:
                         return
-                    if self._ready(time.perf_counter()):
-                        batch, self._pending, self._pending_rows = self._pending, [], 0
+                    if self._updates:  # everything queued before an update is answered with the old weights
+                        batches = []
+                        while self._pending:
+                            batches.append(self._take_batch())
                         break
-                    if self._updates:
-                        batch = []
+                    if self._ready(time.perf_counter()):
+                        batches = [self._take_batch()]
                         break
                     timeout = None
                     if self.max_wait is not None and self._pending:
                         timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
                     cond.wait(timeout if timeout is not None else _POLL_S * 4)
                 updates, self._updates = self._updates, []
-            if batch:
+            for batch in batches:
                 with self._weights_lock:
                     self._flush_locked(batch)
             for state, done in updates:

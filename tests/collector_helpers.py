@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import gymnasium as gym
-import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.envs import Compose, GymEnv, RewardSum, StepCounter, TransformedEnv
 from torchrl.modules import OneHotCategorical, ProbabilisticActor, ValueOperator
+
+from conftest import MockEnv, mock_envs
 
 CARTPOLE = "CartPole-v1"
 OBS_DIM, N_ACTIONS = 4, 2
@@ -56,39 +56,10 @@ def balance_policy(obs: torch.Tensor) -> torch.Tensor:
     return (obs[:, 2] > 0).long()
 
 
-class StreamEnv(gym.Env):
-    """Deterministic env whose observation ``[env_id, episode, t]`` says where each step comes from.
-
-    Episodes last ``length`` steps and terminate; reward 1 per step; two actions (ignored).
-    """
-
-    metadata: dict = {"render_modes": []}
-
-    def __init__(self, env_id: int = 0, length: int = 5) -> None:
-        self.env_id = env_id
-        self.length = length
-        self.observation_space = gym.spaces.Box(-1e6, 1e6, shape=(3,), dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(2)
-        self.episode = -1
-        self.t = 0
-
-    def _obs(self) -> np.ndarray:
-        return np.array([self.env_id, self.episode, self.t], dtype=np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.episode += 1
-        self.t = 0
-        return self._obs(), {}
-
-    def step(self, action):
-        self.t += 1
-        return self._obs(), 1.0, self.t >= self.length, False, {}
-
-
-def stream_envs(n: int, length: int = 5) -> list[Callable[[], StreamEnv]]:
-    """``n`` factories; env ``i`` writes ``i`` into its observations."""
-    return [lambda i=i: StreamEnv(i, length) for i in range(n)]
+def stream_envs(n: int, length: int = 5) -> list[Callable[[], MockEnv]]:
+    """``n`` factories of :class:`conftest.MockEnv` (observation ``[env_id, episode, t]``);
+    episodes last ``length`` steps and terminate, reward 1 per step."""
+    return mock_envs(n, length_fn=lambda env_id, episode: length, reward_fn=lambda env_id, episode, t: 1.0)
 
 
 def stream_policy(obs: torch.Tensor) -> torch.Tensor:

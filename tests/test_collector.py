@@ -29,12 +29,12 @@ from torchrl.objectives import ClipPPOLoss, DQNLoss
 from torchrl.objectives.value import GAE
 from torchrl.trainers import DefaultOptimizationStepper, Trainer, UpdateWeights
 
+from conftest import MockEnv
 from collector_helpers import (
     CARTPOLE,
     COUNTER_KEYS,
     OWN_KEYS,
     TORCHRL_KEYS,
-    StreamEnv,
     assert_traj_ids_follow_done,
     balance_policy,
     cartpole_with_counters,
@@ -461,10 +461,10 @@ def test_shutdown_is_idempotent_and_leaves_no_thread_alive():
 
 
 def test_shutdown_of_a_never_iterated_collector_closes_its_envs():
-    envs: list[StreamEnv] = []
+    envs: list[MockEnv] = []
 
     def factory():
-        env = StreamEnv(len(envs))
+        env = MockEnv(len(envs))
         env.close = lambda env=env: setattr(env, "closed", True)
         envs.append(env)
         return env
@@ -484,16 +484,10 @@ def test_dropped_collector_stops_its_threads_when_garbage_collected():
     assert not {t for t in set(threading.enumerate()) - before if t.name.startswith(THREAD_PREFIX)}
 
 
-class _ExplodingEnv(StreamEnv):
-    def step(self, action):
-        if self.env_id == 1 and self.t == 2:
-            raise RuntimeError("boom")
-        return super().step(action)
-
-
 def test_env_error_reaches_the_caller_and_shutdown_after_it_is_safe():
-    collector = ThreadedCollector([lambda i=i: _ExplodingEnv(i, length=50) for i in range(2)], stream_policy,
-                                  frames_per_batch=8)
+    collector = ThreadedCollector([lambda: MockEnv(0, length_fn=lambda e, ep: 50),
+                                   lambda: MockEnv(1, length_fn=lambda e, ep: 50, raise_on_step=2)],
+                                  stream_policy, frames_per_batch=8)
     try:
         with pytest.raises(EnvError) as info:
             list(collector)

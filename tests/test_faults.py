@@ -446,11 +446,14 @@ _SCRIPTS = {
     "loop_sigint": """
         loop = MultiEnvLoop(Env, policy, num_envs=4, autobatch_size=2)
         loop.run_steps(100)
-        print("READY", flush=True)
         try:
+            print("READY", flush=True)
             while True:
                 loop.run_steps(1000)
         except KeyboardInterrupt:
+            # Almost always the signal lands inside run_steps, which closes the loop itself; the
+            # few microseconds between READY and the first run_steps are covered by the close().
+            loop.close()
             print("INTERRUPTED closed=%s alive=%s" % (loop.closed, alive()), flush=True)
             sys.exit(130)
     """,

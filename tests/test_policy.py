@@ -152,6 +152,39 @@ def test_agent_with_several_rows_counts_all_its_rows():
         policy.close()
 
 
+def test_autobatch_size_caps_the_rows_of_a_forward_pass():
+    started, release = threading.Event(), threading.Event()
+    sizes: list[int] = []
+
+    def policy(obs: torch.Tensor) -> torch.Tensor:
+        sizes.append(int(obs.shape[0]))
+        if len(sizes) == 1:  # hold the first forward pass while three more requests queue up
+            started.set()
+            release.wait(10)
+        return obs[:, 0].long()
+
+    server = AutobatchPolicy(policy, autobatch_size=2, flush_in_caller=False)
+    agents = [server.register(1) for _ in range(5)]
+    try:
+        for value, agent in enumerate(agents[:2]):
+            agent.submit(obs_rows(value))
+        assert started.wait(10)
+        for value, agent in enumerate(agents[2:], 2):
+            agent.submit(obs_rows(value))
+        release.set()
+        answers = [agent.result() for agent in agents[:4]]
+        for agent in agents[:4]:  # the last request alone waits for them to leave (2 rows > 1 active)
+            agent.park()
+        answers.append(agents[4].result())
+        assert [a.outputs["action"][a.start] for a in answers] == [0, 1, 2, 3, 4]
+        assert sizes == [2, 2, 1]
+    finally:
+        release.set()
+        for agent in agents:
+            agent.close()
+        server.close()
+
+
 def test_parked_agent_does_not_hold_back_a_flush():
     counting = EchoPolicy()
     policy = AutobatchPolicy(counting, autobatch_size=None)
