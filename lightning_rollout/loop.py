@@ -50,12 +50,14 @@ transitions collected so far attached as ``exc.partial``.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import random
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -169,6 +171,9 @@ class _Worker:
         self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
         self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
         self.busy_env = -1
+        self.busy_phase = "step"  # what busy_env is doing: "reset" or "step"
+        self.quota_end = 0  # after a quota request: the first time index it did not write
+        self.abandoned = False  # set by the driver when a call exceeded step_timeout
         # The agent counts as active while this thread works (``_working``) or while the driver
         # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
         # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
@@ -181,7 +186,7 @@ class _Worker:
 
     # -- helpers ---------------------------------------------------------------------
     def _reset_env(self, j: int, seed: int | None = None) -> None:
-        self.busy_env, self.busy_since = j, time.perf_counter()
+        self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
         try:
             obs = self.adapters[j].reset(seed)
         except Exception as exc:
@@ -247,7 +252,7 @@ class _Worker:
     def _env_step(self, cols: dict[NestedKey, np.ndarray], r: int, j: int) -> bool:
         """Step env ``j`` with the action in row ``r`` of ``cols``; write the transition. Returns done."""
         loop = self.loop
-        self.busy_env, self.busy_since = j, time.perf_counter()
+        self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
         try:
             obs, reward, terminated, truncated = self.adapters[j].step(cols["action"][r])
         except Exception as exc:
@@ -279,15 +284,36 @@ class _Worker:
                 self.cur_obs[k][j] = obs[k]
         return done
 
-    def _compute(self, slot: int) -> None:
-        """One step of every env of this worker, into ``slots[slot]``."""
-        cols = self.slots[slot]
+    def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
+        """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch)."""
         for k in self.loop._layout.obs_keys:
             cols[k][:] = self.cur_obs[k]
         self._act(cols, 0, self.rows, range(self.rows))
         for j in range(self.rows):
             if self._env_step(cols, j, j):
                 self._reset_env(j)
+
+    def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
+        """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
+        batch, which it does not read until this worker reports); stop early when the driver cuts.
+        Keeps ``quota_end`` at the first time index not written yet; returns the staged slot left (None)."""
+        w, t, end = self.index, start, start + count
+        cut = self.loop._cut
+        self.quota_end = t
+        while t < end:
+            dest = {k: v[w, :, t] for k, v in out.items()}
+            if staged is not None:  # the lookahead step computed before the request: deliver it first
+                src = self.slots[staged]
+                for k, d in dest.items():
+                    d[...] = src[k]
+                staged = None
+            else:
+                self._compute(dest)
+            t += 1
+            self.quota_end = t  # read by the driver after a failure: steps before it are complete
+            if cut.is_set():
+                break
+        return staged
 
     def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
         """Update the two reasons to count as active (any thread); the agent follows their ``or``."""
@@ -362,7 +388,7 @@ class _Worker:
             slot = 0
             staged: int | None = None
             if loop.lookahead:
-                self._compute(slot)
+                self._compute(self.slots[slot])
                 staged = slot
             while True:
                 request = self._wait_request()
@@ -370,12 +396,18 @@ class _Worker:
                     return
                 if request[0] == "step":
                     if staged is None:
-                        self._compute(slot)
+                        self._compute(self.slots[slot])
                     loop._ready.put(("step", self.index, slot))
                     slot ^= 1
                     staged = None
                     if loop.lookahead:
-                        self._compute(slot)
+                        self._compute(self.slots[slot])
+                        staged = slot
+                elif request[0] == "steps":
+                    staged = self._run_quota(request[1], request[2], request[3], staged)
+                    loop._ready.put(("steps", self.index, self.quota_end))
+                    if loop.lookahead and staged is None:
+                        self._compute(self.slots[slot])
                         staged = slot
                 elif request[0] == "reset":
                     for env_id, seed in request[1]:
@@ -528,6 +560,7 @@ class MultiEnvLoop:
         self._random_steps_per_env = random_steps_per_env
         self._traj_ids = _Counter(traj_id_start)
         self._stop = threading.Event()
+        self._cut = threading.Event()  # set by the driver: workers end their quota after the current step
         self._closed = False
         self._ready: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.frames = 0
@@ -567,7 +600,8 @@ class MultiEnvLoop:
         self._idle: deque[int] = deque(range(len(self._workers)))
         self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
         self._stray_episodes: list[tuple[Any, ...]] = []
-        self._deferred: list[int] | None = None
+        self._deferred: list[tuple[int, tuple[Any, ...]]] | None = None
+        self._carry: dict[int, dict[NestedKey, np.ndarray]] = {}  # steps beyond an interrupted env_time batch
         self._answered_since_wait: list[int] = []  # answered workers not yet released (driver only)
         self._started = False
         if start:
@@ -578,6 +612,7 @@ class MultiEnvLoop:
         self._check_open()
         if not self._started:
             self._started = True
+            _LIVE_LOOPS.add(self)
             for worker in self._workers:
                 worker.thread.start()
 
@@ -690,17 +725,25 @@ class MultiEnvLoop:
             raise
 
     def _request_step(self, w: int) -> None:
+        self._request(w, ("step",))
+
+    def _request(self, w: int, message: tuple[Any, ...]) -> None:
+        """Send ``message`` (a step or a quota of steps) to worker ``w``, holding it active until answered."""
+        if w in self._idle:
+            self._idle.remove(w)
         self._in_flight[w] = True
+        if message[0] == "steps":
+            self._workers[w].quota_end = message[2]  # progress of this quota, advanced by the worker
         self._workers[w]._set_activity(held=True)
         if self._deferred is not None:  # a burst: every worker is held before any is woken
-            self._deferred.append(w)
+            self._deferred.append((w, message))
         else:
-            self._workers[w].requests.put(("step",))
+            self._workers[w].requests.put(message)
 
     def _send_deferred(self) -> None:
         deferred, self._deferred = self._deferred or [], None
-        for w in deferred:
-            self._workers[w].requests.put(("step",))
+        for w, message in deferred:
+            self._workers[w].requests.put(message)
 
     def _answered(self, w: int) -> None:
         """Worker ``w``'s step arrived: no longer in flight; released at the next wait unless asked again."""
@@ -766,15 +809,15 @@ class MultiEnvLoop:
         for worker in self._workers:
             since = worker.busy_since
             if since and now - since > self.step_timeout:
-                j = worker.busy_env
+                j, phase = worker.busy_env, worker.busy_phase
                 worker.abandoned = True  # close() does not wait for it
                 raise StepTimeoutError(
                     f"no answer within step_timeout={self.step_timeout} s; thread {worker.thread.name!r} is "
-                    "stuck inside the env and is abandoned (daemon)",
-                    env_id=worker.env_ids[j], step=int(worker.steps_done[j]), phase="step")
+                    f"stuck inside the env's {phase} and is abandoned (daemon)",
+                    env_id=worker.env_ids[j], step=int(worker.steps_done[j]), phase=phase)
 
     def _fail(self, exc: BaseException, partial: TensorDict | None) -> None:
-        if isinstance(exc, CollectionError) and partial is not None and partial.numel():
+        if isinstance(exc, CollectionError) and partial is not None and partial.batch_size.numel():
             exc.partial = partial
         self.close()
         raise exc
@@ -928,39 +971,76 @@ class MultiEnvLoop:
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         g, W, T = self.envs_per_thread, len(self._workers), steps_per_env
+        if interrupter is not None and interrupter.should_stop():
+            T = 0  # stopped before the call: nothing is asked, nothing is lost
         out = self._layout.allocate((W, g, T))
-        t = [0] * W  # steps received per worker
-        sent = [int(f) for f in self._in_flight]  # a step in flight from an interrupted call lands here
+        t = [0] * W  # steps of each worker written into ``out``
+        quotas: set[int] = set()  # workers writing a quota into ``out``
+        interrupted = False
         try:
-            for w, (slot, _) in list(self._partials.items()):  # whole blocks parked by run_episodes
+            for w, (slot, _) in list(self._partials.items()):  # whole blocks parked by an earlier call
                 del self._partials[w]
                 self._place(out, t, w, slot, T)
+            self._place_carry(out, t, T)
+            # One quota request per worker: it writes its steps straight into ``out`` (no hand-off per step).
+            # A worker with a single step in flight (an interrupted run_steps) gets its quota on arrival.
             self._deferred = []
             for w in range(W):
-                if T and not self._in_flight[w] and t[w] + sent[w] < T:
-                    if w in self._idle:
-                        self._idle.remove(w)
-                    self._request_step(w)
-                    sent[w] += 1
+                if t[w] < T and not self._in_flight[w]:
+                    self._request(w, ("steps", out, t[w], T - t[w]))
+                    quotas.add(w)
             self._send_deferred()
-            while min(t, default=T) < T:
-                arrival = self._next_step(interrupter)
-                if arrival is None:
-                    break
-                w, slot = arrival
-                sent[w] -= 1
-                self._place(out, t, w, slot, T)
-                if t[w] + sent[w] < T:
-                    self._request_step(w)
-                    sent[w] += 1
-                elif w not in self._partials:
-                    self._idle.append(w)
+            while any(self._in_flight):
+                msg = self._wait(None if interrupted else interrupter)
+                if msg is None:  # interrupted: every worker stops after its current step and reports
+                    interrupted = True
+                    self._cut.set()
+                    continue
+                if msg[0] == "episode":
+                    self._stray_episodes.append(msg)
+                    continue
+                w = msg[1]
+                self._answered(w)
+                if msg[0] == "steps":
+                    t[w] = msg[2]
+                    quotas.discard(w)
+                else:  # a single step requested by an interrupted run_steps
+                    self._place(out, t, w, msg[2], T)
+                    if t[w] < T and not interrupted:
+                        self._request(w, ("steps", out, t[w], T - t[w]))
+                        quotas.add(w)
         except CollectionError as exc:
-            self._fail(exc, self._finish_env_time(out, min(t, default=0), processor))
+            self.close()  # workers stopped (a hung one only ever writes at its quota_end, past what is kept)
+            for w in quotas:
+                t[w] = max(t[w], self._workers[w].quota_end)
+            self._fail(exc, self._finish_env_time(out, self._settle_env_time(out, t), processor))
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
-        return self._finish_env_time(out, min(t, default=0), processor)
+        finally:
+            self._cut.clear()
+        return self._finish_env_time(out, self._settle_env_time(out, t), processor)
+
+    def _settle_env_time(self, out: dict[NestedKey, np.ndarray], t: list[int]) -> int:
+        """Steps every env delivered; steps of faster workers beyond that are carried to the next call."""
+        done = min(t, default=0)
+        for w, tw in enumerate(t):
+            if tw > done:
+                self._carry[w] = {k: v[w, :, done:tw].copy() for k, v in out.items()}
+        self._idle = deque(w for w in range(len(self._workers)) if w not in self._partials)
+        return done
+
+    def _place_carry(self, out: dict[NestedKey, np.ndarray], t: list[int], T: int) -> None:
+        """Steps carried from an interrupted call go first, in order (what does not fit stays carried)."""
+        for w in list(self._carry):
+            carried = self._carry.pop(w)
+            n = next(iter(carried.values())).shape[1]
+            k = min(n, T - t[w])
+            for key, dst in out.items():
+                dst[w, :, t[w]:t[w] + k] = carried[key][:, :k]
+            t[w] += k
+            if k < n:
+                self._carry[w] = {key: v[:, k:] for key, v in carried.items()}
 
     def _place(self, out: dict[NestedKey, np.ndarray], t: list[int], w: int, slot: int, T: int) -> None:
         """Put worker ``w``'s block at its next time index, or park it for the next call when full."""
@@ -988,7 +1068,11 @@ class MultiEnvLoop:
 
         Each asked env is reset first (a running step-mode episode is cut:
         its waiting step is marked ``truncated``), runs one episode, and is asked
-        again until ``k`` requests were sent in total. When ``k < num_envs`` a
+        again until ``k`` requests were sent in total. With ``lookahead=False``
+        no step is waiting, so the cut falls after a step already delivered
+        without a done flag: do not mix ``run_episodes`` into an on-policy step
+        stream whose value targets cross time (use a separate evaluation loop,
+        as :class:`~lightning_rollout.lightning.RolloutDataModule` does). When ``k < num_envs`` a
         random subset of envs is asked.
 
         Returns:
@@ -1065,15 +1149,16 @@ class MultiEnvLoop:
                 continue
             if worker.thread is threading.current_thread():
                 continue
-            if getattr(worker, "abandoned", False) and worker.thread.is_alive():  # stuck past step_timeout
+            if worker.abandoned and worker.thread.is_alive():  # stuck past step_timeout: not waited for
                 stuck.append(worker.thread.name)
                 continue
             worker.thread.join(self.join_timeout)
             if worker.thread.is_alive():
                 stuck.append(worker.thread.name)
         if stuck:
-            warnings.warn(f"threads {stuck} did not stop within {self.join_timeout} s (stuck in an env call); "
-                          "they are daemons and are abandoned", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
+                          f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",
+                          RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> MultiEnvLoop:
         return self
@@ -1105,6 +1190,21 @@ class EnvLoop(MultiEnvLoop):
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
         kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
+
+
+# Loops whose threads run. At interpreter exit they are closed (threads stopped and joined) before
+# Python finalizes: a daemon thread still inside a torch or numpy call while the interpreter tears
+# down can abort the process ("terminate called without an active exception").
+_LIVE_LOOPS: weakref.WeakSet[MultiEnvLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loops() -> None:
+    for loop in list(_LIVE_LOOPS):
+        try:
+            loop.close()
+        except Exception:  # exiting: nothing to report to
+            pass
 
 
 class _Counter:

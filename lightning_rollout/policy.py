@@ -44,9 +44,11 @@ counts and the update list; ``_weights_lock`` guards the policy's parameters
 
 from __future__ import annotations
 
+import atexit
 import copy
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,6 +65,17 @@ __all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
 _SAME_WEIGHTS = object()  # update() was handed the acting policy itself
+# Policies whose inference thread runs: closed at interpreter exit, before Python finalizes (see loop.py).
+_LIVE_POLICIES: weakref.WeakSet[AutobatchPolicy] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_policies() -> None:
+    for policy in list(_LIVE_POLICIES):
+        try:
+            policy.close()
+        except Exception:  # exiting: nothing to report to
+            pass
 
 
 class PolicyAnswer:
@@ -441,6 +454,7 @@ class AutobatchPolicy:
     # -- lifecycle ------------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._thread is None:
+            _LIVE_POLICIES.add(self)
             self._thread = threading.Thread(target=self._serve, name=f"lightning_rollout-{self.name}-inference",
                                             daemon=True)
             self._thread.start()
