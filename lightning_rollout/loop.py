@@ -101,6 +101,7 @@ class _Layout:
     def __init__(self, obs_spec: dict[NestedKey, ArraySpec], out_spec: dict[NestedKey, ArraySpec]) -> None:
         self.obs_keys = list(obs_spec)
         self.next_obs_keys = [_next_key(k) for k in obs_spec]
+        self.obs_pairs = list(zip(self.obs_keys, self.next_obs_keys))  # (key, ("next", key))
         self.out_keys = list(out_spec)
         one_f = ArraySpec((1,), np.dtype(np.float32))
         one_b = ArraySpec((1,), np.dtype(bool))
@@ -158,6 +159,7 @@ class _Worker:
         self.index = index
         self.adapters = adapters
         self.env_ids = env_ids
+        self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(adapters)
         layout = loop._layout
         self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
@@ -211,7 +213,7 @@ class _Worker:
                 problem = f"observation key {k!r} is missing"
             elif v.shape != spec.shape:
                 problem = f"observation {k!r} has shape {v.shape}, expected {spec.shape}"
-            elif not np.can_cast(v.dtype, spec.dtype, "same_kind"):
+            elif v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
                 problem = f"observation {k!r} has dtype {v.dtype}, expected {spec.dtype}"
             elif v.dtype.kind == "f" and np.isnan(v).any():
                 problem = f"observation {k!r} contains NaN"
@@ -249,39 +251,52 @@ class _Worker:
             cols[k][r0:r0 + rows] = value[a:b]
         cols[_VERSION][r0:r0 + rows] = answer.version
 
-    def _env_step(self, cols: dict[NestedKey, np.ndarray], r: int, j: int) -> bool:
-        """Step env ``j`` with the action in row ``r`` of ``cols``; write the transition. Returns done."""
-        loop = self.loop
+    def _step_env(self, j: int, action: np.ndarray) -> tuple[dict[NestedKey, np.ndarray], float, bool, bool]:
+        """``env.step`` of env ``j``, timed for ``step_timeout``, errors named, observation checked."""
         self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
         try:
-            obs, reward, terminated, truncated = self.adapters[j].step(cols["action"][r])
+            result = self.adapters[j].step(action)
         except Exception as exc:
             raise EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
                            step=int(self.steps_done[j]), phase="step") from exc
         finally:
             self.busy_since = 0.0
-        self._check(j, obs)
-        self.steps_done[j] += 1
-        cols[_STEP_COUNT][r] = self.step_count[j]
-        cols[_EP_REWARD][r] = self.episode_reward[j]
-        self.step_count[j] += 1
-        self.episode_reward[j] += reward
-        if loop.max_episode_steps is not None and self.step_count[j] >= loop.max_episode_steps:
-            truncated = True
-        done = terminated or truncated
-        for k, nk in zip(loop._layout.obs_keys, loop._layout.next_obs_keys):
-            cols[nk][r] = obs[k]
-        cols[_REWARD][r] = reward
-        cols[_TERMINATED][r] = terminated
-        cols[_TRUNCATED][r] = truncated
-        cols[_DONE][r] = done
-        cols[_NEXT_STEP_COUNT][r] = self.step_count[j]
-        cols[_NEXT_EP_REWARD][r] = self.episode_reward[j]
-        cols[_TRAJ][r] = self.traj[j]
-        cols[_ENV_ID][r] = self.env_ids[j]
-        if not done:
-            for k in loop._layout.obs_keys:
-                self.cur_obs[k][j] = obs[k]
+        self._check(j, result[0])
+        return result
+
+    def _step_block(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int]) -> np.ndarray:
+        """Step envs ``envs`` with the actions in rows ``r0:r0+len(envs)`` of ``cols``; write the
+        transitions there (counters and flags with one vectorised write per key, not one per env).
+        Leaves each env's next observation in ``cur_obs``; returns the rows' done flags."""
+        layout, n = self.loop._layout, len(envs)
+        rows = slice(r0, r0 + n)
+        sel: slice | list[int] = slice(None) if n == self.rows else list(envs)
+        cols[_STEP_COUNT][rows, 0] = self.step_count[sel]
+        cols[_EP_REWARD][rows, 0] = self.episode_reward[sel]
+        cols[_TRAJ][rows] = self.traj[sel]
+        cols[_ENV_ID][rows] = self.env_id_array[sel]
+        rewards = np.empty(n)
+        terminated = np.empty(n, dtype=bool)
+        truncated = np.empty(n, dtype=bool)
+        action = cols["action"]
+        for i, j in enumerate(envs):
+            obs, rewards[i], terminated[i], truncated[i] = self._step_env(j, action[r0 + i])
+            for k, nk in layout.obs_pairs:
+                cols[nk][r0 + i] = obs[k]
+        self.steps_done[sel] += 1
+        self.step_count[sel] += 1
+        self.episode_reward[sel] += rewards
+        if self.loop.max_episode_steps is not None:
+            truncated |= self.step_count[sel] >= self.loop.max_episode_steps
+        done = terminated | truncated
+        cols[_REWARD][rows, 0] = rewards
+        cols[_TERMINATED][rows, 0] = terminated
+        cols[_TRUNCATED][rows, 0] = truncated
+        cols[_DONE][rows, 0] = done
+        cols[_NEXT_STEP_COUNT][rows, 0] = self.step_count[sel]
+        cols[_NEXT_EP_REWARD][rows, 0] = self.episode_reward[sel]
+        for k, nk in layout.obs_pairs:
+            self.cur_obs[k][sel] = cols[nk][rows]
         return done
 
     def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
@@ -289,9 +304,8 @@ class _Worker:
         for k in self.loop._layout.obs_keys:
             cols[k][:] = self.cur_obs[k]
         self._act(cols, 0, self.rows, range(self.rows))
-        for j in range(self.rows):
-            if self._env_step(cols, j, j):
-                self._reset_env(j)
+        for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
+            self._reset_env(int(j))
 
     def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
         """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
@@ -368,7 +382,7 @@ class _Worker:
                 for k in loop._layout.obs_keys:
                     cols[k][t] = self.cur_obs[k][j]
                 self._act(cols, t, 1, (j,))
-                done = self._env_step(cols, t, j)
+                done = bool(self._step_block(cols, t, (j,))[0])
                 t += 1
                 if done:
                     break
