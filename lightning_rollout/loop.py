@@ -50,14 +50,12 @@ transitions collected so far attached as ``exc.partial``.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import queue
 import random
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -67,6 +65,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
+from ._exit import close_at_exit
 from .envs import ArraySpec, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
@@ -626,7 +625,7 @@ class MultiEnvLoop:
         self._check_open()
         if not self._started:
             self._started = True
-            _LIVE_LOOPS.add(self)
+            close_at_exit(self)  # threads stopped and joined before the interpreter finalizes
             for worker in self._workers:
                 worker.thread.start()
 
@@ -1204,21 +1203,6 @@ class EnvLoop(MultiEnvLoop):
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
         kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
-
-
-# Loops whose threads run. At interpreter exit they are closed (threads stopped and joined) before
-# Python finalizes: a daemon thread still inside a torch or numpy call while the interpreter tears
-# down can abort the process ("terminate called without an active exception").
-_LIVE_LOOPS: weakref.WeakSet[MultiEnvLoop] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_loops() -> None:
-    for loop in list(_LIVE_LOOPS):
-        try:
-            loop.close()
-        except Exception:  # exiting: nothing to report to
-            pass
 
 
 class _Counter:

@@ -44,11 +44,9 @@ counts and the update list; ``_weights_lock`` guards the policy's parameters
 
 from __future__ import annotations
 
-import atexit
 import copy
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,6 +56,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
+from ._exit import close_at_exit
 from .errors import CollectionError, PolicyError
 
 __all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
@@ -65,17 +64,6 @@ __all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
 _SAME_WEIGHTS = object()  # update() was handed the acting policy itself
-# Policies whose inference thread runs: closed at interpreter exit, before Python finalizes (see loop.py).
-_LIVE_POLICIES: weakref.WeakSet[AutobatchPolicy] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_policies() -> None:
-    for policy in list(_LIVE_POLICIES):
-        try:
-            policy.close()
-        except Exception:  # exiting: nothing to report to
-            pass
 
 
 class PolicyAnswer:
@@ -454,7 +442,7 @@ class AutobatchPolicy:
     # -- lifecycle ------------------------------------------------------------------
     def _ensure_started(self) -> None:
         if self._thread is None:
-            _LIVE_POLICIES.add(self)
+            close_at_exit(self)  # the inference thread is stopped before the interpreter finalizes
             self._thread = threading.Thread(target=self._serve, name=f"lightning_rollout-{self.name}-inference",
                                             daemon=True)
             self._thread.start()
