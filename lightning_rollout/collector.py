@@ -277,6 +277,11 @@ class ThreadedCollector(BaseCollector):
         return self._autobatch.version
 
     @property
+    def is_shut_down(self) -> bool:
+        """True once :meth:`shutdown` was called (iterating then raises ``CollectionError``)."""
+        return self._shut
+
+    @property
     def loop(self) -> MultiEnvLoop:
         """The underlying :class:`MultiEnvLoop` (for events and statistics)."""
         return self._loop

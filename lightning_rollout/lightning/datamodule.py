@@ -226,7 +226,7 @@ class RolloutDataModule(pl.LightningDataModule):
         A later ``fit`` with the same DataModule gets a fresh collector that continues
         the counts (or those of its ``ckpt_path``).
         """
-        if self.collector is not None and self.collector._shut:
+        if self.collector is not None and self.collector.is_shut_down:
             if self._pending_state is None and self._final_state is not None:
                 self._pending_state = {"collector": dict(self._final_state), "episodes": self.collector.loop.episodes}
             self.collector = None
@@ -305,7 +305,7 @@ class RolloutDataModule(pl.LightningDataModule):
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters for Lightning checkpoints (ints only; weights live in the module's own state)."""
-        if self.collector is not None and not self.collector._shut:
+        if self.collector is not None and not self.collector.is_shut_down:
             state = self.collector.state_dict(with_policy=False)
         elif self._final_state is not None:
             state = self._final_state
@@ -326,7 +326,7 @@ class RolloutDataModule(pl.LightningDataModule):
             return
         if "collector" not in state_dict:
             raise ValueError(f"not a RolloutDataModule state (keys: {sorted(state_dict)})")
-        if self.collector is not None and not self.collector._shut:
+        if self.collector is not None and not self.collector.is_shut_down:
             self.collector.load_state_dict(state_dict["collector"])
             self.collector.loop.episodes = int(state_dict.get("episodes", 0))
         else:
@@ -334,7 +334,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- shutdown --------------------------------------------------------------------------------------
     def _close(self) -> None:
-        if self.collector is not None and not self.collector._shut:
+        if self.collector is not None and not self.collector.is_shut_down:
             self._final_state = self.collector.state_dict(with_policy=False)
             self.collector.shutdown(raise_on_error=False)
         if self._eval_loop is not None:
