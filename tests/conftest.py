@@ -147,6 +147,17 @@ class CountingPolicy:
         return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
 
 
+class ArgmaxNet(torch.nn.Module):
+    """A module policy (it has a ``state_dict``): ``obs[B, 3] -> argmax of a linear layer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.lin(obs).argmax(-1)
+
+
 class StatefulMockPolicy:
     """The seed's ``MockPolicy(state)``: an integer state behind ``state_dict`` / ``load_state_dict``."""
 

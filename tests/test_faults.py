@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from conftest import CountingPolicy, MockEnv, called_from_probe, mock_envs
+from conftest import ArgmaxNet, CountingPolicy, MockEnv, called_from_probe, mock_envs
 from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, MultiEnvLoop, PolicyError,
                                StepTimeoutError, ThreadedCollector)
 from reliability_helpers import assert_no_rollout_threads, bounded, rollout_threads
@@ -276,7 +276,7 @@ def test_tensordict_policy_without_action_is_refused_at_construction():
 def test_bad_weights_do_not_kill_the_inference_thread():
     policy = torch.nn.Sequential(torch.nn.Linear(3, 2))
     loop = MultiEnvLoop(mock_envs(2), lambda obs: policy(obs).argmax(-1), autobatch_size=2)
-    module_loop = MultiEnvLoop(mock_envs(2), _ArgmaxNet(), autobatch_size=2)
+    module_loop = MultiEnvLoop(mock_envs(2), ArgmaxNet(), autobatch_size=2)
     try:
         module_loop.run_steps(4)
         version = module_loop.policy_version
@@ -289,15 +289,6 @@ def test_bad_weights_do_not_kill_the_inference_thread():
         loop.close()
         module_loop.close()
     assert_no_rollout_threads()
-
-
-class _ArgmaxNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 2)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.lin(obs).argmax(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -628,7 +619,7 @@ def test_bad_configuration_is_refused_with_what_to_change(ctor, make, words):
 # Checkpoint safety
 
 def _collector(**kwargs) -> ThreadedCollector:
-    return ThreadedCollector(mock_envs(2), _ArgmaxNet(), frames_per_batch=8, seed=3, **kwargs)
+    return ThreadedCollector(mock_envs(2), ArgmaxNet(), frames_per_batch=8, seed=3, **kwargs)
 
 
 def test_state_dict_round_trips_through_weights_only_load(tmp_path):

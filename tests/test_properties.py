@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import MockEnv
+from conftest import ArgmaxNet, MockEnv
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from reliability_helpers import assert_no_rollout_threads, bounded
 
@@ -61,15 +61,6 @@ def length_fn_for(seed: int, max_len: int):
     def length(env_id: int, episode: int) -> int:
         return 1 + random.Random(seed * 1_000_003 + env_id * 7919 + episode).randrange(max_len)
     return length
-
-
-class ArgmaxNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 2)
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.lin(obs).argmax(-1)
 
 
 @st.composite
