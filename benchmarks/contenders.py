@@ -148,7 +148,6 @@ def torchrl_parallel(w: Workload) -> Session:
 def torchrl_multisync(w: Workload) -> Session:
     """torchrl ``MultiSyncCollector``: one worker process per core, each over a ``SerialEnv`` of its share."""
     from torchrl.collectors import MultiSyncCollector
-    from torchrl.envs import SerialEnv
 
     workers = max(1, min(w.num_envs, _cores()))
     while w.num_envs % workers:

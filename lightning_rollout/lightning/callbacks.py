@@ -128,7 +128,6 @@ class EpisodeStatsLogger(RolloutCallback):
         self._batch_frames = 0
         self._batch_seconds = 0.0
         self._lag: float | None = None
-        self._last_batch_time: float | None = None
         self._unwritten: dict[str, float] = self._no_episodes()
 
     @staticmethod
