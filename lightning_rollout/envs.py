@@ -28,7 +28,7 @@ import torch
 from torchrl.envs import EnvBase
 
 __all__ = ["ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "TorchRLAdapter", "make_adapter",
-           "resolve_env_factory"]
+           "resolve_env_factory", "GymMaker"]
 
 NestedKey = str | tuple[str, ...]
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
@@ -197,6 +197,27 @@ def _np_dtype(dtype: torch.dtype) -> Any:
     return torch.empty((), dtype=dtype).numpy().dtype
 
 
+class GymMaker:
+    """A picklable factory ``gym.make(env_id, **kwargs)`` (a lambda would not cross to
+    ``ddp_spawn`` ranks or worker processes).
+
+    Args:
+        env_id: a registered gymnasium id.
+        **kwargs: passed to ``gymnasium.make``.
+    """
+
+    def __init__(self, env_id: str, **kwargs: Any) -> None:
+        self.env_id = env_id
+        self.kwargs = kwargs
+
+    def __call__(self) -> gym.Env:
+        return gym.make(self.env_id, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        return f"GymMaker({self.env_id!r}{args})"
+
+
 def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory:
     """Turn a gymnasium id or a factory into a factory.
 
@@ -208,8 +229,7 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
             hint = f" (did you mean one of {close}?)" if close else ""
             raise ValueError(f"unknown gymnasium env id {env!r}{hint}; pass a registered id or a factory callable")
-        env_id = env
-        return lambda: gym.make(env_id, **make_kwargs)
+        return GymMaker(env, **make_kwargs)
     if not callable(env):
         raise ValueError(f"env must be a gymnasium id or a callable returning an env, got {type(env).__name__}")
     return env
