@@ -32,11 +32,13 @@ import contextlib
 import copy
 import math
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import gymnasium as gym
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -46,36 +48,39 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from .envs import EnvFactory, resolve_env_factory
-from .errors import CollectionError
+from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop, _check_int
-from .policy import AutobatchPolicy
 
 __all__ = ["ThreadedCollector"]
 
 Layout = Literal["env_time", "flat"]
 
 
-class _RandomActor(TensorDictModuleBase):
-    """Uniformly random actions from a torchrl spec (the ``policy=None`` default, as TorchRL's)."""
+class _TorchRLInterruptor(Interrupter):
+    """A TorchRL ``interruptor`` (``collection_stopped()``) seen as our :class:`Interrupter`."""
 
-    def __init__(self, in_key: Any, action_spec: Any) -> None:
+    def __init__(self, interruptor: Any) -> None:
         super().__init__()
-        self.in_keys = [in_key]
-        self.out_keys = ["action"]
-        self.action_spec = action_spec
+        self._interruptor = interruptor
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        td.set("action", self.action_spec.rand(td.batch_size))
-        return td
+    def should_stop(self) -> bool:
+        return super().should_stop() or bool(self._interruptor.collection_stopped())
 
 
-def _action_spec_of(env: Any) -> Any:
-    if isinstance(env, EnvBase):
-        return env.action_spec
-    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform
+class _with_kwargs:
+    """A picklable factory calling ``factory(**kwargs)`` (TorchRL's ``create_env_kwargs``)."""
 
-    return _gym_to_torchrl_spec_transform(env.action_space, categorical_action_encoding=False)
+    def __init__(self, factory: Any, kwargs: dict[str, Any]) -> None:
+        self.factory = factory
+        self.kwargs = dict(kwargs)
+
+    def __call__(self) -> Any:
+        return self.factory(**self.kwargs)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 class ThreadedCollector(BaseCollector):
@@ -129,6 +134,7 @@ class ThreadedCollector(BaseCollector):
         create_env_fn: str | EnvFactory | Sequence[EnvFactory] | EnvBase | gym.Env,
         policy: TensorDictModuleBase | Callable[..., Any] | None = None,
         *,
+        policy_factory: Callable[[], Callable[..., Any]] | None = None,
         frames_per_batch: int,
         total_frames: int = -1,
         num_envs: int | None = None,
@@ -139,13 +145,25 @@ class ThreadedCollector(BaseCollector):
         device: torch.device | str | None = None,
         storing_device: torch.device | str | None = None,
         policy_device: torch.device | str | None = None,
+        env_device: torch.device | str | None = None,
+        create_env_kwargs: dict[str, Any] | None = None,
         max_frames_per_traj: int | None = None,
-        init_random_frames: int = 0,
+        init_random_frames: int | None = None,
         reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        exploration_type: ExplorationType = ExplorationType.RANDOM,
-        replay_buffer: Any = None,
         postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        split_trajs: bool | None = None,
+        track_traj_ids: bool = True,
+        exploration_type: ExplorationType = ExplorationType.RANDOM,
+        reset_when_done: bool = True,
+        interruptor: Any = None,
+        set_truncated: bool = False,
+        replay_buffer: Any = None,
+        extend_buffer: bool = True,
+        trust_policy: bool | None = None,
+        compile_policy: bool | dict[str, Any] | None = None,
+        track_policy_version: bool = False,
+        pre_collect_hook: Callable[[], None] | None = None,
+        post_collect_hook: Callable[[TensorDictBase], None] | None = None,
         on_policy: bool = True,
         seed: int | None = None,
         step_timeout: float | None = None,
@@ -153,95 +171,124 @@ class ThreadedCollector(BaseCollector):
         interrupter: Interrupter | None = None,
         name: str = "collector",
     ) -> None:
-        super().__init__()
+        super().__init__(pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook)
+        if policy_factory is not None:
+            if policy is not None:
+                raise TypeError("policy_factory cannot be used with policy argument.")
+            policy = policy_factory()
+        if create_env_kwargs:
+            create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
         _check_int("frames_per_batch", frames_per_batch, 1)
-        if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1 and total_frames != -1):
+        if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
+            total_frames = -1
+        if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
+                total_frames < 1 and total_frames != -1):
             raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
-        _check_int("init_random_frames", init_random_frames or 0, 0)
-        if max_frames_per_traj is not None:
+        if init_random_frames in (None, -1):
+            init_random_frames = 0
+        _check_int("init_random_frames", init_random_frames, 0)
+        if max_frames_per_traj is not None and max_frames_per_traj != -1:
             _check_int("max_frames_per_traj", max_frames_per_traj, 1)
-        for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device)):
+        else:
+            max_frames_per_traj = None
+        for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device),
+                           ("env_device", env_device)):
             try:
                 torch.device(dev) if dev is not None else None
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"{label} must be a torch device such as 'cpu' or 'cuda:0', got {dev!r}") from exc
         if layout not in ("env_time", "flat"):
             raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
-        if layout == "env_time":
-            if frames_per_batch % num_envs:
-                raise ValueError(
-                    f"frames_per_batch ({frames_per_batch}) must be a multiple of num_envs ({num_envs}) with "
-                    f"layout='env_time'; use frames_per_batch={math.ceil(frames_per_batch / num_envs) * num_envs} "
-                    "or layout='flat'")
-            if total_frames > 0 and total_frames % num_envs:
-                raise ValueError(f"total_frames ({total_frames}) must be a multiple of num_envs ({num_envs}) with "
-                                 "layout='env_time'")
+        if not reset_when_done:
+            raise ValueError("reset_when_done=False is not supported: an env is reset as soon as it is done "
+                             "(use torchrl's Collector to keep stepping done envs)")
+        if split_trajs and replay_buffer is not None:
+            raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
+        # TorchRL's rounding: whole time steps of every env per batch, whole batches in total (with a warning).
+        steps = -(-frames_per_batch // num_envs)
+        if steps * num_envs != frames_per_batch and layout == "env_time":
+            warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
+                          f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=2)
+            frames_per_batch = steps * num_envs
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                              f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
-        if split_trajs and replay_buffer is not None:
-            raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
+        if total_frames > 0 and total_frames % frames_per_batch:
+            warnings.warn(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
+                          f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
+                          "frames will be collected", stacklevel=2)
+            total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
+        if init_random_frames and init_random_frames % frames_per_batch:
+            warnings.warn(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
+                          f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
+                          "random frames will be collected", stacklevel=2)
+        if interruptor is not None and interrupter is None:
+            interrupter = _TorchRLInterruptor(interruptor)
 
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
         self.requested_frames_per_batch = frames_per_batch
-        self.total_frames = total_frames
-        self.init_random_frames = int(init_random_frames or 0)
+        self.total_frames = int(total_frames)
+        self.init_random_frames = int(init_random_frames)
         self.layout = layout
         self.reset_at_each_iter = reset_at_each_iter
-        self.split_trajs = split_trajs
+        self.reset_when_done = True
+        self.split_trajs = bool(split_trajs)
+        self.track_traj_ids = track_traj_ids
+        self.track_policy_version = track_policy_version
+        self.set_truncated = set_truncated
         self.exploration_type = exploration_type
         self.replay_buffer = replay_buffer
-        self.extend_buffer = True
+        self.extend_buffer = extend_buffer
         self.postproc = postproc
         self.on_policy = on_policy
         self.max_frames_per_traj = max_frames_per_traj
         self.storing_device = torch.device(storing_device or device or "cpu")
+        self.env_device = torch.device(env_device) if env_device is not None else None
         self.processor = processor
         self.interrupter = interrupter
+        self.interruptor = interruptor
         self.name = name
-        self.trust_policy = True
-        self.compiled_policy = False
+        self.trust_policy = bool(trust_policy)
+        self.compiled_policy = bool(compile_policy)
         self.cudagraphed_policy = False
         self._frames = 0
-        self._batches = 0
+        self._iter = -1
         self._seed = seed
         self._shut = False
         self._background: threading.Thread | None = None
         self._background_stop = threading.Event()
         self._background_error: BaseException | None = None
+        self._iterating = False
 
-        if policy is None:
-            probe = factories[0]()
-            try:
-                obs_space_key = "observation"
-                if isinstance(probe, EnvBase):
-                    obs_space_key = next(iter(probe.observation_spec.keys(True, True)))
-                policy = _RandomActor(obs_space_key, _action_spec_of(probe))
-            finally:
-                probe.close()
-        self.policy = policy
+        self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
         policy_device = policy_device or device
         own_device = _param_device(policy)
         needs_copy = (not on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
         acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
         if policy_device is not None and isinstance(acting, torch.nn.Module):
             acting = acting.to(policy_device)
+        if compile_policy:
+            acting = torch.compile(acting, **(compile_policy if isinstance(compile_policy, dict) else {}))
         self.policy_device = torch.device(policy_device) if policy_device is not None else own_device
         self._acting_policy = acting
-        self._autobatch = AutobatchPolicy(acting, autobatch_size=autobatch_size, max_wait=max_wait,
-                                          device=self.policy_device, name=name)
         try:
             self._loop = MultiEnvLoop(
-                factories, self._autobatch, envs_per_thread=envs_per_thread, exploration_type=exploration_type,
+                factories, acting, envs_per_thread=envs_per_thread, autobatch_size=autobatch_size,
+                max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
                 processor=processor, interrupter=interrupter, name=name, start=False)
-        except BaseException:
-            self._autobatch.close()
+        except PolicyError as exc:
+            if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
+                raise exc.__cause__ from exc
             raise
+        self._autobatch = self._loop.policy
+        self._wrapped_policy = self._autobatch.policy
+        if self.policy is None:
+            self.policy = self._acting_policy = self._wrapped_policy
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -287,8 +334,8 @@ class ThreadedCollector(BaseCollector):
         return self._loop
 
     @property
-    def autobatch_policy(self) -> AutobatchPolicy:
-        """The :class:`AutobatchPolicy` answering the env threads (``mean_batch_size`` etc.)."""
+    def autobatch_policy(self) -> Any:
+        """The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size`` etc.)."""
         return self._autobatch
 
     def __len__(self) -> int:
@@ -325,43 +372,90 @@ class ThreadedCollector(BaseCollector):
                 yield batch
 
     def collect_batch(self) -> TensorDictBase | None:
-        """Collect one batch (at most what is left of ``total_frames``), post-processed.
+        """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``).
 
         Returns ``None`` when the interrupter stopped collection before any frame.
         """
         if self._shut:
             raise CollectionError("the collector is shut down")
-        left = self.frames_per_batch if self.total_frames < 0 else min(self.frames_per_batch,
-                                                                       self.total_frames - self._frames)
-        if self.reset_at_each_iter and self._batches:
-            self._loop.reset_envs()
+        if self.pre_collect_hook is not None:
+            self.pre_collect_hook()
         try:
+            if self.reset_at_each_iter and self._iter >= 0:
+                self._loop.reset_envs()
             if self.layout == "env_time":
-                batch = self._loop.run_env_steps(left // self.num_envs)
+                batch = self._loop.run_env_steps(self.frames_per_batch // self.num_envs)
             else:
-                batch = self._loop.run_steps(left)
+                batch = self._loop.run_steps(self.frames_per_batch)
         except BaseException:  # the loop closed itself; stop the inference thread too (safe from any thread)
             self._autobatch.close()
             raise
         frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
-        if frames == 0 and left > 0:
+        if frames == 0:
             return None
         self._frames += frames
-        self._batches += 1
+        self._iter += 1
+        batch = self._export(batch)
         if self.storing_device.type != "cpu":
             batch = batch.to(self.storing_device)
         if self.split_trajs:
-            if batch.ndim == 1:  # flat: arrival order interleaves envs; split_trajectories needs contiguous trajectories
+            if self.layout == "flat":  # arrival order interleaves envs; split_trajectories needs them contiguous
                 batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
             batch = split_trajectories(batch, prefix="collector")
         if self.postproc is not None:
             batch = self.postproc(batch)
+        private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
+        if private:
+            batch = batch.exclude(*private, inplace=True)
         if self.post_collect_hook is not None:
             self.post_collect_hook(batch)
         return batch
 
+    def _export(self, batch: TensorDictBase) -> TensorDictBase:
+        """The loop's batch in TorchRL's layout: one env gives ``[T]``; entries TorchRL would not write
+        are left out (``("collector", "env_id")``; ``policy_version`` unless ``track_policy_version``)."""
+        if self.layout == "env_time" and self.num_envs == 1:
+            batch = batch[0]
+        drop: list[Any] = [("collector", "env_id")]
+        if self.track_policy_version:
+            batch.set(("next", "policy_version"), batch.get("policy_version").clone())
+        else:
+            drop.append("policy_version")
+        if not self.track_traj_ids:
+            drop.append(("collector", "traj_ids"))
+        batch = batch.exclude(*drop)
+        if not self.track_traj_ids and not batch.get("collector").keys():
+            batch = batch.exclude("collector")
+        if self.set_truncated:
+            self._truncate_last(batch)
+        return batch
+
+    def _truncate_last(self, batch: TensorDictBase) -> None:
+        """``set_truncated``: the last step of each env in the batch (of each trajectory, in the flat
+        layout) is marked truncated (and done)."""
+        nxt = batch.get("next")
+        flags = [k for k in nxt.keys(True, True) if _parts(k)[-1] in ("truncated", "done")]
+        if not any(_parts(k)[-1] == "truncated" for k in flags):
+            raise RuntimeError("set_truncated=True needs a 'truncated' entry in the env's done spec")
+        if self.layout == "flat":
+            traj = batch.get(("collector", "traj_ids")).numpy()
+            last = [int(np.flatnonzero(traj == e)[-1]) for e in np.unique(traj)]
+            index: Any = torch.as_tensor(last)
+        else:
+            index = (..., -1)
+        for k in flags:
+            value = nxt.get(k)
+            value[index] = True
+
     def _extend(self, batch: TensorDictBase) -> None:
+        """Write a batch to the replay buffer: ``extend`` at once, or frame by frame in time order
+        (``add``) when ``extend_buffer=False``, as TorchRL does."""
         storage = getattr(self.replay_buffer, "_storage", None)
+        if not self.extend_buffer:
+            frames = batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch
+            for i in range(frames.shape[0]):
+                self.replay_buffer.add(frames[i])
+            return
         if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1:
             batch = batch.reshape(-1)
         self.replay_buffer.extend(batch)
@@ -512,7 +606,7 @@ class ThreadedCollector(BaseCollector):
         """
         return OrderedDict(
             frames=self._frames,
-            batches=self._batches,
+            batches=self._iter + 1,
             next_traj_id=self._loop.next_traj_id,
             policy_version=self._autobatch.version,
             seed=-1 if self._seed is None else self._seed,
@@ -534,7 +628,7 @@ class ThreadedCollector(BaseCollector):
         if missing:
             raise ValueError(f"not a ThreadedCollector state: missing {sorted(missing)}")
         self._frames = int(state_dict["frames"])
-        self._batches = int(state_dict["batches"])
+        self._iter = int(state_dict["batches"]) - 1
         if state_dict["policy_state_dict"]:
             self._autobatch.update(state_dict["policy_state_dict"])
         self._autobatch.set_version(int(state_dict["policy_version"]))
@@ -545,6 +639,10 @@ class ThreadedCollector(BaseCollector):
                 self._seed = self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume
         elif seed >= 0:
             self.set_seed(seed + self._frames)
+
+
+def _parts(key: Any) -> tuple[str, ...]:
+    return key if isinstance(key, tuple) else (key,)
 
 
 def _param_device(policy: Any) -> torch.device:

@@ -1,15 +1,22 @@
-"""One step API over ``gymnasium.Env`` and torchrl ``EnvBase``, and spec discovery.
+"""One step API over ``gymnasium.Env`` and torchrl ``EnvBase``, described by TorchRL specs.
 
-Env threads talk to an :class:`EnvAdapter`; it hides which library the env
-comes from and exposes what the loop needs to **preallocate** storage: the
-observation keys with their shapes and dtypes (:class:`ArraySpec`).
+Env threads talk to an :class:`EnvAdapter`. It hides which library the env
+comes from and describes the env by the leaves of its TorchRL specs
+(:class:`~lightning_rollout.specs.EnvKeys`), so the loop preallocates one
+column per leaf, nested keys included.
 
-* :class:`GymAdapter` wraps a ``gymnasium.Env`` whose observation space is a
-  ``Box``, ``Discrete``, ``MultiBinary``, ``MultiDiscrete`` or a ``Dict`` of
-  those (one key per entry; otherwise the key is ``"observation"``). Discrete
-  actions are accepted as an index or one-hot, as the policy gives them.
+* :class:`GymAdapter` wraps a ``gymnasium.Env``. Its specs are TorchRL's own
+  conversion of the gymnasium spaces (``Box``, ``Discrete``, ``MultiBinary``,
+  ``MultiDiscrete``, ``Dict`` nested to any depth, ``Tuple`` as keys
+  ``"0"``, ``"1"``... under its parent); a non-``Dict`` observation is stored
+  under ``"observation"``. It adds what TorchRL's ``InitTracker``,
+  ``StepCounter`` and ``RewardSum`` transforms would add: ``is_init``,
+  ``step_count`` and ``episode_reward``. Discrete actions are accepted as an
+  index or one-hot, as the policy gives them, and are checked against the
+  action space (:class:`ActionError` names what is wrong).
 * :class:`TorchRLAdapter` wraps an unbatched torchrl ``EnvBase`` (transforms
-  included); its observation keys come from ``observation_spec``.
+  included): its keys are the leaves of its ``full_*_spec``; a step is
+  ``env.step`` on a tensordict holding the root entries handed to it.
 
 Adapters are not thread-safe: each is owned by exactly one env thread after
 construction. Construction happens in the caller's thread, so a bad env id or
@@ -18,56 +25,64 @@ unsupported space fails at the boundary with a ``ValueError``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
 import torch
+from tensordict import TensorDict
+from torchrl.data import Composite
 from torchrl.envs import EnvBase
 
-__all__ = ["ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "TorchRLAdapter", "make_adapter",
-           "resolve_env_factory", "GymMaker"]
+from .specs import ArraySpec, EnvKeys, NestedKey, leaves
 
-NestedKey = str | tuple[str, ...]
+__all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "TorchRLAdapter",
+           "make_adapter", "resolve_env_factory"]
+
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
-# Keys the loop computes itself; an env that also emits them (torchrl's StepCounter,
-# RewardSum) is not asked to store them twice.
-_LOOP_KEYS = {"step_count", "episode_reward", "done", "terminated", "truncated", "reward", "is_init"}
+
+_FLAG = ArraySpec((1,), np.dtype(bool))
+_COUNT = ArraySpec((1,), np.dtype(np.int64))
+_RETURN = ArraySpec((1,), np.dtype(np.float32))
+_SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
 
-@dataclass(frozen=True, slots=True)
-class ArraySpec:
-    """Shape (without batch dims) and numpy dtype of one stored entry."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
+class ActionError(ValueError):
+    """The policy's action is not a valid action of the env (wrong shape, out of bounds, NaN...)."""
 
 
 class EnvAdapter(Protocol):
     """The step API env threads use.
 
     Attributes:
-        observation_spec: ``{key: ArraySpec}`` of what :meth:`reset` and :meth:`step` return.
+        keys: every leaf the env reads and writes (see :class:`~lightning_rollout.specs.EnvKeys`).
+        observation_spec: the TorchRL composite of the root entries (for wrapping a policy).
+        action_spec: the TorchRL composite of the actions (for random actions).
     """
 
-    observation_spec: dict[NestedKey, ArraySpec]
+    keys: EnvKeys
+    observation_spec: Composite
+    action_spec: Composite
+    loop_keys: bool  # the loop writes is_init/step_count/episode_reward/reward/done flags itself
 
-    def reset(self, seed: int | None = None) -> dict[NestedKey, np.ndarray]:
-        """Start a new episode; ``seed`` only on the first reset after seeding."""
+    def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
+        """Start a new episode; returns every ``keys.root`` entry. ``seed`` only on reseeding resets."""
         ...
 
-    def step(self, action: np.ndarray) -> tuple[dict[NestedKey, np.ndarray], float, bool, bool]:
-        """Apply one action (a row of the policy's output).
+    def step(self, root: Mapping[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
+        """Apply the action(s) in ``root`` (one env's row: root entries and policy outputs).
 
         Returns:
-            ``(observation, reward, terminated, truncated)``.
+            ``(next, reward, terminated, truncated)``: ``next`` holds every
+            ``keys.next`` entry (with ``loop_keys``, only the observations);
+            ``reward`` is the sum over the reward leaves (for episode
+            statistics); the flags say whether the episode ended.
         """
         ...
 
-    def random_action(self, template: ArraySpec) -> np.ndarray:
-        """A uniformly random action in the policy's format described by ``template``."""
+    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        """A uniformly random valid action, one array per action key, in the layout of ``columns``."""
         ...
 
     def close(self) -> None:
@@ -75,128 +90,259 @@ class EnvAdapter(Protocol):
         ...
 
 
-def _space_spec(space: gym.Space) -> ArraySpec:
-    if isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)):
-        return ArraySpec(tuple(space.shape), np.dtype(space.dtype))
-    raise ValueError(
-        f"unsupported observation space {space!r}: use Box, Discrete, MultiBinary, MultiDiscrete or a Dict "
-        "of those (wrap the env with a gymnasium ObservationWrapper to flatten others)")
+# -- gymnasium --------------------------------------------------------------------------------------
+def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey, gym.Space]) -> None:
+    if isinstance(space, gym.spaces.Dict):
+        for k, s in space.spaces.items():
+            _space_leaves(s, (*prefix, str(k)), out)
+    elif isinstance(space, gym.spaces.Tuple):
+        for i, s in enumerate(space.spaces):
+            _space_leaves(s, (*prefix, str(i)), out)
+    elif isinstance(space, _SUPPORTED):
+        out[prefix[0] if len(prefix) == 1 else prefix] = space
+    else:
+        raise ValueError(f"unsupported space {space!r} at {prefix!r}: use Box, Discrete, MultiBinary, "
+                         "MultiDiscrete, or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
+
+
+def _gym_spec(space: gym.Space, *, categorical: bool) -> Any:
+    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform
+
+    return _gym_to_torchrl_spec_transform(space, categorical_action_encoding=categorical)
+
+
+def _leaf_values(value: Any, path: tuple[str, ...], out: dict[NestedKey, Any], keys: set[tuple[str, ...]]) -> None:
+    if path in keys:
+        out[path[0] if len(path) == 1 else path] = value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _leaf_values(v, (*path, str(k)), out, keys)
+    else:
+        for i, v in enumerate(value):
+            _leaf_values(v, (*path, str(i)), out, keys)
 
 
 class GymAdapter:
     """:class:`EnvAdapter` over a ``gymnasium.Env``.
 
+    The loop fills ``is_init``, ``step_count``, ``episode_reward``, the reward
+    and the done flags itself (``loop_keys``), one vectorised write per block of
+    envs, and ends episodes at its ``max_episode_steps``: :meth:`step` returns the
+    observation entries only.
+
     Args:
         env: the env; its spaces are read once here.
+        validate: check every action against the action space (a few microseconds a step).
 
     Raises:
         ValueError: the observation or action space is not supported.
     """
 
-    def __init__(self, env: gym.Env) -> None:
+    loop_keys = True
+
+    def __init__(self, env: gym.Env, *, validate: bool = True) -> None:
         self.env = env
-        space = env.observation_space
-        if isinstance(space, gym.spaces.Dict):
-            self._dict_obs = True
-            self.observation_spec = {k: _space_spec(s) for k, s in space.spaces.items()}
-        else:
-            self._dict_obs = False
-            self.observation_spec = {"observation": _space_spec(space)}
-        self.action_space = env.action_space
-        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary,
-                                              gym.spaces.MultiDiscrete)):
-            raise ValueError(f"unsupported action space {self.action_space!r}: use Box, Discrete, MultiBinary "
-                             "or MultiDiscrete")
-        self._discrete_n = int(self.action_space.n) if isinstance(self.action_space, gym.spaces.Discrete) else 0
-        self._discrete_start = int(getattr(self.action_space, "start", 0)) if self._discrete_n else 0
+        self.validate = validate
+        obs_space = env.observation_space
+        spaces: dict[NestedKey, gym.Space] = {}
+        _space_leaves(obs_space, ("observation",) if not isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
+                      else (), spaces)
+        if not spaces:
+            raise ValueError(f"the observation space {obs_space!r} has no entries")
+        self._dict_obs = isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
+        self._obs_paths = {k if isinstance(k, tuple) else (k,) for k in spaces}
+        self.observation_spec = Composite({k: _gym_spec(s, categorical=True) for k, s in spaces.items()})
+        self.observation_spec["is_init"] = _bool_spec()
+        self.observation_spec["step_count"] = _count_spec()
+        self.observation_spec["episode_reward"] = _return_spec()
+        action_space = env.action_space
+        if not isinstance(action_space, _SUPPORTED):
+            raise ValueError(f"unsupported action space {action_space!r}: use Box, Discrete, MultiBinary or "
+                             "MultiDiscrete")
+        self.action_space = action_space
+        self.action_spec = Composite(action=_gym_spec(action_space, categorical=False))
+        from .specs import columns_of
 
-    def _obs(self, obs: Any) -> dict[NestedKey, np.ndarray]:
-        if self._dict_obs:
-            return {k: np.asarray(v) for k, v in obs.items()}
-        return {"observation": np.asarray(obs)}
+        observation = columns_of(self.observation_spec, where="observation space")
+        self.keys = EnvKeys(
+            observation=observation, state={}, reward={"reward": _RETURN},
+            done={"done": _FLAG, "terminated": _FLAG, "truncated": _FLAG},
+            action=columns_of(self.action_spec, where="action space"))
+        self._obs_keys = [k for k in observation if k not in ("is_init", "step_count", "episode_reward")]
+        self._discrete_n = int(action_space.n) if isinstance(action_space, gym.spaces.Discrete) else 0
+        self._start = int(getattr(action_space, "start", 0)) if self._discrete_n else 0
+        self._nvec = np.asarray(action_space.nvec) if isinstance(action_space, gym.spaces.MultiDiscrete) else None
 
-    def reset(self, seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+    def _obs(self, obs: Any) -> dict[NestedKey, Any]:
+        if not self._dict_obs:
+            return {"observation": np.asarray(obs)}
+        out: dict[NestedKey, Any] = {}
+        _leaf_values(obs, (), out, self._obs_paths)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
         obs, _ = self.env.reset(seed=seed)
-        return self._obs(obs)
+        out = self._obs(obs)
+        out["is_init"] = True
+        out["step_count"] = 0
+        out["episode_reward"] = 0.0
+        return out
 
-    def step(self, action: np.ndarray) -> tuple[dict[NestedKey, np.ndarray], float, bool, bool]:
+    def _action(self, action: np.ndarray) -> Any:
+        """The policy's action row -> what ``env.step`` takes; raises :class:`ActionError`."""
+        space = self.action_space
         if self._discrete_n:
-            # one-hot (shape [n]) or index (shape [] or [1]), as the policy gives it
-            index = int(action.argmax()) if action.size == self._discrete_n and self._discrete_n > 1 else int(action.reshape(-1)[0])
-            env_action: Any = index + self._discrete_start
-        else:
-            env_action = action
-        obs, reward, terminated, truncated, _ = self.env.step(env_action)
+            n = self._discrete_n
+            if action.size == n and n > 1:  # one-hot
+                index = int(action.argmax())
+            elif action.size == 1:  # an index (or, for n == 1, the one-hot [1]: both mean action 0)
+                value = action.reshape(-1)[0]
+                top = 2 if n == 1 else n
+                if self.validate and (not np.isfinite(value) or value != int(value) or not 0 <= value < top):
+                    raise ActionError(f"action {value!r} is not an index in [0, {n}) of {space!r}")
+                index = 0 if n == 1 else int(value)
+            else:
+                raise ActionError(f"action of shape {action.shape} for {space!r}: give an index or a one-hot of {n}")
+            return index + self._start
+        if self._nvec is not None:
+            nvec = self._nvec
+            if action.shape == nvec.shape:
+                indices = action
+            elif action.ndim == 1 and nvec.ndim == 1 and action.size == int(nvec.sum()):  # concatenated one-hots
+                indices = np.array([a.argmax() for a in np.split(action, np.cumsum(nvec)[:-1])])
+            else:
+                raise ActionError(f"action of shape {action.shape} for {space!r}: give {nvec.shape} indices or "
+                                  f"{int(nvec.sum())} concatenated one-hots")
+            if self.validate and (np.any(indices < 0) or np.any(indices >= nvec) or np.any(indices != np.round(indices))):
+                raise ActionError(f"action {indices!r} is out of {space!r}")
+            return indices.astype(space.dtype)
+        if action.shape != space.shape:
+            raise ActionError(f"action of shape {action.shape} for {space!r} (expected {space.shape})")
+        if self.validate and isinstance(space, gym.spaces.Box):
+            if action.dtype.kind == "f" and np.isnan(action).any():
+                raise ActionError(f"action {action!r} contains NaN")
+            if np.any(action < space.low) or np.any(action > space.high):
+                raise ActionError(f"action {action!r} is out of the bounds of {space!r} (clip or squash it)")
+        return action.astype(space.dtype, copy=False)
+
+    def step(self, root: Mapping[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
+        obs, reward, terminated, truncated, _ = self.env.step(self._action(root["action"]))
         return self._obs(obs), float(reward), bool(terminated), bool(truncated)
 
-    def random_action(self, template: ArraySpec) -> np.ndarray:
+    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        template = columns["action"]
         sample = self.action_space.sample()
-        if self._discrete_n and template.shape and template.shape[-1] == self._discrete_n and self._discrete_n > 1:
+        if self._discrete_n and template.shape == (self._discrete_n,):
             one_hot = np.zeros(template.shape, dtype=template.dtype)
-            one_hot[..., int(sample) - self._discrete_start] = 1
-            return one_hot
-        return np.asarray(sample).astype(template.dtype, copy=False).reshape(template.shape)
+            one_hot[int(sample) - self._start] = 1
+            return {"action": one_hot}
+        if self._nvec is not None and template.shape != self._nvec.shape:
+            one_hots = [np.eye(int(n), dtype=template.dtype)[int(s)] for n, s in zip(self._nvec, sample)]
+            return {"action": np.concatenate(one_hots)}
+        value = np.asarray(sample)
+        if self._discrete_n:
+            value = value - self._start
+        return {"action": value.astype(template.dtype, copy=False).reshape(template.shape)}
 
     def close(self) -> None:
         self.env.close()
 
 
+def _bool_spec() -> Any:
+    from torchrl.data import Unbounded
+
+    return Unbounded((1,), dtype=torch.bool)
+
+
+def _count_spec() -> Any:
+    from torchrl.data import Unbounded
+
+    return Unbounded((1,), dtype=torch.int64)
+
+
+def _return_spec() -> Any:
+    from torchrl.data import Unbounded
+
+    return Unbounded((1,), dtype=torch.float32)
+
+
+# -- torchrl --------------------------------------------------------------------------------------
 class TorchRLAdapter:
     """:class:`EnvAdapter` over an unbatched torchrl ``EnvBase`` (transforms included).
 
     Args:
         env: an env with ``batch_size == ()``; parallelism is the loop's job.
+        max_episode_steps: appends TorchRL's ``StepCounter(max_episode_steps)``, as
+            torchrl's collectors do for ``max_frames_per_traj``.
 
     Raises:
-        ValueError: a batched env.
+        ValueError: a batched env, or a spec that cannot be stored in columns.
     """
 
-    def __init__(self, env: EnvBase) -> None:
+    loop_keys = False
+
+    def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
         if tuple(env.batch_size) != ():
             raise ValueError(f"torchrl envs must be unbatched (batch_size=()), got batch_size={tuple(env.batch_size)}; "
                              "pass a factory of single envs and set num_envs instead of SerialEnv/ParallelEnv")
+        if max_episode_steps is not None:
+            from torchrl.envs import StepCounter
+
+            env = env.append_transform(StepCounter(max_episode_steps))
         self.env = env
-        self.observation_spec = {}
-        for key, spec in env.observation_spec.items(True, True):
-            leaf = key[-1] if isinstance(key, tuple) else key
-            if leaf in _LOOP_KEYS:
-                continue
-            self.observation_spec[key] = ArraySpec(tuple(spec.shape), np.dtype(_np_dtype(spec.dtype)))
-        self._td: Any = None
+        self.keys = EnvKeys.from_specs(observation=env.full_observation_spec, state=env.full_state_spec,
+                                       reward=env.full_reward_spec, done=env.full_done_spec,
+                                       action=env.full_action_spec, where="env's")
+        self.observation_spec = env.full_observation_spec
+        self.action_spec = env.full_action_spec
+        self._root_keys = list(self.keys.root)
+        self._next_keys = list(self.keys.next)
+        self._reward_keys = list(self.keys.reward)
+        self._root_done = "done" in self.keys.done
+        term = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "terminated"]
+        trunc = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "truncated"]
+        done = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "done"]
+        self._terminated_keys = term or done
+        self._truncated_keys = trunc
+        self._input_keys = [*self._root_keys, *self.keys.action]
 
-    def _obs(self, td: Any) -> dict[NestedKey, np.ndarray]:
-        return {k: td.get(k).numpy() for k in self.observation_spec}
-
-    def reset(self, seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+    def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
         if seed is not None:
             self.env.set_seed(seed)
-        self._td = self.env.reset()
-        return self._obs(self._td)
+        return leaves(self.env.reset(), self._root_keys)
 
-    def step(self, action: np.ndarray) -> tuple[dict[NestedKey, np.ndarray], float, bool, bool]:
-        td = self._td
-        td.set("action", torch.as_tensor(action).clone())
+    def step(self, root: Mapping[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
+        td = TensorDict(batch_size=[])
+        for k, v in root.items():
+            td.set(k, torch.from_numpy(np.array(v)))
+        for prefix, dims in self.keys.sub_batch.items():
+            sub = td.get(prefix, None)
+            if sub is not None:
+                sub.batch_size = torch.Size(dims)
         td = self.env.step(td)
         nxt = td.get("next")
-        reward = float(nxt.get("reward").reshape(-1)[0])
-        terminated = bool(nxt.get("terminated", nxt.get("done")).any())
-        truncated = nxt.get("truncated", None)
-        truncated_b = bool(truncated.any()) if truncated is not None else False
-        self._td = nxt.exclude("reward", "done", "terminated", "truncated")
-        return self._obs(nxt), reward, terminated, truncated_b
+        out = leaves(nxt, self._next_keys)
+        reward = float(sum(float(out[k].sum()) for k in self._reward_keys if k in out))
+        terminated = any(bool(out[k].any()) for k in self._terminated_keys if k in out)
+        truncated = any(bool(out[k].any()) for k in self._truncated_keys if k in out)
+        if self._root_done and not (terminated or truncated) and bool(out["done"].any()):
+            terminated = True
+        return out, reward, terminated, truncated
 
-    def random_action(self, template: ArraySpec) -> np.ndarray:
-        return self.env.action_spec.rand().numpy().astype(template.dtype, copy=False).reshape(template.shape)
+    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        sample = self.env.full_action_spec.rand()
+        out = {}
+        for k, spec in columns.items():
+            value = sample.get(k).numpy()
+            out[k] = value.astype(spec.dtype, copy=False).reshape(spec.shape)
+        return out
 
     def close(self) -> None:
         if not self.env.is_closed:
             self.env.close()
 
 
-def _np_dtype(dtype: torch.dtype) -> Any:
-    return torch.empty((), dtype=dtype).numpy().dtype
-
-
+# -- factories ------------------------------------------------------------------------------------------
 class GymMaker:
     """A picklable factory ``gym.make(env_id, **kwargs)`` (a lambda would not cross to
     ``ddp_spawn`` ranks or worker processes).
@@ -235,14 +381,18 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
     return env
 
 
-def make_adapter(env: Any) -> EnvAdapter:
-    """Wrap an env instance in the matching adapter.
+def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True) -> EnvAdapter:
+    """Wrap an env instance in the matching adapter (``max_episode_steps`` goes to a TorchRL env as a
+    ``StepCounter``; the loop applies it to gymnasium envs).
 
     Raises:
         ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``.
     """
     if isinstance(env, EnvBase):
-        return TorchRLAdapter(env)
+        return TorchRLAdapter(env, max_episode_steps=max_episode_steps)
     if isinstance(env, gym.Env):
-        return GymAdapter(env)
+        return GymAdapter(env, validate=validate)
+    closer = getattr(env, "close", None)
+    if callable(closer):
+        closer()
     raise ValueError(f"the env factory returned {type(env).__name__}; expected a gymnasium.Env or a torchrl EnvBase")

@@ -66,74 +66,97 @@ from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
 from ._exit import close_at_exit
-from .envs import ArraySpec, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
+from .envs import ActionError, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
-from .policy import Agent, AutobatchPolicy, _is_real, _Stopped
+from .policy import Agent, AutobatchPolicy, _is_real, _Stopped, as_policy_module
+from .specs import ArraySpec, EnvKeys, NestedKey, next_key
 
 __all__ = ["EnvLoop", "MultiEnvLoop"]
 
-NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05
 
-# Entries the loop writes for every transition, beside observations and policy outputs.
-_REWARD = ("next", "reward")
-_TERMINATED = ("next", "terminated")
-_TRUNCATED = ("next", "truncated")
-_DONE = ("next", "done")
-_STEP_COUNT = "step_count"
-_NEXT_STEP_COUNT = ("next", "step_count")
-_EP_REWARD = "episode_reward"
-_NEXT_EP_REWARD = ("next", "episode_reward")
+# Entries the loop writes for every transition, beside the env's and the policy's.
 _TRAJ = ("collector", "traj_ids")
 _ENV_ID = ("collector", "env_id")
 _VERSION = "policy_version"
-
-
-def _next_key(key: NestedKey) -> tuple[str, ...]:
-    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+# Per-row statistics the loop keeps for events and counts (never part of a returned batch).
+_STATS = "_stats"
+_S_REWARD = (_STATS, "reward")  # this step's reward, summed over reward leaves
+_S_RETURN = (_STATS, "return")  # the episode's return up to and including this step
+_S_LENGTH = (_STATS, "length")  # the episode's length up to and including this step
+_S_TERMINATED = (_STATS, "terminated")
+_S_TRUNCATED = (_STATS, "truncated")
+_S_DONE = (_STATS, "done")
+# Entries a gymnasium env gets from the loop itself (TorchRL's StepCounter, RewardSum, InitTracker and
+# its done flags), written one vectorised assignment per block rather than per env.
+_GYM_LOOP_KEYS = ("is_init", "step_count", "episode_reward")
 
 
 class _Layout:
-    """Per-transition storage layout: ``{key: ArraySpec}`` for everything a transition holds."""
+    """Per-transition storage: one column per leaf of the env's specs and of the policy's outputs.
 
-    def __init__(self, obs_spec: dict[NestedKey, ArraySpec], out_spec: dict[NestedKey, ArraySpec]) -> None:
-        self.obs_keys = list(obs_spec)
-        self.next_obs_keys = [_next_key(k) for k in obs_spec]
-        self.obs_pairs = list(zip(self.obs_keys, self.next_obs_keys))  # (key, ("next", key))
-        self.out_keys = list(out_spec)
-        one_f = ArraySpec((1,), np.dtype(np.float32))
-        one_b = ArraySpec((1,), np.dtype(bool))
-        one_i = ArraySpec((1,), np.dtype(np.int64))
-        scalar_i = ArraySpec((), np.dtype(np.int64))
-        self.specs: dict[NestedKey, ArraySpec] = {}
-        self.specs.update(obs_spec)
-        self.specs.update({_next_key(k): v for k, v in obs_spec.items()})
-        self.specs.update(out_spec)
-        self.specs.update({
-            _REWARD: one_f, _TERMINATED: one_b, _TRUNCATED: one_b, _DONE: one_b,
-            _STEP_COUNT: one_i, _NEXT_STEP_COUNT: one_i, _EP_REWARD: one_f, _NEXT_EP_REWARD: one_f,
-            _TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
-        })
+    Attributes:
+        carried: root entries each env keeps between steps (``{key: ArraySpec}``): the env's
+            observations and state, what the policy wrote under ``"next"`` that the env does not
+            provide (recurrent state), and what it wrote at the root besides the action (kept as
+            TorchRL's ``step_mdp(keep_other=True)`` keeps it).
+        done_keys: done flags; all-false at the root (an env is reset as soon as it is done).
+        advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
+        env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
+        specs: every column (root, ``"next"``, policy outputs, bookkeeping).
+    """
+
+    def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
+        env_root = keys.root
+        self.keys = keys
+        self.loop_keys = loop_keys
+        self.out_keys = list(outputs)
+        self.action_keys = [k for k in keys.action if k in outputs]
+        policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
+                       if isinstance(k, tuple) and k[0] == "next"}
+        fed_back = {k: spec for k, spec in policy_next.items() if k not in env_root and k not in keys.next}
+        kept = {k: spec for k, spec in outputs.items() if not (isinstance(k, tuple) and k[0] == "next")
+                and k not in keys.action and k not in env_root and k not in fed_back}
+        self.carried = {**env_root, **fed_back, **kept}
+        self.policy_carried = [*fed_back, *kept]  # zeroed at each reset (the env does not provide them)
+        self.done_keys = list(keys.done)
+        self.advance = ([(k, next_key(k)) for k in keys.observation] + [(k, next_key(k)) for k in fed_back]
+                        + [(k, k) for k in kept])
+        skip = set(_GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
+        self.env_next = [k for k in keys.next if k not in skip]
+        self.env_next_pairs = [(k, next_key(k)) for k in self.env_next]
+        self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
+        self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
+        self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
+        scalar_i, scalar_b = ArraySpec((), np.dtype(np.int64)), ArraySpec((), np.dtype(bool))
+        scalar_f = ArraySpec((), np.dtype(np.float64))
+        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **keys.done, **outputs}
+        self.specs.update({next_key(k): v for k, v in keys.next.items()})
+        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i, _S_REWARD: scalar_f,
+                           _S_RETURN: scalar_f, _S_LENGTH: scalar_i, _S_TERMINATED: scalar_b,
+                           _S_TRUNCATED: scalar_b, _S_DONE: scalar_b})
 
     def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         lead = (rows,) if isinstance(rows, int) else rows
         return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in self.specs.items()}
 
-
-def _to_tensordict(columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
-                   names: Sequence[str | None] | None = None) -> TensorDict:
-    """One TensorDict over numpy storage (zero-copy), with TorchRL's root flags added."""
-    td = TensorDict(batch_size=list(batch_size))
-    for key, value in columns.items():
-        td.set(key, torch.from_numpy(value))
-    flags = torch.zeros(*batch_size, 1, dtype=torch.bool)
-    td.set("done", flags)
-    td.set("terminated", flags.clone())
-    td.set("truncated", flags.clone())
-    if names is not None:
-        td.refine_names(*names)
-    return td
+    def to_tensordict(self, columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
+                      names: Sequence[str | None] | None = None) -> TensorDict:
+        """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
+        td = TensorDict(batch_size=list(batch_size))
+        for key, value in columns.items():
+            if not (isinstance(key, tuple) and key[0] == _STATS):
+                td.set(key, torch.from_numpy(value))
+        lead = list(batch_size)
+        for prefix, dims in self.keys.sub_batch.items():
+            for root in (prefix, ("next", *prefix)):
+                sub = td.get(root, None)
+                if sub is not None:
+                    sub.batch_size = torch.Size([*lead, *dims])
+        if names is not None:
+            td.refine_names(*names)
+        return td
 
 
 def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,10 +185,10 @@ class _Worker:
         self.rows = len(adapters)
         layout = loop._layout
         self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
-        self.cur_obs = {k: np.empty((self.rows, *s.shape), s.dtype) for k, s in loop._obs_spec.items()}
+        # Each env's current root entries (TorchRL's carrier, one row per env).
+        self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
         self.step_count = np.zeros(self.rows, dtype=np.int64)
         self.episode_reward = np.zeros(self.rows, dtype=np.float64)
-        self.traj = np.zeros(self.rows, dtype=np.int64)
         self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env
         self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -186,53 +209,64 @@ class _Worker:
                                        daemon=True)
 
     # -- helpers ---------------------------------------------------------------------
+    def _env_error(self, exc: BaseException, j: int, phase: str) -> EnvError:
+        error = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j], step=int(self.steps_done[j]),
+                         phase=phase)
+        error.__cause__ = exc
+        return error
+
     def _reset_env(self, j: int, seed: int | None = None) -> None:
         self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
         try:
-            obs = self.adapters[j].reset(seed)
+            root = self.adapters[j].reset(seed)
         except Exception as exc:
-            raise EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
-                           step=int(self.steps_done[j]), phase="reset") from exc
+            raise self._env_error(exc, j, "reset") from exc
         finally:
             self.busy_since = 0.0
-        self._check(j, obs)
-        for k, v in obs.items():
-            self.cur_obs[k][j] = v
+        layout = self.loop._layout
+        self._check(j, root, layout.checked_root)
+        for k in layout.keys.root:
+            self.cur[k][j] = root[k]
+        for k in layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
+            self.cur[k][j] = 0
         self.step_count[j] = 0
         self.episode_reward[j] = 0.0
-        self.traj[j] = self.loop._traj_ids.next()
 
-    def _check(self, j: int, obs: dict[NestedKey, np.ndarray]) -> None:
+    def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
+        """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
         if not self.loop.validate:
             return
-        for k, spec in self.loop._obs_spec.items():
-            v = obs.get(k)
+        for k, spec in specs.items():
+            v = values.get(k)
             problem = None
             if v is None:
-                problem = f"observation key {k!r} is missing"
+                problem = f"entry {k!r} is missing"
+            elif not isinstance(v, np.ndarray):
+                continue  # a Python scalar the adapter computed
             elif v.shape != spec.shape:
-                problem = f"observation {k!r} has shape {v.shape}, expected {spec.shape}"
+                problem = f"entry {k!r} has shape {v.shape}, expected {spec.shape}"
             elif v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
-                problem = f"observation {k!r} has dtype {v.dtype}, expected {spec.dtype}"
+                problem = f"entry {k!r} has dtype {v.dtype}, expected {spec.dtype}"
             elif v.dtype.kind == "f" and np.isnan(v).any():
-                problem = f"observation {k!r} contains NaN"
+                problem = f"entry {k!r} contains NaN"
             if problem is not None:
                 raise EnvError(problem, env_id=self.env_ids[j], step=int(self.steps_done[j]), phase="check")
 
     def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
         """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``."""
         loop = self.loop
+        layout = loop._layout
         if self.random_left[envs[0]] > 0:
+            for k in layout.out_keys:
+                cols[k][r0:r0 + rows] = 0
             for r, j in zip(range(r0, r0 + rows), envs):
-                cols["action"][r] = self.adapters[j].random_action(loop._action_spec)
+                for k, v in self.adapters[j].random_action(loop._action_columns).items():
+                    cols[k][r] = v
                 self.random_left[j] -= 1
-            for k in loop._layout.out_keys:
-                if k != "action":
-                    cols[k][r0:r0 + rows] = 0
             cols[_VERSION][r0:r0 + rows] = -1
             return
         agent = self.agent
-        agent.submit({k: cols[k][r0:r0 + rows] for k in loop._layout.obs_keys}, exploration_type=loop.exploration_type)
+        agent.submit({k: cols[k][r0:r0 + rows] for k in loop._input_keys}, exploration_type=loop.exploration_type)
         step = int(self.steps_done[envs[0]])
         try:
             answer = agent.result(loop._stop)
@@ -240,7 +274,7 @@ class _Worker:
             raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
                               step=step) from exc
         outputs, a, b = answer.outputs, answer.start, answer.stop
-        for k in loop._layout.out_keys:
+        for k in layout.out_keys:
             value = outputs.get(k)
             if value is None or value.shape[1:] != cols[k].shape[1:]:
                 got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
@@ -250,58 +284,75 @@ class _Worker:
             cols[k][r0:r0 + rows] = value[a:b]
         cols[_VERSION][r0:r0 + rows] = answer.version
 
-    def _step_env(self, j: int, action: np.ndarray) -> tuple[dict[NestedKey, np.ndarray], float, bool, bool]:
+    def _step_env(self, j: int, row: dict[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
         """``env.step`` of env ``j``, timed for ``step_timeout``, errors named, observation checked."""
         self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
         try:
-            result = self.adapters[j].step(action)
+            result = self.adapters[j].step(row)
+        except ActionError as exc:  # the policy's fault, not the env's
+            raise PolicyError(f"invalid action for env {self.env_ids[j]}: {exc}", env_ids=(self.env_ids[j],),
+                              step=int(self.steps_done[j])) from exc
         except Exception as exc:
-            raise EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
-                           step=int(self.steps_done[j]), phase="step") from exc
+            raise self._env_error(exc, j, "step") from exc
         finally:
             self.busy_since = 0.0
-        self._check(j, result[0])
+        self._check(j, result[0], self.loop._layout.checked_next)
         return result
 
     def _step_block(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int]) -> np.ndarray:
         """Step envs ``envs`` with the actions in rows ``r0:r0+len(envs)`` of ``cols``; write the
         transitions there (counters and flags with one vectorised write per key, not one per env).
-        Leaves each env's next observation in ``cur_obs``; returns the rows' done flags."""
-        layout, n = self.loop._layout, len(envs)
+        Leaves each env's next root entries in ``cur``; returns the rows' done flags."""
+        loop = self.loop
+        layout, n = loop._layout, len(envs)
         rows = slice(r0, r0 + n)
         sel: slice | list[int] = slice(None) if n == self.rows else list(envs)
-        cols[_STEP_COUNT][rows, 0] = self.step_count[sel]
-        cols[_EP_REWARD][rows, 0] = self.episode_reward[sel]
-        cols[_TRAJ][rows] = self.traj[sel]
         cols[_ENV_ID][rows] = self.env_id_array[sel]
         rewards = np.empty(n)
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
-        action = cols["action"]
+        inputs = loop._env_inputs
         for i, j in enumerate(envs):
-            obs, rewards[i], terminated[i], truncated[i] = self._step_env(j, action[r0 + i])
-            for k, nk in layout.obs_pairs:
-                cols[nk][r0 + i] = obs[k]
+            r = r0 + i
+            nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, {k: cols[k][r] for k in inputs})
+            for k, nk in layout.env_next_pairs:
+                cols[nk][r] = nxt[k]
         self.steps_done[sel] += 1
         self.step_count[sel] += 1
         self.episode_reward[sel] += rewards
-        if self.loop.max_episode_steps is not None:
-            truncated |= self.step_count[sel] >= self.loop.max_episode_steps
+        if layout.loop_keys:
+            if loop.max_episode_steps is not None:
+                truncated |= self.step_count[sel] >= loop.max_episode_steps
+            cols[("next", "reward")][rows, 0] = rewards
+            cols[("next", "terminated")][rows, 0] = terminated
+            cols[("next", "truncated")][rows, 0] = truncated
+            cols[("next", "done")][rows, 0] = terminated | truncated
+            cols[("next", "is_init")][rows] = False
+            cols[("next", "step_count")][rows, 0] = self.step_count[sel]
+            cols[("next", "episode_reward")][rows, 0] = self.episode_reward[sel]
         done = terminated | truncated
-        cols[_REWARD][rows, 0] = rewards
-        cols[_TERMINATED][rows, 0] = terminated
-        cols[_TRUNCATED][rows, 0] = truncated
-        cols[_DONE][rows, 0] = done
-        cols[_NEXT_STEP_COUNT][rows, 0] = self.step_count[sel]
-        cols[_NEXT_EP_REWARD][rows, 0] = self.episode_reward[sel]
-        for k, nk in layout.obs_pairs:
-            self.cur_obs[k][sel] = cols[nk][rows]
+        cols[_S_REWARD][rows] = rewards
+        cols[_S_RETURN][rows] = self.episode_reward[sel]
+        cols[_S_LENGTH][rows] = self.step_count[sel]
+        cols[_S_TERMINATED][rows] = terminated
+        cols[_S_TRUNCATED][rows] = truncated
+        cols[_S_DONE][rows] = done
+        for k, src in layout.advance:
+            self.cur[k][sel] = cols[src][rows]
         return done
+
+    def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int) -> None:
+        """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols``; done flags false."""
+        n = self.rows if isinstance(sel, slice) else (1 if isinstance(sel, int) else len(sel))
+        rows = slice(r0, r0 + n)
+        for k, v in self.cur.items():
+            cols[k][rows] = v[sel]
+        for k in self.loop._layout.done_keys:
+            cols[k][rows] = False
 
     def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
         """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch)."""
-        for k in self.loop._layout.obs_keys:
-            cols[k][:] = self.cur_obs[k]
+        self._load_root(cols, 0, slice(None))
         self._act(cols, 0, self.rows, range(self.rows))
         for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
             self._reset_env(int(j))
@@ -358,9 +409,13 @@ class _Worker:
         """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
         if staged is not None:
             cols = self.slots[staged]
-            if not cols[_DONE][j, 0]:
-                cols[_TRUNCATED][j] = True
-                cols[_DONE][j] = True
+            if not cols[_S_DONE][j]:
+                cols[_S_TRUNCATED][j] = True
+                cols[_S_DONE][j] = True
+                for k in self.loop._layout.done_keys:
+                    name = k[-1] if isinstance(k, tuple) else k
+                    if name in ("done", "truncated"):
+                        cols[next_key(k)][j] = True
 
     def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
         """A fresh episode on env ``j`` alone; the others of this worker wait."""
@@ -378,8 +433,7 @@ class _Worker:
                     for k, v in cols.items():
                         grown[k][:capacity] = v
                     cols, capacity = grown, capacity * 2
-                for k in loop._layout.obs_keys:
-                    cols[k][t] = self.cur_obs[k][j]
+                self._load_root(cols, t, [j])
                 self._act(cols, t, 1, (j,))
                 done = bool(self._step_block(cols, t, (j,))[0])
                 t += 1
@@ -387,7 +441,9 @@ class _Worker:
                     break
                 if loop._stop.is_set():
                     raise _Stopped()
-            loop._ready.put(("episode", self.index, request_index, cols, t))
+            # With a staged step, that step (delivered later, done) ends the env's running trajectory;
+            # without one, the driver starts a new trajectory for the env's next steps.
+            loop._ready.put(("episode", self.index, request_index, cols, t, staged is None))
             self._reset_env(j)
         finally:
             self.agent.set_rows(self.rows)
@@ -427,7 +483,7 @@ class _Worker:
                         j = self.env_ids.index(env_id)
                         self._cut(staged, j)
                         self._reset_env(j, seed)
-                    loop._ready.put(("reset", self.index))
+                    loop._ready.put(("reset", self.index, staged is None))
                 else:
                     self._run_episode(self.env_ids.index(request[1]), request[2], staged)
         except _Stopped:
@@ -460,9 +516,16 @@ class MultiEnvLoop:
         env: a gymnasium id, a factory returning a ``gymnasium.Env`` or a torchrl
             ``EnvBase``, or a list of ``num_envs`` such factories.
         policy: an :class:`AutobatchPolicy` (shared; then ``autobatch_size``,
-            ``max_wait`` and ``device`` must be left unset), a
-            ``TensorDictModule`` or a plain callable (wrapped in an
-            ``AutobatchPolicy`` owned and closed by this loop).
+            ``max_wait`` and ``device`` must be left unset), or anything TorchRL's
+            collectors accept: a ``TensorDictModule``, a function of a TensorDict,
+            an ``nn.Module`` / function whose arguments are named after observation
+            keys (see :func:`~lightning_rollout.policy.as_policy_module`), or
+            ``None`` for TorchRL's ``RandomPolicy`` over the env's action spec. It
+            is wrapped in an ``AutobatchPolicy`` owned and closed by this loop.
+            Each step it gets a TensorDict of batch ``[k]`` (``k`` envs) holding
+            every root entry of those envs, including what it wrote under
+            ``"next"`` at their previous step (recurrent state, zero at each
+            episode start) and what it wrote at the root besides the action.
 
     Keyword Args:
         num_envs: number of envs (``>= 1``); inferred from a list of factories.
@@ -501,7 +564,7 @@ class MultiEnvLoop:
     def __init__(
         self,
         env: str | EnvFactory | Sequence[EnvFactory],
-        policy: AutobatchPolicy | Callable[..., Any],
+        policy: AutobatchPolicy | Callable[..., Any] | None,
         *,
         num_envs: int | None = None,
         envs_per_thread: int = 1,
@@ -550,13 +613,8 @@ class MultiEnvLoop:
             if autobatch_size is not None or max_wait is not None or device is not None:
                 raise ValueError("autobatch_size, max_wait and device belong to the AutobatchPolicy you passed; "
                                  "set them there, not on the loop")
-            self.policy, self._owns_policy = policy, False
-        else:
-            if autobatch_size is not None:
-                _check_int("autobatch_size", autobatch_size, 1)
-            self.policy = AutobatchPolicy(policy, autobatch_size=autobatch_size, max_wait=max_wait, device=device,
-                                          name=name)
-            self._owns_policy = True
+        elif autobatch_size is not None:
+            _check_int("autobatch_size", autobatch_size, 1)
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
         self.exploration_type = exploration_type
@@ -571,7 +629,9 @@ class MultiEnvLoop:
         self.name = name
         self.join_timeout = join_timeout
         self._random_steps_per_env = random_steps_per_env
-        self._traj_ids = _Counter(traj_id_start)
+        # Trajectory ids are assigned by the driver, in delivery order: env i starts with traj_id_start + i.
+        self._cur_traj = np.arange(traj_id_start, traj_id_start + num_envs, dtype=np.int64)
+        self._next_traj = traj_id_start + num_envs
         self._stop = threading.Event()
         self._cut = threading.Event()  # set by the driver: workers end their quota after the current step
         self._closed = False
@@ -580,25 +640,30 @@ class MultiEnvLoop:
         self.episodes = 0
 
         adapters: list[EnvAdapter] = []
+        self._owns_policy = False
         try:
             for factory in factories:
-                adapters.append(make_adapter(factory()))
-            self._obs_spec = adapters[0].observation_spec
+                adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
+            keys = adapters[0].keys
             for i, a in enumerate(adapters[1:], 1):
-                if a.observation_spec != self._obs_spec:
-                    raise ValueError(f"env {i} has observation spec {a.observation_spec}, env 0 has {self._obs_spec}; "
-                                     "all envs of a loop must share their spaces")
-            missing = [k for k in self.policy.in_keys if k not in self._obs_spec]
-            if missing:
-                raise ValueError(f"the policy reads {missing}, which the env does not provide "
-                                 f"(observation keys: {list(self._obs_spec)})")
-            probe_obs = {k: np.zeros((1, *s.shape), s.dtype) for k, s in self._obs_spec.items()
-                         if k in self.policy.in_keys}
-            out = self.policy.probe(probe_obs)
-            out_spec = {k: ArraySpec(shape, np.dtype(dtype)) for k, (shape, dtype) in out.items()
-                        if k not in self._obs_spec}
-            self._action_spec = out_spec["action"]
-            self._layout = _Layout(self._obs_spec, out_spec)
+                if not a.keys.same_layout(keys):
+                    raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must share "
+                                     "their keys, shapes and dtypes")
+            if isinstance(policy, AutobatchPolicy):
+                self.policy = policy
+            else:
+                if policy is None:  # TorchRL's default: uniformly random valid actions
+                    from torchrl.envs.utils import RandomPolicy
+
+                    policy = RandomPolicy(adapters[0].action_spec.clone())
+                data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS]
+                module = as_policy_module(policy, observation_spec=adapters[0].observation_spec,
+                                          action_keys=list(keys.action),
+                                          single_key=data_keys[0] if len(data_keys) == 1 else None)
+                self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
+                                              device=device, name=name)
+                self._owns_policy = True
+            self._layout = self._probe_layout(keys, adapters[0].loop_keys)
             g = envs_per_thread
             self._workers = [_Worker(self, w, adapters[w * g:(w + 1) * g], list(range(w * g, (w + 1) * g)))
                              for w in range(num_envs // g)]
@@ -619,6 +684,24 @@ class MultiEnvLoop:
         self._started = False
         if start:
             self.start()
+
+    def _probe_layout(self, keys: EnvKeys, loop_keys: bool) -> _Layout:
+        """Run the policy once on zeros of the env's root entries; lay out the columns from what it writes."""
+        root = {**keys.root, **keys.done}
+        probe = {k: np.zeros((1, *spec.shape), spec.dtype) for k, spec in root.items()}
+        out = self.policy.probe(probe)
+        outputs = {k: ArraySpec(shape, np.dtype(dtype)) for k, (shape, dtype) in out.items()}
+        missing = [k for k in keys.action if k not in outputs]
+        if missing:
+            raise PolicyError(f"the policy wrote no {missing[0]!r} (the env's action key{'s' if len(keys.action) > 1 else ''}"
+                              f": {list(keys.action)}); it wrote {list(outputs)}")
+        layout = _Layout(keys, outputs, loop_keys=loop_keys)
+        self._input_keys = self.policy.bind(layout.carried | {k: keys.done[k] for k in layout.done_keys},
+                                            sub_batch=keys.sub_batch)
+        self._action_columns = {k: layout.specs[k] for k in keys.action}
+        self._env_inputs = (layout.action_keys if loop_keys
+                            else list(dict.fromkeys([*layout.root_inputs, *layout.out_keys])))
+        return layout
 
     def start(self) -> None:
         """Start the env threads (done by the first ``run_*`` call when ``start=False``). Idempotent."""
@@ -645,14 +728,24 @@ class MultiEnvLoop:
 
     # -- public properties -----------------------------------------------------------------
     @property
+    def env_keys(self) -> EnvKeys:
+        """Every leaf the envs read and write, from their TorchRL specs."""
+        return self._layout.keys
+
+    @property
     def observation_keys(self) -> list[NestedKey]:
-        """The keys each env emits as observations (``["observation"]`` for most gymnasium envs)."""
-        return list(self._obs_spec)
+        """The observation entries each env fills (``["observation", "is_init", ...]`` for most gymnasium envs)."""
+        return list(self._layout.keys.observation)
+
+    @property
+    def input_keys(self) -> list[NestedKey]:
+        """The root entries handed to the policy at each step."""
+        return list(self._input_keys)
 
     @property
     def action_spec(self) -> ArraySpec:
-        """Shape and dtype of one row of the policy's ``action`` (as stored)."""
-        return self._action_spec
+        """Shape and dtype of one row of the policy's first action entry (as stored)."""
+        return next(iter(self._action_columns.values()))
 
     @property
     def closed(self) -> bool:
@@ -662,7 +755,7 @@ class MultiEnvLoop:
     @property
     def next_traj_id(self) -> int:
         """The id the next new trajectory will get."""
-        return self._traj_ids.peek()
+        return self._next_traj
 
     # -- policy ------------------------------------------------------------------------------
     def update_policy(self, state: Any) -> int:
@@ -692,7 +785,33 @@ class MultiEnvLoop:
         """Continue trajectory ids from ``value`` (before the threads start, e.g. on resume)."""
         if self._started:
             raise CollectionError("set_traj_id_start must be called before the loop starts")
-        self._traj_ids = _Counter(value)
+        _check_int("traj_id_start", value, 0)
+        self._cur_traj = np.arange(value, value + self.num_envs, dtype=np.int64)
+        self._next_traj = value + self.num_envs
+
+    def _assign_traj(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """Trajectory ids of rows delivered in this order (driver only), as TorchRL's collector assigns
+        them: an env keeps its id until a done row; ids of new trajectories are handed out in delivery
+        order (time, then env), so they do not depend on thread timing."""
+        traj = np.empty(len(env_ids), dtype=np.int64)
+        done_rows = np.flatnonzero(done)
+        new_ids = self._next_traj + np.arange(len(done_rows), dtype=np.int64)
+        rank = np.zeros(len(env_ids), dtype=np.int64)
+        rank[done_rows] = np.arange(len(done_rows))
+        for e in np.unique(env_ids):
+            idx = np.flatnonzero(env_ids == e)
+            d = done[idx]
+            ids = np.concatenate([self._cur_traj[e:e + 1], new_ids[rank[idx[d]]]])
+            traj[idx] = ids[np.cumsum(d) - d]
+            self._cur_traj[e] = ids[-1]
+        self._next_traj += len(done_rows)
+        return traj
+
+    def _new_trajectory(self, env_id: int) -> int:
+        """Env ``env_id`` starts a new trajectory now (an explicit reset); returns its id."""
+        self._cur_traj[env_id] = self._next_traj
+        self._next_traj += 1
+        return int(self._cur_traj[env_id])
 
     @_driver_call
     def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None,
@@ -720,12 +839,15 @@ class MultiEnvLoop:
         for w, items in per_worker.items():
             self._workers[w].requests.put(("reset", items))
         waiting = set(per_worker)
+        fresh: set[int] = set()  # envs with no staged step to end their trajectory: new id now
         try:
             while waiting:
                 msg = self._wait(None)
                 assert msg is not None
                 if msg[0] == "reset":
                     waiting.discard(msg[1])
+                    if msg[2]:
+                        fresh.update(i for i, _ in per_worker[msg[1]])
                 elif msg[0] == "step":
                     self._answered(msg[1])
                     self._partials[msg[1]] = (msg[2], 0)
@@ -736,6 +858,8 @@ class MultiEnvLoop:
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
+        for i in sorted(fresh):
+            self._new_trajectory(i)
 
     def _request_step(self, w: int) -> None:
         self._request(w, ("step",))
@@ -839,7 +963,7 @@ class MultiEnvLoop:
               eval_: bool, total: int, first_frame: int) -> None:
         """Events for rows ``rows`` of ``cols`` (driver thread); row ``rows[i]`` is frame ``first_frame + i``."""
         wants_steps = processor.wants_timesteps
-        done = cols[_DONE][rows, 0]
+        done = cols[_S_DONE][rows]
         if not wants_steps and not done.any():
             return
         on_step = processor.on_eval_timestep if eval_ else processor.on_timestep
@@ -850,16 +974,16 @@ class MultiEnvLoop:
             r = rows[int(i)]
             progress = Progress(first_frame + int(i), total)
             if wants_steps:
-                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(cols[_REWARD][r, 0]),
-                                 step_count=int(cols[_NEXT_STEP_COUNT][r, 0]),
-                                 episode_reward=float(cols[_NEXT_EP_REWARD][r, 0]),
-                                 terminated=bool(cols[_TERMINATED][r, 0]), truncated=bool(cols[_TRUNCATED][r, 0]),
+                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(cols[_S_REWARD][r]),
+                                 step_count=int(cols[_S_LENGTH][r]),
+                                 episode_reward=float(cols[_S_RETURN][r]),
+                                 terminated=bool(cols[_S_TERMINATED][r]), truncated=bool(cols[_S_TRUNCATED][r]),
                                  policy_version=int(cols[_VERSION][r]), progress=progress,
                                  context={k: cols[k][r] for k in extras}, eval=eval_))
-            if cols[_DONE][r, 0]:
-                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(cols[_NEXT_STEP_COUNT][r, 0]),
-                                  reward=float(cols[_NEXT_EP_REWARD][r, 0]),
-                                  terminated=bool(cols[_TERMINATED][r, 0]), truncated=bool(cols[_TRUNCATED][r, 0]),
+            if cols[_S_DONE][r]:
+                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(cols[_S_LENGTH][r]),
+                                  reward=float(cols[_S_RETURN][r]),
+                                  terminated=bool(cols[_S_TERMINATED][r]), truncated=bool(cols[_S_TRUNCATED][r]),
                                   policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_))
 
     @_driver_call
@@ -953,12 +1077,13 @@ class MultiEnvLoop:
         self.frames += len(rows)
         if processor is not None:
             self._emit(out, rows, processor, self.eval, -1, first_frame)
-        self.episodes += int(out[_DONE][rows, 0].sum())
+        self.episodes += int(out[_S_DONE][rows].sum())
 
     def _finish_flat(self, out: dict[NestedKey, np.ndarray], filled: int) -> TensorDict:
         if filled < len(out[_VERSION]):
             out = {k: v[:filled] for k, v in out.items()}
-        return _to_tensordict(out, [filled])
+        out[_TRAJ][:] = self._assign_traj(out[_ENV_ID], out[_S_DONE])
+        return self._layout.to_tensordict(out, [filled])
 
     @_driver_call
     def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
@@ -1069,10 +1194,11 @@ class MultiEnvLoop:
         flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
         # events in time order, env by env within a time step
         by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
-                   if k in (_DONE, _ENV_ID, _REWARD, _NEXT_STEP_COUNT, _NEXT_EP_REWARD, _TERMINATED, _TRUNCATED,
-                            _VERSION) or (processor is not None and processor.wants_timesteps)}
-        self._after_take(by_time, range(len(by_time[_DONE])), processor)
-        return _to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
+                   if (isinstance(k, tuple) and k[0] == _STATS) or k in (_ENV_ID, _VERSION)
+                   or (processor is not None and processor.wants_timesteps)}
+        flat[_TRAJ][...] = self._assign_traj(by_time[_ENV_ID], by_time[_S_DONE]).reshape(T, self.num_envs).T
+        self._after_take(by_time, range(len(by_time[_S_DONE])), processor)
+        return self._layout.to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
 
     @_driver_call
     def run_episodes(self, k: int, *, processor: EventProcessor | None = None,
@@ -1123,13 +1249,18 @@ class MultiEnvLoop:
                     self._answered(w)
                     self._partials[w] = (slot, 0)
                     continue
-                _, w, index, cols, length = msg
+                _, w, index, cols, length, fresh = msg
                 trajectory = {key: v[:length].copy() for key, v in cols.items()}
                 if processor is not None:
                     self._emit(trajectory, range(length), processor, self.eval, k, 1)
                 if not self.eval:
                     self.episodes += 1
-                results[index] = _to_tensordict(trajectory, [length])
+                env_id = int(trajectory[_ENV_ID][0])
+                trajectory[_TRAJ][:] = self._next_traj
+                self._next_traj += 1
+                if fresh:  # no staged step ends the env's running trajectory: its next steps start a new one
+                    self._new_trajectory(env_id)
+                results[index] = self._layout.to_tensordict(trajectory, [length])
                 if next_request < k:
                     env_id = int(trajectory[_ENV_ID][0])
                     self._workers[w].requests.put(("episode", env_id, next_request))
@@ -1203,24 +1334,6 @@ class EnvLoop(MultiEnvLoop):
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
         kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
-
-
-class _Counter:
-    """A thread-safe id counter (trajectory ids are drawn by env threads at each reset)."""
-
-    def __init__(self, start: int) -> None:
-        self._next = start
-        self._lock = threading.Lock()
-
-    def next(self) -> int:
-        with self._lock:
-            value = self._next
-            self._next += 1
-            return value
-
-    def peek(self) -> int:
-        with self._lock:
-            return self._next
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -45,21 +45,22 @@ counts and the update list; ``_weights_lock`` guards the policy's parameters
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from ._exit import close_at_exit
 from .errors import CollectionError, PolicyError
 
-__all__ = ["Agent", "AutobatchPolicy", "PolicyAnswer"]
+__all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "as_policy_module"]
 
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
@@ -243,14 +244,20 @@ class AutobatchPolicy:
                 torch.device(device)
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
-        self.policy = policy
+        self.policy = as_policy_module(policy)
+        # Whose weights update() / state() move: the object the user gave, even when it was wrapped to be
+        # called on TensorDicts (its state_dict keys stay the user's, without the wrapper's "module." prefix).
+        self.weights = getattr(self.policy, "_lr_wrapped", self.policy)
         self.autobatch_size = autobatch_size
         self.max_wait = max_wait
         self.name = name
         self.flush_in_caller = bool(flush_in_caller)
-        self.is_tensordict_module = isinstance(policy, TensorDictModuleBase)
-        self._direct = _direct_module(policy)  # a plain TensorDictModule's inner module, called without a TensorDict
-        self.device = torch.device(device) if device is not None else _module_device(policy)
+        self.is_tensordict_module = isinstance(self.policy, TensorDictModuleBase)
+        self._direct = _direct_module(self.policy)  # an exact TensorDictModule's inner module, called on tensors
+        self.device = torch.device(device) if device is not None else _module_device(self.policy)
+        self.input_keys: list[NestedKey] | None = None  # set by bind(): the keys every request carries
+        self.output_keys: list[NestedKey] | None = None  # set by probe(): the keys every answer carries
+        self.sub_batch: dict[tuple[str, ...], tuple[int, ...]] = {}  # nested batch dims of the inputs
         self._version = 0
         self._plain_state: Any = None  # state of a callable without state_dict
         self._cond = threading.Condition()
@@ -272,11 +279,35 @@ class AutobatchPolicy:
         return self._version
 
     @property
-    def in_keys(self) -> list[NestedKey]:
-        """Observation keys the policy reads (``["observation"]`` for a plain callable)."""
-        if self.is_tensordict_module:
-            return list(self.policy.in_keys)  # type: ignore[attr-defined]
-        return ["observation"]
+    def in_keys(self) -> list[NestedKey] | None:
+        """Keys the policy declares it reads (``None`` for a TensorDict function without ``in_keys``:
+        it is handed every root entry)."""
+        keys = getattr(self.policy, "in_keys", None)
+        return None if keys is None else [_as_key(k) for k in keys]
+
+    def bind(self, available: Mapping[NestedKey, Any], *, sub_batch: Mapping[tuple[str, ...], tuple[int, ...]] = {}
+             ) -> list[NestedKey]:
+        """Fix the keys every request carries, from the root entries an env provides.
+
+        An exact ``TensorDictModule`` called on its inner module gets its ``in_keys``
+        only; any other policy gets every entry (as TorchRL's collector hands it
+        the whole root of its carrier). Returns those keys.
+
+        Raises:
+            ValueError: the policy reads keys the env does not provide.
+        """
+        declared = self.in_keys
+        if self._direct is not None and declared is not None:
+            missing = [k for k in declared if k not in available]
+            if missing:
+                raise ValueError(f"the policy reads {missing}, which the env does not provide "
+                                 f"(root entries: {list(available)})")
+            keys = list(declared)
+        else:
+            keys = list(available)
+        self.input_keys = keys
+        self.sub_batch = dict(sub_batch)
+        return keys
 
     @property
     def mean_batch_size(self) -> float:
@@ -348,14 +379,16 @@ class AutobatchPolicy:
         finally:
             self._weights_lock.release()
 
-    def probe(self, obs: Mapping[NestedKey, np.ndarray]) -> dict[NestedKey, tuple[tuple[int, ...], np.dtype]]:
-        """Run the policy once on ``obs`` (batch of 1) in the caller's thread; return each output's
-        ``(shape without batch dim, dtype)``. Used to preallocate storage.
+    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1
+              ) -> dict[NestedKey, tuple[tuple[int, ...], np.dtype]]:
+        """Run the policy once on ``obs`` (``rows`` rows) in the caller's thread; fix and return its
+        outputs: ``{key: (shape without batch dim, dtype)}`` for every entry it writes (nested keys and
+        ``("next", ...)`` entries included). Used to preallocate storage; later answers carry these keys.
 
         Raises:
             PolicyError: the policy failed or returned a malformed output.
         """
-        rows = len(next(iter(obs.values())))
+        self.output_keys = None
         request = _Request(Agent(self, rows, ()), dict(obs), rows, ExplorationType.RANDOM)
         try:
             with self._weights_lock:
@@ -364,6 +397,7 @@ class AutobatchPolicy:
             raise
         except Exception as exc:
             raise PolicyError(f"{type(exc).__name__}: {exc} (while probing the policy with one observation)") from exc
+        self.output_keys = list(outputs)
         return {k: (tuple(v.shape[1:]), v.dtype) for k, v in outputs.items()}
 
     # -- weights -------------------------------------------------------------------
@@ -384,7 +418,7 @@ class AutobatchPolicy:
             ValueError: the policy rejected ``state`` (wrong keys or shapes); the
                 version is unchanged and collection goes on with the old weights.
         """
-        if state is self.policy:
+        if state is self.policy or state is self.weights:
             state = _SAME_WEIGHTS  # the acting policy itself: weights are shared, only the version moves
         elif isinstance(state, torch.nn.Module):
             state = state.state_dict()
@@ -411,9 +445,9 @@ class AutobatchPolicy:
     def state(self) -> Any:
         """A copy of the current weights (``state_dict`` tensors cloned), safe to keep."""
         with self._weights_lock:
-            if hasattr(self.policy, "state_dict"):
+            if hasattr(self.weights, "state_dict"):
                 return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                        for k, v in self.policy.state_dict().items()}  # type: ignore[attr-defined]
+                        for k, v in self.weights.state_dict().items()}  # type: ignore[attr-defined]
             return copy.deepcopy(self._plain_state)
 
     def set_version(self, version: int) -> None:
@@ -428,10 +462,10 @@ class AutobatchPolicy:
             try:
                 if state is _SAME_WEIGHTS:
                     pass
-                elif isinstance(state, TensorDictBase) and isinstance(self.policy, torch.nn.Module):
-                    state.to_module(self.policy)
-                elif hasattr(self.policy, "load_state_dict"):
-                    self.policy.load_state_dict(state)  # type: ignore[attr-defined]
+                elif isinstance(state, TensorDictBase) and isinstance(self.weights, torch.nn.Module):
+                    state.to_module(self.weights)
+                elif hasattr(self.weights, "load_state_dict"):
+                    self.weights.load_state_dict(state)  # type: ignore[attr-defined]
                 else:
                     self._plain_state = state
             except Exception as exc:  # the version does not move; the inference thread keeps serving
@@ -558,7 +592,9 @@ class AutobatchPolicy:
             start = stop
 
     def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
-        keys = list(batch[0].obs)
+        if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
+            batch.sort(key=_first_env)
+        keys = self.input_keys if self.input_keys is not None else list(batch[0].obs)
         if len(batch) == 1:
             stacked = {k: torch.as_tensor(batch[0].obs[k]) for k in keys}
         else:
@@ -568,42 +604,147 @@ class AutobatchPolicy:
         with torch.no_grad(), set_exploration_type(batch[0].mode):
             if self._direct is not None:
                 result = self._direct(*(stacked[k] for k in self.policy.in_keys))  # type: ignore[attr-defined]
+                out_keys = [_as_key(k) for k in self.policy.out_keys]  # type: ignore[attr-defined]
                 if isinstance(result, dict):
-                    result = tuple(result[k] for k in self.policy.out_keys)  # type: ignore[attr-defined]
+                    result = tuple(result[k] for k in out_keys)
                 result = result if isinstance(result, tuple) else (result,)
-                outputs = {k: _to_numpy(v) for k, v in zip(self.policy.out_keys, result)  # type: ignore[attr-defined]
-                           if k not in stacked}
-                if "action" not in outputs:
-                    raise PolicyError("the policy wrote no 'action' key")
-            elif self.is_tensordict_module:
-                td = TensorDict(batch_size=[rows], device=self.device)
-                for k, v in stacked.items():
-                    td.set(k, v)
+                outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
+            else:
+                td = TensorDict(stacked, batch_size=[rows], device=self.device)
+                for prefix, dims in self.sub_batch.items():
+                    if prefix in td.keys(True):
+                        td.get(prefix).batch_size = torch.Size([rows, *dims])
                 out = self.policy(td)
                 if out is None:
                     out = td
                 if not isinstance(out, TensorDictBase):
-                    raise PolicyError(f"a TensorDictModule must return a TensorDict, got {type(out).__name__}")
-                if "action" not in out.keys():
-                    raise PolicyError("the policy wrote no 'action' key")
-                in_set = set(keys)
-                outputs = {k: _to_numpy(out.get(k)) for k in out.keys(True, True) if k not in in_set}
-            else:
-                if len(keys) != 1:
-                    raise PolicyError(f"a plain callable policy takes one observation, got keys {keys}")
-                action = self.policy(stacked[keys[0]])
-                if isinstance(action, TensorDictBase):
-                    outputs = {k: _to_numpy(action.get(k)) for k in action.keys(True, True)}
-                    if "action" not in outputs:
-                        raise PolicyError("the policy returned a TensorDict without an 'action' key")
-                else:
-                    outputs = {"action": _to_numpy(torch.as_tensor(action))}
+                    raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
+                                      "a TensorDict (wrap a tensor function in a TensorDictModule)")
+                outputs = self._outputs(out, td)
         for key, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != rows:
                 shape = tuple(value.shape)
                 raise PolicyError(f"'{key}' has shape {shape} for a batch of {rows} observations "
                                   f"(the leading dim must be the batch size {rows})")
         return outputs
+
+    def _outputs(self, out: TensorDictBase, given: TensorDictBase) -> dict[NestedKey, np.ndarray]:
+        """The entries the policy wrote: at probe time every leaf that is new or was replaced,
+        afterwards exactly those keys."""
+        if self.output_keys is None:
+            keys = [k for k, v in out.items(True, True) if given.get(k, None) is not v]
+            declared = getattr(self.policy, "out_keys", None) or []
+            keys += [k for k in (_as_key(k) for k in declared) if k not in keys and k in out.keys(True, True)]
+            if not keys:
+                raise PolicyError("the policy wrote nothing (no action)")
+        else:
+            keys = self.output_keys
+        outputs = {}
+        for k in keys:
+            value = out.get(k, None)
+            if value is None:
+                raise PolicyError(f"the policy did not write {k!r}, which it wrote when probed at construction")
+            outputs[k] = _to_numpy(value, k)
+        return outputs
+
+
+def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: Sequence[NestedKey] = ("action",),
+                     single_key: NestedKey | None = "observation") -> Any:
+    """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
+
+    * A ``TensorDictModuleBase`` (TorchRL actors, ``TensorDictSequential``,
+      exploration modules...), TorchRL's ``RandomPolicy`` and a function whose one
+      parameter is named ``tensordict`` / ``td`` or annotated as a TensorDict are
+      used as they are.
+    * An ``nn.Module`` or function whose parameter names are keys of
+      ``observation_spec`` is wrapped in a ``TensorDictModule`` reading them and
+      writing ``action_keys`` (then ``output1``, ``output2``... for extra outputs),
+      by TorchRL's own ``_make_compatible_policy``.
+    * Beyond TorchRL: a function of one required argument with any other name
+      reads ``single_key`` (the env's only observation), the tensor-in /
+      action-out form the seed used.
+
+    Raises:
+        TypeError: TorchRL cannot wrap it (its message says why).
+    """
+    from torchrl.envs.utils import RandomPolicy
+
+    if isinstance(policy, RandomPolicy):
+        return BatchedRandomPolicy(policy.action_spec)
+    if isinstance(policy, TensorDictModuleBase):
+        return policy
+    wrapped = _wrap(policy, observation_spec, action_keys, single_key)
+    if wrapped is not policy:
+        wrapped._lr_wrapped = policy  # the user's object keeps its weights and state_dict
+    return wrapped
+
+
+def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None) -> Any:
+    from torchrl.envs.utils import _make_compatible_policy
+
+    if not callable(policy):
+        raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
+    caller = getattr(policy, "forward", policy)
+    try:
+        params = inspect.signature(caller).parameters
+    except (TypeError, ValueError):  # builtins: no signature to match
+        params = {}
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    spec_keys = set(observation_spec.keys()) if observation_spec is not None else set()
+    if observation_spec is not None and (not required or set(required) & spec_keys
+                                         or set(params) in ({"tensordict"}, {"td"})):
+        env = _SpecView(observation_spec, list(action_keys))
+        return _make_compatible_policy(policy, observation_spec, env=env)  # TypeError as TorchRL's
+    if set(params) in ({"tensordict"}, {"td"}) or (
+            len(params) == 1 and is_tensor_collection(next(iter(params.values())).annotation)):
+        return policy
+    if len(required) == 1 and single_key is not None:
+        return TensorDictModule(policy, in_keys=[single_key], out_keys=list(action_keys)[:1])
+    if observation_spec is not None:
+        env = _SpecView(observation_spec, list(action_keys))
+        return _make_compatible_policy(policy, observation_spec, env=env)
+    raise TypeError(f"cannot call the policy {policy!r} on observations: give a TensorDictModule, a function of a "
+                    "TensorDict, or a function whose parameters are named after the observation keys")
+
+
+class BatchedRandomPolicy(TensorDictModuleBase):
+    """TorchRL's ``RandomPolicy`` for a stack of ``k`` envs: samples the env's action spec with the
+    TensorDict's batch size (``RandomPolicy`` samples the spec's own shape, which is one env's here).
+
+    Args:
+        action_spec: the env's (full) action spec, unbatched.
+    """
+
+    def __init__(self, action_spec: Any) -> None:
+        super().__init__()
+        from torchrl.data import Composite
+
+        self.action_spec = action_spec if isinstance(action_spec, Composite) else Composite(action=action_spec)
+        self.in_keys = []
+        self.out_keys = list(self.action_spec.keys(True, True))
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict.update(self.action_spec.rand(tensordict.batch_size))
+
+
+class _SpecView:
+    """What TorchRL's ``_make_compatible_policy`` reads of an env: its specs and action keys."""
+
+    def __init__(self, observation_spec: Any, action_keys: list[NestedKey]) -> None:
+        self.observation_spec = observation_spec
+        self.action_keys = action_keys
+
+
+def _first_env(request: _Request) -> int:
+    ids = request.agent.env_ids
+    return ids[0] if ids else -1
+
+
+def _as_key(key: Any) -> NestedKey:
+    if isinstance(key, tuple) and len(key) == 1:
+        return key[0]
+    return key
 
 
 def _is_real(value: Any) -> bool:
@@ -623,7 +764,12 @@ def _direct_module(policy: Any) -> Callable[..., Any] | None:
     return policy.module
 
 
-def _to_numpy(value: torch.Tensor) -> np.ndarray:
+def _to_numpy(value: Any, key: NestedKey = "action") -> np.ndarray:
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (tuple, list)):
+            raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}; a tensor function must "
+                              "return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
+        raise PolicyError(f"the policy returned {type(value).__name__} for {key!r}, not a tensor")
     value = value.detach()
     if value.device.type != "cpu":
         value = value.cpu()

@@ -29,8 +29,8 @@ TORCHRL_KEYS = {
 }
 # What StepCounter + RewardSum add to TorchRL's batch (ThreadedCollector always has them).
 COUNTER_KEYS = {"step_count", "episode_reward", ("next", "step_count"), ("next", "episode_reward")}
-# What only ThreadedCollector adds.
-OWN_KEYS = {("collector", "env_id"), "policy_version"}
+# What only ThreadedCollector adds, for a gymnasium env: InitTracker's is_init (TorchRL 0.15's default).
+OWN_KEYS = {"is_init", ("next", "is_init")}
 
 
 def make_actor(seed: int = 0) -> ProbabilisticActor:

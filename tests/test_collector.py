@@ -12,6 +12,7 @@ import gc
 import io
 import itertools
 import threading
+import warnings
 
 import gymnasium as gym
 import pytest
@@ -109,8 +110,8 @@ def test_cartpole_batches_have_torchrl_keys_shapes_dtypes_and_names(env_source, 
                                                                     make_torchrl_collector):
     """Gymnasium CartPole: ours (from the gym id or a gym factory) vs TorchRL's Collector over GymEnv.
 
-    Key sets differ exactly by what we always add: ("collector", "env_id"), "policy_version",
-    and the StepCounter/RewardSum entries step_count, episode_reward, ("next", "step_count"),
+    Key sets differ exactly by what we add to a gymnasium env: InitTracker's is_init and the
+    StepCounter/RewardSum entries step_count, episode_reward, ("next", "step_count"),
     ("next", "episode_reward"), which TorchRL only has with those transforms.
     """
     actor = make_actor()
@@ -143,26 +144,24 @@ def test_cartpole_batches_have_torchrl_keys_shapes_dtypes_and_names(env_source, 
     for key in COUNTER_KEYS:
         assert ours[key].shape == torch.Size([2, 4, 1])
     assert ours["step_count"].dtype == torch.int64 and ours["episode_reward"].dtype == torch.float32
-    assert ours["policy_version"].shape == ours["collector", "env_id"].shape == torch.Size([2, 4])
+    assert "policy_version" not in ours.keys()  # TorchRL's default: track_policy_version=False
 
 
 def test_transformed_gymenv_batches_match_torchrl_collector_key_for_key(make_collector, make_torchrl_collector):
-    """TorchRL GymEnv with StepCounter + RewardSum: the only extra keys are ours ("collector", "env_id")
-    and "policy_version"; shapes, dtypes and names are TorchRL's."""
+    """TorchRL GymEnv with StepCounter + RewardSum: the same keys, shapes, dtypes and names as TorchRL's."""
     actor = make_actor()
     theirs = first_batch(make_torchrl_collector(SerialEnv(2, cartpole_with_counters), actor, frames_per_batch=12,
                                                 total_frames=12))
     ours = first_batch(make_collector(cartpole_with_counters, actor, frames_per_batch=12, total_frames=12,
                                       num_envs=2))
     assert leaf_keys(theirs) == TORCHRL_KEYS | COUNTER_KEYS
-    assert leaf_keys(ours) - leaf_keys(theirs) == OWN_KEYS
-    assert leaf_keys(theirs) - leaf_keys(ours) == set()
+    assert leaf_keys(ours) == leaf_keys(theirs)
     assert ours.batch_size == theirs.batch_size == torch.Size([2, 6])
     assert ours.names == theirs.names == [None, "time"]
     for key in leaf_keys(theirs):
         assert ours[key].shape == theirs[key].shape, key
         assert ours[key].dtype == theirs[key].dtype, key
-    assert torch.equal(ours["collector", "env_id"], torch.arange(2).unsqueeze(1).expand(2, 6))
+    assert torch.equal(ours["collector", "traj_ids"][:, 0], theirs["collector", "traj_ids"][:, 0])  # env order
 
 
 def test_seeded_single_env_stream_equals_torchrl_collector_value_for_value(make_collector, make_torchrl_collector):
@@ -214,7 +213,7 @@ def test_clip_ppo_with_gae_trains_on_env_time_batches(make_collector):
     loss_module = ClipPPOLoss(actor, critic)
     advantage = GAE(gamma=0.99, lmbda=0.95, value_network=critic)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=1e-2)
-    collector = make_collector(CARTPOLE, actor, frames_per_batch=16, total_frames=48, num_envs=2)
+    collector = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=16, total_frames=48, num_envs=2)
     before = [p.detach().clone() for p in actor.parameters()]
     for i, batch in enumerate(collector):
         assert batch.names == [None, "time"]
@@ -247,10 +246,10 @@ def test_dqn_loss_trains_from_a_replay_buffer_fed_by_the_collector(feed, make_co
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=1e-2)
     rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=8)
     if feed == "replay_buffer_argument":
-        collector = make_collector(CARTPOLE, policy, frames_per_batch=8, total_frames=24, num_envs=2,
+        collector = make_collector(CARTPOLE, policy, track_policy_version=True, frames_per_batch=8, total_frames=24, num_envs=2,
                                    replay_buffer=rb)
     else:
-        collector = make_collector(CARTPOLE, policy, frames_per_batch=8, total_frames=24, num_envs=2, layout="flat")
+        collector = make_collector(CARTPOLE, policy, track_policy_version=True, frames_per_batch=8, total_frames=24, num_envs=2, layout="flat")
     for i, batch in enumerate(collector):
         if feed == "replay_buffer_argument":
             assert batch is None
@@ -276,7 +275,7 @@ def test_torchrl_trainer_runs_a_few_batches_with_the_collector(make_collector):
     actor, critic = make_actor(), make_critic()
     loss_module = ClipPPOLoss(actor, critic)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=1e-2)
-    collector = make_collector(CARTPOLE, actor, frames_per_batch=16, total_frames=48, num_envs=2)
+    collector = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=16, total_frames=48, num_envs=2)
     trainer = Trainer(collector=collector, total_frames=48, frame_skip=1, optim_steps_per_batch=2,
                       loss_module=loss_module, optimizer=optimizer,
                       optimization_stepper=DefaultOptimizationStepper(), progress_bar=False, seed=11)
@@ -310,7 +309,7 @@ def _logits(actor, observation):
 @pytest.mark.parametrize("how", ["pull_from_policy", "module", "state_dict", "tensordict", "weights_dict"])
 def test_on_policy_batch_after_update_has_one_version_acted_by_the_new_weights(how, make_collector):
     actor = make_actor(seed=0)
-    collector = make_collector(CARTPOLE, actor, frames_per_batch=8, num_envs=2)
+    collector = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=8, num_envs=2)
     batches = iter(collector)
     assert (next(batches)["policy_version"] == 0).all()
     new = make_actor(seed=7)
@@ -336,7 +335,7 @@ def test_off_policy_acts_with_its_own_copy_and_lags_at_most_one_step_per_env(mak
     update each env delivers at most one step of the previous version, the first of its row."""
     actor = make_actor(seed=0)
     original = make_actor(seed=0)
-    collector = make_collector(CARTPOLE, actor, frames_per_batch=12, num_envs=3, on_policy=False)
+    collector = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=12, num_envs=3, on_policy=False)
     batches = iter(collector)
     assert (next(batches)["policy_version"] == 0).all()
     actor.load_state_dict(make_actor(seed=10).state_dict())  # trained in place, not pushed yet
@@ -356,14 +355,14 @@ def test_off_policy_acts_with_its_own_copy_and_lags_at_most_one_step_per_env(mak
 
 def test_off_policy_flat_layout_lag_is_at_most_one_step_per_env(make_collector):
     actor = make_actor()
-    collector = make_collector(CARTPOLE, actor, frames_per_batch=8, num_envs=2, layout="flat", on_policy=False)
+    collector = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=8, num_envs=2, layout="flat", on_policy=False)
     batches = iter(collector)
     next(batches)
     for version in (1, 2):
         collector.update_policy_weights_()
         batch = next(batches)
-        for env in range(2):
-            versions = batch["policy_version"][batch["collector", "env_id"] == env]
+        for traj in batch["collector", "traj_ids"].unique():  # a trajectory is one env's consecutive steps
+            versions = batch["policy_version"][batch["collector", "traj_ids"] == traj]
             assert (versions[1:] == version).all(), versions
             assert version - 1 <= versions[0] <= version
 
@@ -420,12 +419,21 @@ def test_set_seed_while_running_restarts_every_env_from_its_seeded_state(make_co
 
 @pytest.mark.parametrize("layout,total_frames,sizes", [
     ("env_time", 24, [8, 8, 8]),
-    ("env_time", 20, [8, 8, 4]),
-    ("flat", 19, [8, 8, 3]),
+    ("env_time", 20, [8, 8, 8]),
+    ("flat", 19, [8, 8, 8]),
 ])
-def test_finite_collector_stops_after_exactly_total_frames(layout, total_frames, sizes, make_collector):
-    collector = make_collector(CARTPOLE, make_actor(), frames_per_batch=8, total_frames=total_frames, num_envs=2,
-                               layout=layout)
+def test_finite_collector_stops_after_total_frames_rounded_up_to_whole_batches(layout, total_frames, sizes,
+                                                                             make_collector):
+    """As TorchRL: whole batches only; a total_frames that is not a multiple of frames_per_batch is
+    rounded up, with a warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collector = make_collector(CARTPOLE, make_actor(), frames_per_batch=8, total_frames=total_frames,
+                                   num_envs=2, layout=layout)
+    rounded = total_frames % 8 != 0
+    assert any("total_frames" in str(w.message) for w in caught) == rounded
+    total_frames = sum(sizes)
+    assert collector.total_frames == total_frames
     assert len(collector) == len(sizes)
     batches = list(collector)
     assert [b.numel() for b in batches] == sizes
@@ -433,6 +441,14 @@ def test_finite_collector_stops_after_exactly_total_frames(layout, total_frames,
         assert [tuple(b.batch_size) for b in batches] == [(2, n // 2) for n in sizes]
     assert collector.frames == total_frames
     assert list(collector) == []  # exhausted: a second pass yields nothing more
+
+
+def test_frames_per_batch_not_a_multiple_of_num_envs_is_rounded_up_with_a_warning(make_collector):
+    """As TorchRL's collector over a batched env: every env does whole time steps."""
+    with pytest.warns(UserWarning, match=r"frames_per_batch \(7\) is not exactly divisible"):
+        collector = make_collector(CARTPOLE, make_actor(), frames_per_batch=7, total_frames=16, num_envs=2)
+    assert collector.frames_per_batch == collector.requested_frames_per_batch == 8
+    assert [tuple(b.batch_size) for b in collector] == [(2, 4), (2, 4)]
 
 
 def test_endless_collector_has_no_len_and_runs_under_islice(make_collector):
@@ -522,7 +538,7 @@ def test_interrupted_before_any_frame_yields_no_batch_and_resumes_without_losing
 # ---------------------------------------------------------------------------------------------
 
 def test_init_random_frames_are_valid_random_actions_with_policy_version_minus_one(make_collector):
-    collector = make_collector(CARTPOLE, make_actor(), frames_per_batch=8, total_frames=16, num_envs=2,
+    collector = make_collector(CARTPOLE, make_actor(), track_policy_version=True, frames_per_batch=8, total_frames=16, num_envs=2,
                                init_random_frames=5)  # rounded up to 3 steps per env
     batch = first_batch(collector)
     versions = batch["policy_version"]
@@ -539,7 +555,7 @@ def test_policy_none_acts_uniformly_at_random_from_the_action_spec(make_collecto
 
 def test_start_fills_the_replay_buffer_in_the_background_until_total_frames(make_collector):
     rb = ReplayBuffer(storage=LazyTensorStorage(64))
-    collector = make_collector(CARTPOLE, make_actor(), frames_per_batch=8, total_frames=24, num_envs=2,
+    collector = make_collector(CARTPOLE, make_actor(), track_policy_version=True, frames_per_batch=8, total_frames=24, num_envs=2,
                                replay_buffer=rb)
     collector.start()
     wait_for(lambda: collector.frames == 24, what="24 frames in the buffer")
@@ -563,7 +579,7 @@ def test_async_shutdown_stops_an_endless_background_collection(make_collector):
 
 def test_state_dict_round_trip_through_torch_save_continues_counts(make_collector):
     actor = make_actor(seed=0)
-    first = make_collector(CARTPOLE, actor, frames_per_batch=16, total_frames=48, num_envs=2, seed=1)
+    first = make_collector(CARTPOLE, actor, track_policy_version=True, frames_per_batch=16, total_frames=48, num_envs=2, seed=1)
     seen_traj: set[int] = set()
     for batch in itertools.islice(first, 2):
         seen_traj |= set(batch["collector", "traj_ids"].flatten().tolist())
@@ -578,7 +594,7 @@ def test_state_dict_round_trip_through_torch_save_continues_counts(make_collecto
     state = torch.load(buffer, weights_only=True)
 
     resumed_actor = make_actor(seed=99)
-    resumed = make_collector(CARTPOLE, resumed_actor, frames_per_batch=16, total_frames=48, num_envs=2)
+    resumed = make_collector(CARTPOLE, resumed_actor, track_policy_version=True, frames_per_batch=16, total_frames=48, num_envs=2)
     resumed.load_state_dict(state)
     assert resumed.frames == 32 and resumed.policy_version == 2
     for a, b in zip(actor.parameters(), resumed_actor.parameters()):
@@ -675,11 +691,9 @@ def test_reset_at_each_iter_starts_every_batch_with_fresh_episodes(make_collecto
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(frames_per_batch=7, num_envs=2), r"multiple of num_envs \(2\).*frames_per_batch=8 or layout='flat'"),
     (dict(frames_per_batch=8, num_envs=2, layout="env-time"), r"layout must be 'env_time' or 'flat'"),
     (dict(frames_per_batch=8, num_envs=2, total_frames=0), r"total_frames must be a positive int or -1"),
     (dict(frames_per_batch=0, num_envs=2), r"frames_per_batch must be"),
-    (dict(frames_per_batch=8, num_envs=2, total_frames=9), r"total_frames \(9\) must be a multiple of num_envs"),
 ])
 def test_bad_configuration_raises_value_error_saying_what_to_change(kwargs, message):
     before = set(threading.enumerate())

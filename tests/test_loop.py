@@ -740,7 +740,7 @@ def cartpole_actor():
 
 def test_torchrl_env_with_transforms_runs_through_the_loop():
     with MultiEnvLoop(cartpole_factory, cartpole_actor(), num_envs=2, autobatch_size=2, seed=1) as loop:
-        assert loop.observation_keys == ["observation"]
+        assert set(loop.observation_keys) == {"observation", "step_count", "episode_reward"}  # StepCounter, RewardSum
         td = loop.run_steps(40)
         trajectories = loop.run_episodes(2)
         grid = loop.run_env_steps(5)

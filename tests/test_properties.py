@@ -100,7 +100,8 @@ def rows_of(td) -> list[dict]:
     nxt = td["next", "observation"].numpy()
     done = td["next", "done"].reshape(-1).numpy()
     traj = td["collector", "traj_ids"].reshape(-1).numpy()
-    env = td["collector", "env_id"].reshape(-1).numpy()
+    env_ids = td.get(("collector", "env_id"), None)  # the loop's batches; a collector's carry TorchRL's keys only
+    env = obs[:, 0].astype(int) if env_ids is None else env_ids.reshape(-1).numpy()  # MockEnv: obs[0] is the env
     version = td["policy_version"].reshape(-1).numpy()
     step_count = td["step_count"].reshape(-1).numpy()
     return [dict(obs=tuple(int(x) for x in obs[r]), next=tuple(int(x) for x in nxt[r]), done=bool(done[r]),
@@ -231,16 +232,20 @@ def test_threaded_collector_keeps_its_promises(num_envs, epts, layout, on_policy
     policy = ArgmaxNet()
     collector = ThreadedCollector(factories, policy, frames_per_batch=frames_per_batch,
                                   total_frames=frames_per_batch * batches, envs_per_thread=epts, layout=layout,
-                                  on_policy=on_policy, autobatch_size=autobatch_size, name="prop")
+                                  on_policy=on_policy, autobatch_size=autobatch_size, track_policy_version=True,
+                                  name="prop")
     ledger = Ledger(num_envs)
     try:
         it = iter(collector)
         for b in range(batches):
             version = collector.policy_version
             batch = bounded(lambda: next(it), BOUND, f"batch {b}")
-            if layout == "env_time":
+            if layout == "env_time" and num_envs == 1:  # one env: [T], as TorchRL's collector over one env
+                assert tuple(batch.batch_size) == (frames_per_batch,)
+                flat = batch
+            elif layout == "env_time":
                 assert tuple(batch.batch_size) == (num_envs, frames_per_batch // num_envs)
-                assert (batch["collector", "env_id"] == torch.arange(num_envs)[:, None]).all()
+                assert (batch["observation"][..., 0] == torch.arange(num_envs)[:, None]).all()  # row i is env i
                 flat = batch.transpose(0, 1).reshape(-1)
             else:
                 assert tuple(batch.batch_size) == (frames_per_batch,)

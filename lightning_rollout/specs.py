@@ -1,0 +1,169 @@
+"""TorchRL specs -> the column layout of a transition (no hand-written key list).
+
+Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL
+specs: what it fills at the root on reset and under ``"next"`` after a step
+(observations, primers, ``is_init``, ``step_count``, masks...), its rewards, its
+done flags and the actions it reads. :class:`EnvKeys` lists those leaves with
+their per-env shape and numpy dtype (:class:`ArraySpec`), nested keys
+included, plus the shapes of nested sub-tensordicts (the agent dim of a
+multi-agent group) so a batch is laid out as TorchRL's collector lays it out.
+
+Columns hold fixed-shape tensors. Specs that cannot be stored in a
+preallocated column are refused with a :class:`ValueError` that says so:
+dynamic shapes (``-1``), lazily stacked heterogeneous specs, and non-tensor
+entries (their keys may be dropped with an env transform such as
+``ExcludeTransform``).
+
+Nothing here holds state or threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import Composite, TensorSpec
+
+__all__ = ["ArraySpec", "EnvKeys", "NestedKey", "columns_of", "next_key", "np_dtype", "sub_batch_dims"]
+
+NestedKey = str | tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """Shape (without batch dims) and numpy dtype of one stored entry."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class EnvKeys:
+    """What one env reads and writes, leaf by leaf, from its TorchRL specs.
+
+    Attributes:
+        observation: root entries the env fills on reset and again under
+            ``"next"`` after each step (TorchRL's ``full_observation_spec``;
+            state entries it reads back are in ``state``).
+        state: entries of ``full_state_spec`` that are not observations (read by
+            the env at the root, written by reset; carried from step to step).
+        reward: entries found under ``"next"`` only.
+        done: done flags (``done``, ``terminated``, ``truncated``, nested ones too),
+            present at the root and under ``"next"``.
+        action: entries the env reads from the policy.
+        sub_batch: shapes of nested sub-tensordicts beyond the env's batch
+            (``{("agents",): (3,)}``), applied when a batch is built.
+    """
+
+    observation: dict[NestedKey, ArraySpec]
+    state: dict[NestedKey, ArraySpec]
+    reward: dict[NestedKey, ArraySpec]
+    done: dict[NestedKey, ArraySpec]
+    action: dict[NestedKey, ArraySpec]
+    sub_batch: dict[tuple[str, ...], tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def root(self) -> dict[NestedKey, ArraySpec]:
+        """Entries the env provides at the root (observations and state; not done flags)."""
+        return {**self.observation, **self.state}
+
+    @property
+    def next(self) -> dict[NestedKey, ArraySpec]:
+        """Entries the env writes under ``"next"`` (keys without the ``"next"`` prefix)."""
+        return {**self.observation, **self.reward, **self.done}
+
+    def same_layout(self, other: EnvKeys) -> bool:
+        """True when two envs can share columns (same keys, shapes and dtypes)."""
+        return (self.observation, self.state, self.reward, self.done, self.action, self.sub_batch) == (
+            other.observation, other.state, other.reward, other.done, other.action, other.sub_batch)
+
+    @classmethod
+    def from_specs(cls, *, observation: Composite, state: Composite, reward: Composite, done: Composite,
+                   action: Composite, where: str) -> EnvKeys:
+        """Build from an unbatched env's ``full_*_spec`` composites.
+
+        Raises:
+            ValueError: a spec that cannot live in a fixed-shape column (named, with what to do).
+        """
+        obs_cols = columns_of(observation, where=f"{where} observation spec")
+        state_cols = {k: v for k, v in columns_of(state, where=f"{where} state spec").items() if k not in obs_cols}
+        sub = {}
+        for spec in (observation, state, reward, done, action):
+            sub.update(sub_batch_dims(spec))
+        return cls(observation=obs_cols, state=state_cols,
+                   reward=columns_of(reward, where=f"{where} reward spec"),
+                   done=columns_of(done, where=f"{where} done spec"),
+                   action=columns_of(action, where=f"{where} action spec"), sub_batch=sub)
+
+
+def np_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype a torch dtype is stored as."""
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def next_key(key: NestedKey) -> tuple[str, ...]:
+    """``key`` under ``"next"``."""
+    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+
+
+def _leaf_problem(spec: TensorSpec) -> str | None:
+    if type(spec).__name__.startswith("NonTensor"):
+        return "is a non-tensor entry"
+    if any(d < 0 for d in spec.shape):
+        return f"has a dynamic shape {tuple(spec.shape)}"
+    return None
+
+
+def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
+    """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples).
+
+    Raises:
+        ValueError: a leaf that cannot be a fixed-shape column.
+    """
+    if type(spec).__name__.startswith("Stacked") or getattr(spec, "_td_dim", None) is not None:
+        raise ValueError(f"the {where} is a lazily stacked (heterogeneous) spec; ThreadedCollector stores "
+                         "fixed-shape columns: give every entry one shape (pad), or use torchrl's Collector")
+    out: dict[NestedKey, ArraySpec] = {}
+    for key, leaf in spec.items(True, True):
+        problem = _leaf_problem(leaf)
+        if problem is not None:
+            raise ValueError(f"entry {key!r} of the {where} {problem}; ThreadedCollector stores fixed-shape "
+                             f"tensors: drop it with ExcludeTransform({key!r}) or use torchrl's Collector")
+        out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), np_dtype(leaf.dtype))
+    return out
+
+
+def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Shapes of the nested composites of ``spec`` (their batch dims inside one env)."""
+    out: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for key, sub in spec.items(True, False):
+        if isinstance(sub, Composite) and tuple(sub.shape):
+            out[key if isinstance(key, tuple) else (key,)] = tuple(int(d) for d in sub.shape)
+    return out
+
+
+def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
+    """``{key: numpy view}`` of ``keys`` in a CPU tensordict (missing keys are skipped)."""
+    out = {}
+    for k in keys:
+        value = td.get(k, None)
+        if value is not None:
+            out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
+                else value.numpy()
+    return out
+
+
+def zeros_like_spec(columns: Mapping[NestedKey, ArraySpec], lead: tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+    """Zero-filled arrays ``lead + shape`` for each column."""
+    return {k: np.zeros(lead + s.shape, dtype=s.dtype) for k, s in columns.items()}
+
+
+def as_key(key: Any) -> NestedKey:
+    """A nested key in canonical form (a 1-tuple becomes its string)."""
+    if isinstance(key, tuple) and len(key) == 1:
+        return key[0]
+    return key
