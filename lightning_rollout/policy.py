@@ -608,19 +608,23 @@ class AutobatchPolicy:
                 if isinstance(result, dict):
                     result = tuple(result[k] for k in out_keys)
                 result = result if isinstance(result, tuple) else (result,)
+                if len(result) != len(out_keys):
+                    raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: return "
+                                      "one tensor per output key (or list every output in out_keys)")
                 outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
             else:
                 td = TensorDict(stacked, batch_size=[rows], device=self.device)
                 for prefix, dims in self.sub_batch.items():
                     if prefix in td.keys(True):
                         td.get(prefix).batch_size = torch.Size([rows, *dims])
+                given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
                 out = self.policy(td)
                 if out is None:
                     out = td
                 if not isinstance(out, TensorDictBase):
                     raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
                                       "a TensorDict (wrap a tensor function in a TensorDictModule)")
-                outputs = self._outputs(out, td)
+                outputs = self._outputs(out, given)
         for key, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != rows:
                 shape = tuple(value.shape)
@@ -628,10 +632,11 @@ class AutobatchPolicy:
                                   f"(the leading dim must be the batch size {rows})")
         return outputs
 
-    def _outputs(self, out: TensorDictBase, given: TensorDictBase) -> dict[NestedKey, np.ndarray]:
-        """The entries the policy wrote: at probe time every leaf that is new or was replaced,
-        afterwards exactly those keys."""
+    def _outputs(self, out: TensorDictBase, given: dict[NestedKey, Any] | None) -> dict[NestedKey, np.ndarray]:
+        """The entries the policy wrote: at probe time (``given``: the input's entries before the call)
+        every leaf that is new or was replaced, afterwards exactly those keys."""
         if self.output_keys is None:
+            assert given is not None
             keys = [k for k, v in out.items(True, True) if given.get(k, None) is not v]
             declared = getattr(self.policy, "out_keys", None) or []
             keys += [k for k in (_as_key(k) for k in declared) if k not in keys and k in out.keys(True, True)]
@@ -659,7 +664,7 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
     * An ``nn.Module`` or function whose parameter names are keys of
       ``observation_spec`` is wrapped in a ``TensorDictModule`` reading them and
       writing ``action_keys`` (then ``output1``, ``output2``... for extra outputs),
-      by TorchRL's own ``_make_compatible_policy``.
+      by the rule of TorchRL's ``_make_compatible_policy``.
     * Beyond TorchRL: a function of one required argument with any other name
       reads ``single_key`` (the env's only observation), the tensor-in /
       action-out form the seed used.
@@ -673,6 +678,8 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         return BatchedRandomPolicy(policy.action_spec)
     if isinstance(policy, TensorDictModuleBase):
         return policy
+    if not callable(policy):
+        raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
     wrapped = _wrap(policy, observation_spec, action_keys, single_key)
     if wrapped is not policy:
         wrapped._lr_wrapped = policy  # the user's object keeps its weights and state_dict
@@ -680,32 +687,50 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
 
 
 def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None) -> Any:
-    from torchrl.envs.utils import _make_compatible_policy
-
-    if not callable(policy):
-        raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
+    """TorchRL's auto-wrapping rule (``torchrl.envs.utils._make_compatible_policy``), with its errors: the
+    parameters of ``forward`` are matched by name against the observation keys. Unlike TorchRL's, the
+    probe call passes only the matched keys, so envs with more observations than the policy reads work."""
     caller = getattr(policy, "forward", policy)
     try:
         params = inspect.signature(caller).parameters
     except (TypeError, ValueError):  # builtins: no signature to match
         params = {}
-    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    spec_keys = set(observation_spec.keys()) if observation_spec is not None else set()
-    if observation_spec is not None and (not required or set(required) & spec_keys
-                                         or set(params) in ({"tensordict"}, {"td"})):
-        env = _SpecView(observation_spec, list(action_keys))
-        return _make_compatible_policy(policy, observation_spec, env=env)  # TypeError as TorchRL's
-    if set(params) in ({"tensordict"}, {"td"}) or (
+    names = set(params)
+    if names in ({"tensordict"}, {"td"}) or (
             len(params) == 1 and is_tensor_collection(next(iter(params.values())).annotation)):
-        return policy
-    if len(required) == 1 and single_key is not None:
-        return TensorDictModule(policy, in_keys=[single_key], out_keys=list(action_keys)[:1])
-    if observation_spec is not None:
-        env = _SpecView(observation_spec, list(action_keys))
-        return _make_compatible_policy(policy, observation_spec, env=env)
-    raise TypeError(f"cannot call the policy {policy!r} on observations: give a TensorDictModule, a function of a "
-                    "TensorDict, or a function whose parameters are named after the observation keys")
+        return policy  # a function of a TensorDict
+    if hasattr(policy, "in_keys") or hasattr(policy, "out_keys"):
+        raise TypeError("Received a policy that defines in_keys or out_keys and also expects multiple arguments to "
+                        "policy.forward. If the policy is compatible with TensorDict, it should take a single "
+                        "argument of type TensorDict to policy.forward and define both in_keys and out_keys "
+                        "(inherit from tensordict.nn.TensorDictModuleBase).")
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    spec_keys = {k for k in observation_spec.keys()} if observation_spec is not None else set()
+    out_keys = list(action_keys)
+    if observation_spec is not None and required <= spec_keys and required:
+        in_keys = [n for n in params if n in spec_keys]
+        sample = {k: observation_spec[k].rand() for k in in_keys}
+        device = _module_device(policy)
+        output = policy(**{k: v.to(device) for k, v in sample.items()})
+        if isinstance(output, tuple):
+            out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
+        return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
+    if len(required) == 1 and single_key is not None and len(params) >= 1:
+        # Beyond TorchRL: a one-argument tensor function reads the env's only observation.
+        if observation_spec is not None and single_key in spec_keys:
+            try:
+                output = policy(observation_spec[single_key].rand((1,)).to(_module_device(policy)))
+            except Exception:  # the real probe, with every error named, comes later
+                output = None
+            if isinstance(output, tuple):
+                out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
+        return TensorDictModule(policy, in_keys=[single_key], out_keys=out_keys)
+    raise TypeError(
+        "TorchRL tried to automatically wrap your policy in a TensorDictModule, but the arguments to "
+        f"policy.forward are incompatible with entries in env.observation_spec (got incongruent signatures: the "
+        f"function signature is {names} but the specs have keys {spec_keys}). The arguments to policy.forward must "
+        "correspond to entries in env.observation_spec; for more control, write your own TensorDictModule.")
 
 
 class BatchedRandomPolicy(TensorDictModuleBase):

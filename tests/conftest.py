@@ -111,10 +111,11 @@ def mock_envs(n: int, **kwargs) -> list[Callable[[], MockEnv]]:
 
 
 def called_from_probe() -> bool:
-    """True inside ``AutobatchPolicy.probe`` (the shape-discovery call a loop makes at construction)."""
+    """True inside the calls a loop makes at construction: ``AutobatchPolicy.probe`` (shape discovery)
+    and ``policy._wrap`` (counting a tensor function's outputs, as TorchRL's auto-wrapping does)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "probe" and frame.f_code.co_filename.endswith("policy.py"):
+        if frame.f_code.co_name in ("probe", "_wrap") and frame.f_code.co_filename.endswith("policy.py"):
             return True
         frame = frame.f_back
     return False
