@@ -86,19 +86,35 @@ def _is_number(value: Any) -> bool:
 class ThreadedCollector(BaseCollector):
     """TorchRL collector whose envs run in threads behind one autobatched policy.
 
+    Takes every keyword argument of torchrl 0.14's ``Collector`` that has a
+    meaning for one process, with the same defaults and rounding rules, and
+    yields batches in its layout: ``[num_envs, T]`` with dim names
+    ``[None, "time"]`` (``[T]`` for one env), TorchRL's keys, dtypes and
+    trajectory ids, ``"_"``-prefixed entries left out. The deliberate
+    differences are listed in the TorchRL guide (``docs/torchrl.rst``).
+
     Args:
         create_env_fn: a gymnasium id, a factory returning a ``gymnasium.Env`` or
             an unbatched torchrl ``EnvBase`` (transforms included), a list of
             such factories (one per env), or an unbatched env instance (then
-            ``num_envs`` must be 1).
-        policy: a ``TensorDictModule`` (e.g. a TorchRL ``ProbabilisticActor``),
-            a plain callable ``obs -> action``, or ``None`` for uniformly random
-            actions from the env's action spec.
+            ``num_envs`` must be 1). A batched env is refused: pass a factory of
+            one env and ``num_envs``.
+        policy: what TorchRL's collectors accept: a ``TensorDictModule`` (an
+            actor, a ``TensorDictSequential`` with exploration modules, an
+            ``LSTMModule`` policy...), a function of a TensorDict, an
+            ``nn.Module`` / function whose arguments are named after observation
+            keys, a one-argument tensor function (reads the only observation),
+            or ``None`` for TorchRL's ``RandomPolicy`` over the env's action
+            spec. It is called with a TensorDict of batch ``[k]`` (``k`` envs)
+            holding every root entry of those envs, and what it writes under
+            ``"next"`` (recurrent state) is fed back into each env's next step.
 
     Keyword Args:
-        frames_per_batch: transitions per batch. With ``layout="env_time"`` it
-            must be a multiple of ``num_envs``.
-        total_frames: stop after exactly this many frames; ``-1`` is endless.
+        policy_factory: builds the policy (instead of ``policy``).
+        frames_per_batch: frames per batch; rounded up to a multiple of
+            ``num_envs`` (with a warning) in the ``env_time`` layout.
+        total_frames: stop after this many frames, rounded up to whole batches
+            (with a warning); ``-1`` is endless.
         num_envs: number of envs (default: the length of a list of factories, else 1).
         envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`).
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
@@ -110,14 +126,30 @@ class ThreadedCollector(BaseCollector):
         storing_device: where batches are delivered (default CPU).
         policy_device: where the policy runs (default: where its parameters are).
             A device other than the policy's own makes the collector act with a copy.
-        max_frames_per_traj: truncate episodes at this length.
-        init_random_frames: the first frames (rounded up to a multiple of
+        env_device: accepted for TorchRL compatibility; envs run on the CPU in their threads.
+        create_env_kwargs: keyword arguments for ``create_env_fn``.
+        max_frames_per_traj: truncate episodes at this length (TorchRL's ``StepCounter``
+            for a TorchRL env).
+        init_random_frames: the first frames (per env: rounded up to a multiple of
             ``num_envs``) are acted by uniformly random actions, ``policy_version == -1``.
         reset_at_each_iter: reset every env before each batch.
-        split_trajs: split each batch by trajectory with TorchRL's ``split_trajectories``.
-        exploration_type: the exploration mode of every policy call.
-        replay_buffer: batches are written to it and iteration yields ``None``.
         postproc: applied to every batch before it is yielded or stored.
+        split_trajs: split each batch by trajectory with TorchRL's ``split_trajectories``.
+        track_traj_ids: write ``("collector", "traj_ids")`` (default ``True``).
+        exploration_type: the exploration mode of every policy call.
+        reset_when_done: must be ``True`` (an env is reset as soon as it is done).
+        interruptor: a TorchRL interruptor (``collection_stopped()``) ending a batch early.
+        set_truncated: mark the last step of each env in a batch truncated (and done).
+        replay_buffer: batches are written to it and iteration yields ``None``.
+        extend_buffer: ``False`` writes frames one by one (``add``) in time order.
+        trust_policy, compile_policy: as TorchRL's (``compile_policy`` runs
+            ``torch.compile`` on the acting policy, with the dict as its options).
+        track_policy_version: write ``policy_version`` (the version of the weights
+            that acted) at the root and under ``"next"``; ``-1`` for random frames.
+        trajs_per_batch, trajs_per_write, traj_format: yield (or write) whole
+            trajectories, as TorchRL's ``BaseCollector`` does.
+        pre_collect_hook, post_collect_hook: called before each batch is collected,
+            and with each batch before it is yielded.
         on_policy: see the module docs.
         seed: env ``i`` is seeded with ``seed + i`` (same as :meth:`set_seed` before iterating).
         step_timeout: seconds before a hung env step raises ``StepTimeoutError``.
@@ -127,6 +159,7 @@ class ThreadedCollector(BaseCollector):
 
     Raises:
         ValueError: inconsistent options, with what to change.
+        TypeError: a policy TorchRL could not call either.
     """
 
     def __init__(
@@ -162,6 +195,9 @@ class ThreadedCollector(BaseCollector):
         trust_policy: bool | None = None,
         compile_policy: bool | dict[str, Any] | None = None,
         track_policy_version: bool = False,
+        trajs_per_batch: int | None = None,
+        trajs_per_write: int | None = None,
+        traj_format: Literal["padded", "cat"] | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
         on_policy: bool = True,
@@ -206,6 +242,15 @@ class ThreadedCollector(BaseCollector):
                              "(use torchrl's Collector to keep stepping done envs)")
         if split_trajs and replay_buffer is not None:
             raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
+        if trajs_per_batch is not None:
+            _check_int("trajs_per_batch", trajs_per_batch, 1)
+        from torchrl.collectors.utils import _validate_traj_format
+
+        self.traj_format = _validate_traj_format(traj_format, trajs_per_batch,
+                                                 has_replay_buffer=replay_buffer is not None)
+        self.trajs_per_batch = trajs_per_batch  # BaseCollector.__iter__ then yields whole trajectories
+        self.trajs_per_write = trajs_per_write
+        self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
         # TorchRL's rounding: whole time steps of every env per batch, whole batches in total (with a warning).
         steps = -(-frames_per_batch // num_envs)
         if steps * num_envs != frames_per_batch and layout == "env_time":
@@ -365,7 +410,7 @@ class ThreadedCollector(BaseCollector):
             batch = self.collect_batch()
             if batch is None:
                 return
-            if self.replay_buffer is not None:
+            if self.replay_buffer is not None and not self._ignore_rb:
                 self._extend(batch)
                 yield None
             else:
