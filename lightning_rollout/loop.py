@@ -540,7 +540,8 @@ class MultiEnvLoop:
             previous weights. False: on-policy, every step waits for its request.
         eval: an evaluation loop: events go to the ``on_eval_*`` methods.
         max_episode_steps: truncate episodes at this length (``None``: the env's own limit).
-        seed: env ``i`` is seeded with ``seed + i`` on its first reset; ``None``: unseeded.
+        seed: env ``i`` is seeded with ``seed + i`` on its first reset, and the policy this loop
+            wraps samples from its own random stream seeded with ``seed``; ``None``: unseeded.
         random_steps_per_env: the first steps of each env are acted by a random
             policy (the env's action space), with ``policy_version == -1``.
         step_timeout: seconds; an env ``reset``/``step`` that takes longer raises
@@ -661,7 +662,7 @@ class MultiEnvLoop:
                                           action_keys=list(keys.action),
                                           single_key=data_keys[0] if len(data_keys) == 1 else None)
                 self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
-                                              device=device, name=name)
+                                              device=device, name=name, seed=seed)
                 self._owns_policy = True
             self._layout = self._probe_layout(keys, adapters[0].loop_keys)
             g = envs_per_thread

@@ -306,3 +306,21 @@ def test_policy_gets_a_tensordict_of_k_rows():
 
     collect("CartPole-v1", td_policy, 12, num_envs=3)
     assert set(sizes[1:]) <= {(1,), (2,), (3,)} and (3,) in sizes
+
+
+def test_seeded_runs_of_a_stochastic_policy_sample_the_same_actions():
+    """On-policy env_time (the default): each flush has the same rows in env order, and the policy samples
+    from its own seeded stream, so even sampled actions are bit-identical run to run."""
+    from torchrl.modules import OneHotCategorical, ProbabilisticActor
+
+    torch.manual_seed(0)
+    net = TensorDictModule(nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"])
+    actor = ProbabilisticActor(net, in_keys=["logits"], out_keys=["action"], distribution_class=OneHotCategorical,
+                               return_log_prob=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123 + len(runs))  # the global generator differs between the runs
+        runs.append(collect("CartPole-v1", actor, 8 * 32, num_envs=8, seed=5))
+    assert_same(runs[0], runs[1])
+    other = collect("CartPole-v1", actor, 8 * 32, num_envs=8, seed=6)
+    assert not torch.equal(other["action"], runs[0]["action"])
