@@ -65,7 +65,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
-from ._exit import close_at_exit
+from ._exit import abandon, close_at_exit
 from .envs import ActionError, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
@@ -198,6 +198,7 @@ class _Worker:
         self.busy_phase = "step"  # what busy_env is doing: "reset" or "step"
         self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
+        self.pending_error: EnvError | None = None  # a reset that failed after a delivered-to-be done step
         # The agent counts as active while this thread works (``_working``) or while the driver
         # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
         # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
@@ -351,18 +352,31 @@ class _Worker:
             cols[k][rows] = False
 
     def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
-        """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch)."""
+        """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch).
+
+        A reset that fails after a done step does not lose that step: the error is kept in
+        ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
         self._load_root(cols, 0, slice(None))
         self._act(cols, 0, self.rows, range(self.rows))
         for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
-            self._reset_env(int(j))
+            try:
+                self._reset_env(int(j))
+            except EnvError as exc:
+                self.pending_error = exc
+                return  # the env has no next root: nothing more is stepped before the error is raised
+
+    def _raise_pending(self) -> None:
+        """Raise the error of a reset that failed in a block just delivered (see :meth:`_compute`)."""
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
 
     def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
         """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
         batch, which it does not read until this worker reports); stop early when the driver cuts.
         Keeps ``quota_end`` at the first time index not written yet; returns the staged slot left (None)."""
         w, t, end = self.index, start, start + count
-        cut = self.loop._cut
+        cut, stop = self.loop._cut, self.loop._stop
         self.quota_end = t
         while t < end:
             dest = {k: v[w, :, t] for k, v in out.items()}
@@ -375,8 +389,11 @@ class _Worker:
                 self._compute(dest)
             t += 1
             self.quota_end = t  # read by the driver after a failure: steps before it are complete
+            self._raise_pending()
             if cut.is_set():
                 break
+            if stop.is_set():  # the loop is closing (an error elsewhere, Ctrl-C): leave within one step
+                raise _Stopped()
         return staged
 
     def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
@@ -467,6 +484,7 @@ class _Worker:
                     if staged is None:
                         self._compute(self.slots[slot])
                     loop._ready.put(("step", self.index, slot))
+                    self._raise_pending()
                     slot ^= 1
                     staged = None
                     if loop.lookahead:
@@ -1296,10 +1314,12 @@ class MultiEnvLoop:
                 continue
             if worker.abandoned and worker.thread.is_alive():  # stuck past step_timeout: not waited for
                 stuck.append(worker.thread.name)
+                abandon(worker.thread)  # at interpreter exit it cannot abort the process (see _exit)
                 continue
             worker.thread.join(self.join_timeout)
             if worker.thread.is_alive():
                 stuck.append(worker.thread.name)
+                abandon(worker.thread)
         if stuck:
             warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
                           f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",

@@ -1,0 +1,165 @@
+"""Regression tests for issue 11 items 3, 4 and 7: an env error or Ctrl-C in the middle of an ``env_time``
+quota stops every env thread within one step, and a failed reset never loses the done step before it.
+
+Each test failed before its fix (see the issue's measurements: 15 s to surface an env error, 20 s for
+Ctrl-C, the terminal transition missing from ``exc.partial``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from lightning_rollout import EnvError, MultiEnvLoop, ThreadedCollector
+
+STEP_S = 0.1  # a healthy env's step time: a quota of 400 steps would take 40 s if nobody stopped it
+
+
+class SlowEnv(gym.Env):
+    """Steps take ``STEP_S`` seconds; records how many steps start after ``failed`` was set; env 3
+    raises at its 3rd step (and sets ``failed``)."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, env_id: int, failed: threading.Event, late_steps: list[int]) -> None:
+        self.env_id, self.failed, self.late_steps, self.t = env_id, failed, late_steps, 0
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.env_id == 3 and self.t == 3:
+            self.failed.set()
+            raise RuntimeError("env 3 broke")
+        if self.failed.is_set():
+            self.late_steps[self.env_id] += 1
+        time.sleep(STEP_S)
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("autobatch_size", [None, 1])
+@pytest.mark.parametrize("layout", ["env_time", "flat"])
+def test_env_error_mid_quota_stops_the_healthy_envs_within_a_step(layout, autobatch_size):
+    failed, late = threading.Event(), [0, 0, 0, 0]
+    factories = [lambda i=i: SlowEnv(i, failed, late) for i in range(4)]
+    collector = ThreadedCollector(factories, lambda observation: torch.zeros(observation.shape[0], dtype=torch.long),
+                                  frames_per_batch=1600, layout=layout, autobatch_size=autobatch_size)
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(EnvError, match="env 3 broke") as info:
+            next(iter(collector))
+        collector.shutdown(raise_on_error=False)
+    elapsed = time.monotonic() - start
+    assert max(late) <= 2, f"healthy envs kept stepping after the failure: {late}"
+    assert not [w for w in caught if "stuck" in str(w.message)], "no false 'stuck in an env call' warning"
+    assert elapsed < 40 * STEP_S  # far from the 400 steps of the quota
+    assert info.value.env_id == 3 and info.value.partial is not None
+
+
+class ResetFailsEnv(gym.Env):
+    """Episodes end (terminated) at t=3; the second reset raises."""
+
+    observation_space = gym.spaces.Box(-10, 10, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self) -> None:
+        self.resets, self.t = 0, 0
+
+    def reset(self, *, seed=None, options=None):
+        self.resets += 1
+        if self.resets == 2:
+            raise RuntimeError("reset broke")
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, self.t == 3, False, {}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("envs_per_thread", [1, 4])
+@pytest.mark.parametrize("lookahead", [True, False])
+@pytest.mark.parametrize("method", ["run_steps", "run_env_steps"])
+def test_failed_reset_keeps_the_done_step_before_it(method, lookahead, envs_per_thread):
+    with MultiEnvLoop([ResetFailsEnv] * 4, lambda obs: torch.zeros(obs.shape[0], dtype=torch.long),
+                      envs_per_thread=envs_per_thread, lookahead=lookahead) as loop:
+        with pytest.raises(EnvError, match="reset broke") as info:
+            if method == "run_steps":
+                loop.run_steps(40)
+            else:
+                loop.run_env_steps(10)
+    partial = info.value.partial
+    assert info.value.phase == "reset"
+    assert partial is not None
+    done = partial["next", "done"].reshape(-1)
+    assert done.sum() >= 1, "the terminal transition is delivered in exc.partial"
+    terminal = partial["next", "observation"].reshape(-1)[done]
+    assert (terminal == 3).all()
+
+
+_SIGINT_SCRIPT = """
+import sys, time, numpy as np, gymnasium as gym, torch
+from lightning_rollout import ThreadedCollector
+
+class Env(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    steps = 0
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+    def step(self, action):
+        Env.steps += 1
+        if Env.steps == 40:
+            print("READY", flush=True)  # well inside the first batch (8 envs x 100 steps)
+        time.sleep(0.02)
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+
+collector = ThreadedCollector([Env] * 8, lambda observation: torch.zeros(observation.shape[0], dtype=torch.long),
+                              frames_per_batch=800)
+try:
+    for batch in collector:
+        pass
+except KeyboardInterrupt:
+    print("CAUGHT", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_mid_env_time_batch_reaches_the_user_in_under_a_second():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_SIGINT_SCRIPT)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().strip()
+        caught_after = time.monotonic() - sent
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert line == "CAUGHT", err
+    assert caught_after < 1.0, f"KeyboardInterrupt reached user code after {caught_after:.2f} s"
+    assert proc.returncode == 130, err
+    assert "stuck" not in err and "terminate called" not in err, err
