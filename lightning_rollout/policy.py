@@ -58,7 +58,8 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ._exit import close_at_exit
+from ._checks import check_device, check_seconds
+from ._exit import abandon, close_at_exit
 from .errors import CollectionError, PolicyError
 
 __all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "as_policy_module"]
@@ -175,20 +176,53 @@ class Agent:
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
         """Wait for the answer of the last :meth:`submit`.
 
+        Every 50 ms the wait checks the policy's state, so it never outlives a
+        failure: a closed policy, a failed inference thread, and (with
+        ``policy_timeout``) a forward pass running longer than that, which this
+        client then reports (the first to notice marks the policy failed and its
+        inference thread abandoned).
+
         Args:
             stop: a flag checked every 50 ms; when set, the wait is abandoned.
 
         Raises:
-            PolicyError: the forward pass for this request failed.
+            PolicyError: the forward pass for this request failed; the policy's
+                inference thread failed; or a forward pass ran past ``policy_timeout``
+                (the message names the timeout and the stuck thread, ``env_ids``
+                the envs of that call). Once raised for a failed policy, every later
+                request to it fails the same way.
             CollectionError: the policy was closed while waiting.
             _Stopped: ``stop`` was set (internal; loops turn it into a return).
         """
-        done = self._done
+        done, policy = self._done, self._policy
         while not done.wait(_POLL_S):
-            if self._policy._closed:
+            if policy._closed:
                 raise CollectionError("the policy was closed while a request was waiting")
             if stop is not None and stop.is_set():
                 raise _Stopped()
+            failure = policy._failure
+            since = policy._busy_since
+            if failure is None and since and policy.policy_timeout is not None:
+                elapsed = time.perf_counter() - since
+                if elapsed > policy.policy_timeout:
+                    with policy._cond:  # one client marks the hang; the others read the same failure
+                        if policy._failure is None and policy._busy_since == since:
+                            thread = policy._thread
+                            name = thread.name if thread is not None else "?"
+                            busy = policy._busy_batch
+                            policy._failure = PolicyError(
+                                f"no answer within policy_timeout={policy.policy_timeout} s: a forward pass of "
+                                f"{sum(r.rows for r in busy)} rows has run for {elapsed:.2f} s; thread {name!r} is "
+                                "stuck inside the policy's call and is abandoned (daemon)",
+                                env_ids=tuple(i for r in busy for i in r.agent.env_ids))
+                            policy._abandoned = True
+                            if thread is not None:
+                                abandon(thread)
+                        failure = policy._failure
+            if failure is not None and not done.is_set():
+                error = PolicyError(failure.reason, env_ids=failure.env_ids or self.env_ids)
+                error.__cause__ = failure.__cause__
+                raise error
         if self._error is not None:
             raise self._error
         assert self._answer is not None
@@ -224,38 +258,48 @@ class AutobatchPolicy:
         flush_in_caller: a request that is a whole flushable batch by itself runs its
             forward pass in the submitting thread (default; saves two thread hand-offs,
             +35% on CartPole with one thread of 8 envs). ``False``: every forward pass
-            runs on the inference thread.
+            runs on the inference thread. Forced to ``False`` by ``policy_timeout``.
+        policy_timeout: seconds one call of the policy (a forward pass, or the
+            probe at construction) may take; ``None`` (default): no limit. A pass
+            that runs longer fails the requests waiting for it, and every later
+            one, with :class:`PolicyError` naming the envs of the call; the thread
+            stuck in it cannot be killed and is abandoned (a daemon, see
+            :mod:`lightning_rollout._exit`). Separate from the loops' ``step_timeout``,
+            which bounds env calls. Time spent waiting for a batch to fill is not counted.
 
     Raises:
-        ValueError: ``autobatch_size < 1``, ``max_wait < 0`` or a policy that is
-            not callable.
+        ValueError: ``autobatch_size < 1``; ``max_wait`` or ``policy_timeout`` not a
+            finite number of seconds a wait can take (``max_wait >= 0``,
+            ``policy_timeout > 0``, both at most ``threading.TIMEOUT_MAX``); a
+            device that is not one or is not available here (``"cuda"`` without
+            CUDA); a policy that is not callable.
 
     Thread safety: every public method may be called from any thread.
     """
 
     def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
                  max_wait: float | None = None, device: torch.device | str | None = None,
-                 name: str = "policy", flush_in_caller: bool = True, seed: int | None = None) -> None:
+                 name: str = "policy", flush_in_caller: bool = True, seed: int | None = None,
+                 policy_timeout: float | None = None) -> None:
         if not callable(policy):
             raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-        if autobatch_size is not None and (not isinstance(autobatch_size, int) or isinstance(autobatch_size, bool)
-                                           or autobatch_size < 1):
+        if autobatch_size is not None and (not isinstance(autobatch_size, (int, np.integer))
+                                           or isinstance(autobatch_size, bool) or autobatch_size < 1):
             raise ValueError(f"autobatch_size must be a positive int or None, got {autobatch_size!r}")
-        if max_wait is not None and (not _is_real(max_wait) or not max_wait >= 0):
-            raise ValueError(f"max_wait must be a number of seconds >= 0 or None, got {max_wait!r}")
-        if device is not None:
-            try:
-                torch.device(device)
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
+        max_wait = check_seconds("max_wait", max_wait, allow_zero=True)
+        policy_timeout = check_seconds("policy_timeout", policy_timeout, allow_zero=False)
+        check_device("device", device)
         self.policy = as_policy_module(policy)
         # Whose weights update() / state() move: the object the user gave, even when it was wrapped to be
         # called on TensorDicts (its state_dict keys stay the user's, without the wrapper's "module." prefix).
         self.weights = getattr(self.policy, "_lr_wrapped", self.policy)
-        self.autobatch_size = autobatch_size
+        self.autobatch_size = None if autobatch_size is None else int(autobatch_size)
         self.max_wait = max_wait
+        self.policy_timeout = policy_timeout
         self.name = name
-        self.flush_in_caller = bool(flush_in_caller)
+        # A forward pass run by a submitting thread could not be timed out by it: with a policy_timeout,
+        # every pass runs on the inference thread, watched by the clients that wait for it.
+        self.flush_in_caller = bool(flush_in_caller) and policy_timeout is None
         self.is_tensordict_module = isinstance(self.policy, TensorDictModuleBase)
         self._direct = _direct_module(self.policy)  # an exact TensorDictModule's inner module, called on tensors
         self.device = torch.device(device) if device is not None else _module_device(self.policy)
@@ -278,6 +322,11 @@ class AutobatchPolicy:
         self._updates: list[tuple[Any, threading.Event]] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        # Failure and hang detection (see Agent.result and _serve).
+        self._failure: PolicyError | None = None  # set once: every waiting and later request fails with it
+        self._busy_since = 0.0  # perf_counter() while the inference thread runs a forward pass, else 0.0
+        self._busy_batch: list[_Request] = []  # the requests of that pass
+        self._abandoned = False  # the inference thread is stuck in the policy's call: close() does not wait
         # Statistics, read by benchmarks and tests (written under _weights_lock by whichever thread flushes).
         self.num_flushes = 0
         self.num_rows = 0
@@ -395,14 +444,44 @@ class AutobatchPolicy:
         outputs: ``{key: (shape without batch dim, dtype)}`` for every entry it writes (nested keys and
         ``("next", ...)`` entries included). Used to preallocate storage; later answers carry these keys.
 
+        With ``policy_timeout`` the call runs in a helper thread
+        (``lightning_rollout-<name>-probe``) that the caller waits for at most that
+        long; a probe that hangs is abandoned there and fails the policy.
+
         Raises:
-            PolicyError: the policy failed or returned a malformed output.
+            PolicyError: the policy failed, returned a malformed output, or did not
+                answer within ``policy_timeout`` (every later request fails too).
         """
         self.output_keys = None
         request = _Request(Agent(self, rows, ()), dict(obs), rows, ExplorationType.RANDOM)
         try:
-            with self._weights_lock:
-                outputs = self._run_policy([request], rows)
+            if self.policy_timeout is None:
+                with self._weights_lock:
+                    outputs = self._run_policy([request], rows)
+            else:
+                box: dict[str, Any] = {}
+
+                def probe() -> None:  # named as its caller: the policy still sees the construction probe
+                    try:
+                        with self._weights_lock:
+                            box["outputs"] = self._run_policy([request], rows)
+                    except BaseException as exc:  # re-raised in the caller's thread
+                        box["error"] = exc
+
+                helper = threading.Thread(target=probe, name=f"lightning_rollout-{self.name}-probe", daemon=True)
+                helper.start()
+                helper.join(self.policy_timeout)
+                if helper.is_alive():
+                    error = PolicyError(f"no answer within policy_timeout={self.policy_timeout} s while probing the "
+                                        f"policy with {rows} observation(s) at construction; thread {helper.name!r} "
+                                        "is stuck inside the policy's call and is abandoned (daemon)")
+                    with self._cond:
+                        self._failure = self._failure or error
+                    abandon(helper)
+                    raise error
+                if "error" in box:
+                    raise box["error"]
+                outputs = box["outputs"]
         except PolicyError:
             raise
         except Exception as exc:
@@ -492,7 +571,12 @@ class AutobatchPolicy:
             self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the inference thread, fail queued requests, join within ``timeout`` s. Idempotent."""
+        """Stop the inference thread, fail queued requests, join within ``timeout`` s. Idempotent.
+
+        An inference thread stuck in the policy's call past ``policy_timeout`` is not
+        waited for; it, or one still running after ``timeout``, is abandoned (a daemon
+        that cannot crash the interpreter at exit, see :mod:`lightning_rollout._exit`).
+        """
         with self._cond:
             if self._closed:
                 return
@@ -502,7 +586,10 @@ class AutobatchPolicy:
         for request in pending:
             request.agent._resolve(None, CollectionError("the AutobatchPolicy was closed"))
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            if not self._abandoned:
+                self._thread.join(timeout)
+            if self._thread.is_alive():
+                abandon(self._thread)
 
     @property
     def closed(self) -> bool:
@@ -616,6 +703,9 @@ class AutobatchPolicy:
                 result = self._direct(*(stacked[k] for k in self.policy.in_keys))  # type: ignore[attr-defined]
                 out_keys = [_as_key(k) for k in self.policy.out_keys]  # type: ignore[attr-defined]
                 if isinstance(result, dict):
+                    if set(out_keys) - set(result):
+                        raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; expected "
+                                          f"the out_keys {out_keys}")
                     result = tuple(result[k] for k in out_keys)
                 result = result if isinstance(result, tuple) else (result,)
                 if len(result) != len(out_keys):

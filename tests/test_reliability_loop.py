@@ -163,3 +163,55 @@ def test_ctrl_c_mid_env_time_batch_reaches_the_user_in_under_a_second():
     assert caught_after < 1.0, f"KeyboardInterrupt reached user code after {caught_after:.2f} s"
     assert proc.returncode == 130, err
     assert "stuck" not in err and "terminate called" not in err, err
+
+
+# -- issue 11 items 5 and 10: valid random actions, clear messages -------------------------------------------
+def test_factory_returning_a_string_is_refused_by_name_with_policy_none():
+    with pytest.raises(ValueError, match="returned str; expected a gymnasium.Env or a torchrl EnvBase"):
+        ThreadedCollector(lambda: "CartPole-v1", None, frames_per_batch=4)
+
+
+def test_policy_returning_a_dict_is_named_as_the_culprit():
+    from lightning_rollout import PolicyError
+
+    def policy(observation):
+        return {"act": torch.zeros(observation.shape[0], dtype=torch.long)}
+
+    with pytest.raises(PolicyError, match=r"returned a dict with keys \['act'\]; expected the out_keys \['action'\]"):
+        ThreadedCollector("CartPole-v1", policy, frames_per_batch=4)
+
+
+def test_policy_returning_action_and_log_prob_gets_torchrl_output_keys():
+    def policy(observation):
+        return torch.zeros(observation.shape[0], dtype=torch.long), torch.zeros(observation.shape[0])
+
+    collector = ThreadedCollector("CartPole-v1", policy, frames_per_batch=4, total_frames=4)
+    try:
+        batch = next(iter(collector))
+    finally:
+        collector.shutdown()
+    assert batch["action"].shape == (4,) and batch["output1"].shape == (4,)
+
+
+@pytest.mark.parametrize("space", [gym.spaces.MultiDiscrete([3, 4]), gym.spaces.Discrete(1),
+                                   gym.spaces.Discrete(3, start=2), gym.spaces.MultiBinary(3),
+                                   gym.spaces.Box(-2, 2, (2,), np.float32)])
+def test_random_actions_are_valid_samples_of_any_action_space_whatever_the_observation_space(space):
+    class Env(gym.Env):
+        observation_space = gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,), np.float32),
+                                             "b": gym.spaces.Discrete(4)})
+        action_space = space
+
+        def reset(self, *, seed=None, options=None):
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            assert self.action_space.contains(np.asarray(action, dtype=self.action_space.dtype)), action
+            return self.observation_space.sample(), 0.0, False, False, {}
+
+    for kwargs in ({}, {"init_random_frames": 8}):  # RandomPolicy; the loop's own random warm-up frames
+        collector = ThreadedCollector([Env] * 2, None, frames_per_batch=8, total_frames=16, **kwargs)
+        try:
+            assert len(list(collector)) == 2
+        finally:
+            collector.shutdown()
