@@ -17,10 +17,11 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictSequential
@@ -30,7 +31,7 @@ from torchrl.modules import EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, HardUpdate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import StopWhenSolved, summary  # noqa: E402
+from common import summary  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -61,39 +62,45 @@ class Config:
     out: str = "runs/dqn_cartpole"
 
 
-def make_actor(cfg: Config) -> TensorDictSequential:
-    q_net = nn.Sequential(nn.Linear(4, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(),
-                          nn.Linear(cfg.hidden, 2))
-    greedy = QValueActor(q_net, in_keys=["observation"], spec=OneHot(2))
-    explore = EGreedyModule(OneHot(2), eps_init=cfg.eps_start, eps_end=cfg.eps_end,
-                            annealing_num_steps=cfg.eps_frames)
+def make_actor(*, obs_dim: int, n_actions: int, hidden: int, eps_start: float, eps_end: float,
+               eps_frames: int) -> TensorDictSequential:
+    q_net = nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                          nn.Linear(hidden, n_actions))
+    greedy = QValueActor(q_net, in_keys=["observation"], spec=OneHot(n_actions))
+    explore = EGreedyModule(OneHot(n_actions), eps_init=eps_start, eps_end=eps_end, annealing_num_steps=eps_frames)
     return TensorDictSequential(greedy, explore)
 
 
 class DQN(pl.LightningModule):
-    """Double DQN with a hard-updated target network. `self.actor` (greedy + epsilon) acts in the envs."""
+    """Double DQN with a hard-updated target network. `self.actor` (greedy + epsilon) acts in the envs.
 
-    def __init__(self, cfg: Config) -> None:
+    Keyword arguments only, with CartPole's defaults (see `Config`), so LightningCLI can build it.
+    """
+
+    def __init__(self, *, obs_dim: int = 4, n_actions: int = 2, hidden: int = 256, lr: float = 2.3e-3,
+                 gamma: float = 0.99, updates_per_batch: int = 128, learning_starts: int = 1_000,
+                 buffer_size: int = 100_000, sample_size: int = 64, target_update_every: int = 10,
+                 eps_start: float = 1.0, eps_end: float = 0.04, eps_frames: int = 8_000) -> None:
         super().__init__()
-        self.save_hyperparameters(asdict(cfg))
-        self.cfg = cfg
+        self.save_hyperparameters()
         self.automatic_optimization = False
-        self.actor = make_actor(cfg)
+        self.actor = make_actor(obs_dim=obs_dim, n_actions=n_actions, hidden=hidden, eps_start=eps_start,
+                                eps_end=eps_end, eps_frames=eps_frames)
         self.loss = DQNLoss(self.actor[0], loss_function="l2", delay_value=True, double_dqn=True,
                             action_space="one_hot")
-        self.loss.make_value_estimator(gamma=cfg.gamma)
-        self.target_updater = HardUpdate(self.loss, value_network_update_interval=cfg.target_update_every)
-        self.buffer = ReplayBuffer(storage=LazyTensorStorage(cfg.buffer_size), batch_size=cfg.sample_size)
+        self.loss.make_value_estimator(gamma=gamma)
+        self.target_updater = HardUpdate(self.loss, value_network_update_interval=target_update_every)
+        self.buffer = ReplayBuffer(storage=LazyTensorStorage(buffer_size), batch_size=sample_size)
 
     def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:
-        cfg = self.cfg
+        hp = self.hparams
         self.buffer.extend(batch.exclude("collector").cpu())
         self.actor[1].step(batch.numel())        # anneal epsilon by the frames just collected
         self.log("rollout/exploration_rate", self.actor[1].eps.item(), on_step=True, on_epoch=False, batch_size=1)
-        if len(self.buffer) < cfg.learning_starts:
+        if len(self.buffer) < hp.learning_starts:
             return
         optimizer = self.optimizers()
-        for _ in range(cfg.updates_per_batch):
+        for _ in range(hp.updates_per_batch):
             sample = self.buffer.sample().to(self.device)
             loss = self.loss(sample)["loss"]
             optimizer.zero_grad()
@@ -104,7 +111,7 @@ class DQN(pl.LightningModule):
         self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.loss.value_network_params.parameters(), lr=self.cfg.lr)
+        return torch.optim.Adam(self.loss.value_network_params.parameters(), lr=self.hparams.lr)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -132,18 +139,23 @@ def main(argv: list[str] | None = None) -> dict:
         "CartPole-v1", num_envs=cfg.num_envs, envs_per_thread=cfg.envs_per_thread,
         frames_per_batch=cfg.frames_per_batch, total_frames=cfg.frames - cfg.frames % cfg.frames_per_batch,
         layout="flat", on_policy=False, init_random_frames=cfg.learning_starts, seed=cfg.seed,
-        eval_every_n_steps=max(1, cfg.eval_every_frames // cfg.frames_per_batch) * cfg.updates_per_batch,
-        eval_episodes=cfg.eval_episodes)
-    solver = StopWhenSolved(cfg.target_return)
+        eval_every_n_frames=cfg.eval_every_frames, eval_episodes=cfg.eval_episodes)  # evaluation: the validation loop
     logger = TensorBoardLogger(cfg.out, name="dqn", version=f"seed{cfg.seed}")
-    trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[solver], log_every_n_steps=10,
+    solved = EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=cfg.target_return,
+                           patience=cfg.frames // cfg.eval_every_frames + 1)  # on the bar, never on a plateau
+    trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[solved], log_every_n_steps=10,
                          enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
+    model = DQN(hidden=cfg.hidden, lr=cfg.lr, gamma=cfg.gamma, updates_per_batch=cfg.updates_per_batch,
+                learning_starts=cfg.learning_starts, buffer_size=cfg.buffer_size, sample_size=cfg.sample_size,
+                target_update_every=cfg.target_update_every, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
+                eps_frames=cfg.eps_frames)
     start = time.perf_counter()
-    trainer.fit(DQN(cfg), datamodule=datamodule)
-    result = summary(solver, time.perf_counter() - start, datamodule.collector.frames)
+    trainer.fit(model, datamodule=datamodule)
+    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
+                     target=cfg.target_return)
     result["log_dir"] = logger.log_dir
-    result["first_frames_eval_300"] = solver.first_frames_reaching(300.0)
+    result["first_frames_eval_300"] = next((f for f, v in result["eval_history"] if v >= 300.0), None)
     print("RESULT " + json.dumps(result))
     print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
           f"after {result['frames']} frames in {result['seconds']} s")

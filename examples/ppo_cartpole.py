@@ -3,13 +3,15 @@
 Read it top to bottom: the config, the networks, the LightningModule (GAE, then
 a few epochs of clipped-PPO minibatch updates per collected batch), and `main`,
 which wires a `RolloutDataModule` (8 envs in threads, on-policy) into
-`Trainer.fit` with TensorBoard logging, deterministic evaluation every few
-thousand frames and a `ModelCheckpoint` on `eval/episode_reward`.
+`Trainer.fit` with TensorBoard logging (curves against frames), deterministic
+evaluation every few thousand frames as the validation loop, a `ModelCheckpoint`
+on `eval/episode_reward` and an `EarlyStopping` at CartPole's "solved" bar.
 
     python examples/ppo_cartpole.py --frames 300000 --seed 0 --out runs/ppo
     tensorboard --logdir runs/ppo
 
 `--demo` trains for a short budget and writes a learning-curve PNG next to the logs.
+The same module trains from a config file with `examples/cli.py` (LightningCLI).
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import json
 import os
 import sys
 import time
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
@@ -34,7 +35,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import StopWhenSolved, plot_learning_curve, summary  # noqa: E402
+from common import plot_learning_curve, summary  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -57,17 +58,13 @@ class Config:
     hidden: int = 64
     eval_every_frames: int = 10_240
     eval_episodes: int = 8
-    target_return: float = 475.0   # CartPole-v1's "solved" bar; training stops once evaluation reaches it
+    target_return: float = 475.0   # CartPole-v1's "solved" bar; training stops once evaluation passes it
     seed: int = 0
     out: str = "runs/ppo_cartpole"
 
     @property
     def frames_per_batch(self) -> int:
         return self.num_envs * self.steps_per_env
-
-    @property
-    def updates_per_batch(self) -> int:
-        return self.epochs * self.minibatches
 
 
 def make_networks(obs_dim: int, n_actions: int, hidden: int) -> tuple[ProbabilisticActor, ValueOperator]:
@@ -87,33 +84,39 @@ def make_networks(obs_dim: int, n_actions: int, hidden: int) -> tuple[Probabilis
 
 
 class PPO(pl.LightningModule):
-    """Clipped PPO. `self.actor` is what the RolloutDataModule acts with."""
+    """Clipped PPO. `self.actor` is what the RolloutDataModule acts with.
 
-    def __init__(self, cfg: Config) -> None:
+    Keyword arguments only, with CartPole's defaults, so LightningCLI can build it from a config file.
+    `anneal_lr` decays the learning rate linearly to 0 over the DataModule's `total_frames`.
+    """
+
+    def __init__(self, *, obs_dim: int = 4, n_actions: int = 2, hidden: int = 64, lr: float = 2.5e-4,
+                 gamma: float = 0.99, gae_lambda: float = 0.95, clip: float = 0.2, entropy_coef: float = 0.01,
+                 value_coef: float = 0.5, max_grad_norm: float = 0.5, epochs: int = 4, minibatches: int = 4,
+                 anneal_lr: bool = True) -> None:
         super().__init__()
-        self.save_hyperparameters(asdict(cfg))
-        self.cfg = cfg
+        self.save_hyperparameters()
         self.automatic_optimization = False  # several minibatch updates per collected batch
-        self.actor, self.critic = make_networks(obs_dim=4, n_actions=2, hidden=cfg.hidden)
-        self.advantage = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic, average_gae=True)
-        self.loss = ClipPPOLoss(self.actor, self.critic, clip_epsilon=cfg.clip, entropy_coeff=cfg.entropy_coef,
-                                critic_coeff=cfg.value_coef, loss_critic_type="l2", normalize_advantage=False)
+        self.actor, self.critic = make_networks(obs_dim=obs_dim, n_actions=n_actions, hidden=hidden)
+        self.advantage = GAE(gamma=gamma, lmbda=gae_lambda, value_network=self.critic, average_gae=True)
+        self.loss = ClipPPOLoss(self.actor, self.critic, clip_epsilon=clip, entropy_coeff=entropy_coef,
+                                critic_coeff=value_coef, loss_critic_type="l2", normalize_advantage=False)
 
     def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:
-        cfg = self.cfg
+        hp = self.hparams
         with torch.no_grad():
             self.advantage(batch)               # adds "advantage" and "value_target", time along the last dim
         data = batch.reshape(-1)
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        minibatch = data.numel() // cfg.minibatches
-        for _ in range(cfg.epochs):
+        minibatch = data.numel() // hp.minibatches
+        for _ in range(hp.epochs):
             for idx in torch.randperm(data.numel(), device=data.device).split(minibatch):
                 losses = self.loss(data[idx])
                 loss = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
                 optimizer.zero_grad()
                 self.manual_backward(loss)
-                nn.utils.clip_grad_norm_(self.parameters(), cfg.max_grad_norm)
+                nn.utils.clip_grad_norm_(self.parameters(), hp.max_grad_norm)
                 optimizer.step()
         scheduler.step()
         self.log_dict({"train/loss_objective": losses["loss_objective"], "train/loss_critic": losses["loss_critic"],
@@ -121,10 +124,11 @@ class PPO(pl.LightningModule):
                       on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.cfg.lr, eps=1e-5)
-        batches = max(1, self.cfg.frames // self.cfg.frames_per_batch)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: max(0.0, 1.0 - i / batches))
-        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, eps=1e-5)
+        dm = self.trainer.datamodule
+        batches = dm.total_frames // dm.frames_per_batch if self.hparams.anneal_lr and dm.total_frames > 0 else 0
+        decay = (lambda i: max(0.0, 1.0 - i / batches)) if batches else (lambda i: 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, decay)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -144,7 +148,6 @@ def main(argv: list[str] | None = None) -> dict:
                  num_envs=args.num_envs, envs_per_thread=args.envs_per_thread, steps_per_env=args.steps_per_env,
                  eval_every_frames=args.eval_every_frames, eval_episodes=args.eval_episodes,
                  target_return=args.target_return, seed=args.seed, out=args.out)
-    warnings.filterwarnings("ignore", message=".*pre-optimization state.*")  # manual optimization + ModelCheckpoint
     pl.seed_everything(cfg.seed, verbose=False)
     torch.set_num_threads(1)  # tiny networks: intra-op threads only fight the env threads for the 2 cores
 
@@ -152,22 +155,26 @@ def main(argv: list[str] | None = None) -> dict:
         "CartPole-v1", num_envs=cfg.num_envs, envs_per_thread=cfg.envs_per_thread,
         frames_per_batch=cfg.frames_per_batch, total_frames=cfg.frames - cfg.frames % cfg.frames_per_batch,
         layout="env_time", on_policy=True, seed=cfg.seed,
-        eval_every_n_steps=max(1, cfg.eval_every_frames // cfg.frames_per_batch) * cfg.updates_per_batch,
-        eval_episodes=cfg.eval_episodes)
-    solver = StopWhenSolved(cfg.target_return)
+        eval_every_n_frames=cfg.eval_every_frames, eval_episodes=cfg.eval_episodes)  # evaluation: the validation loop
     logger = TensorBoardLogger(cfg.out, name="ppo", version=f"seed{cfg.seed}")
     checkpoint = ModelCheckpoint(dirpath=os.path.join(logger.log_dir, "checkpoints"), monitor="eval/episode_reward",
-                                 mode="max", save_top_k=1, every_n_train_steps=datamodule.eval_every_n_steps)
-    trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[solver, checkpoint], log_every_n_steps=1,
+                                 mode="max", save_top_k=1)
+    solved = EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=cfg.target_return,
+                           patience=cfg.frames // cfg.eval_every_frames + 1)  # on the bar, never on a plateau
+    trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[checkpoint, solved], log_every_n_steps=1,
                          enable_model_summary=False, enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
+    model = PPO(hidden=cfg.hidden, lr=cfg.lr, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, clip=cfg.clip,
+                entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef, max_grad_norm=cfg.max_grad_norm,
+                epochs=cfg.epochs, minibatches=cfg.minibatches)
     start = time.perf_counter()
-    trainer.fit(PPO(cfg), datamodule=datamodule)
-    result = summary(solver, time.perf_counter() - start, datamodule.collector.frames)
+    trainer.fit(model, datamodule=datamodule)
+    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
+                     target=cfg.target_return)
     result["log_dir"] = logger.log_dir
     result["best_checkpoint"] = checkpoint.best_model_path
     if args.demo:
-        result["learning_curve"] = plot_learning_curve(logger.log_dir, os.path.join(logger.log_dir, "learning_curve.png"),
-                                                       title="PPO on CartPole-v1 (lightning_rollout)")
+        png = os.path.join(logger.log_dir, "learning_curve.png")
+        result["learning_curve"] = plot_learning_curve(logger.log_dir, png, title="PPO on CartPole-v1 (lightning_rollout)")
     print("RESULT " + json.dumps(result))
     print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
           f"after {result['frames']} frames in {result['seconds']} s")

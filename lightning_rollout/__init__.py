@@ -13,7 +13,8 @@ from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from .loop import EnvLoop, MultiEnvLoop
 from .policy import Agent, AutobatchPolicy, PolicyAnswer
 
-_LIGHTNING_NAMES = ("EpisodeStatsLogger", "RolloutCallback", "RolloutDataModule", "RolloutEvaluation")
+_LIGHTNING_NAMES = ("EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutDataModule", "RolloutEvaluation",
+                    "RolloutProgressBar")
 
 
 def __getattr__(name: str) -> object:
@@ -36,6 +37,7 @@ __all__ = [
     "EnvLoop",
     "EpisodeEnd",
     "EpisodeStatsLogger",
+    "EvalRound",
     "EventProcessor",
     "GymAdapter",
     "Interrupter",
@@ -46,6 +48,7 @@ __all__ = [
     "RolloutCallback",
     "RolloutDataModule",
     "RolloutEvaluation",
+    "RolloutProgressBar",
     "StepTimeoutError",
     "TimeStep",
     "ThreadedCollector",

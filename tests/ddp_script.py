@@ -1,13 +1,19 @@
-"""DDP helper for ``tests/test_lightning.py``: 2 CPU processes (gloo), one collector per rank.
+"""DDP helper for the Lightning tests: 2 CPU processes (gloo), one collector per rank.
 
-Run as ``python tests/ddp_script.py --out DIR`` (Lightning's script launcher
-re-executes this file for rank 1). Each rank writes into ``DIR``:
+Run as ``python tests/ddp_script.py --out DIR [--strategy ddp|ddp_spawn]``. With
+``ddp`` Lightning's script launcher re-executes this file for rank 1; with
+``ddp_spawn`` it pickles the trainer, the module and the DataModule (built from a
+plain gymnasium id) into two spawned processes. Each rank writes, from
+``on_fit_end`` (so it works for both strategies), into ``DIR``:
 
 * ``obs_rank{r}.pt``: the observation of its first training batch;
 * ``rank{r}.json``: its local episode returns grouped by batch and by evaluation
-  round (a logged round at step 2, an unlogged one at train end), the metrics it
-  logged last (``trainer.callback_metrics``), its frame and episode counts and
-  the number of training steps it ran.
+  round (one round after step 2, in the validation loop), the metrics it
+  logged last (``trainer.callback_metrics``), its frame and episode counts, the
+  seconds it waited for its last batch and the number of training steps it ran.
+
+``rollout/fps`` is measured with a fake clock that advances one second per call
+(``on_train_start``, then once per batch), so its value is exact.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from tensordict.nn import TensorDictModule
 from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
 
-from lightning_rollout import RolloutCallback, RolloutDataModule
+from lightning_rollout import EpisodeStatsLogger, RolloutCallback, RolloutDataModule
 
 NUM_ENVS = 2
 FRAMES_PER_BATCH = 32
@@ -48,10 +54,22 @@ class Agent(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
-class EpisodeRecorder(RolloutCallback):
-    """This rank's finished episode returns, grouped by the batch that finished them."""
+class TickClock:
+    """A clock that advances one second per call (picklable, for ``ddp_spawn``)."""
 
     def __init__(self) -> None:
+        self.now = -1.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class Reporter(RolloutCallback):
+    """This rank's episode returns by batch and by evaluation round; writes the report at ``on_fit_end``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
         self.pending: list[float] = []
         self.per_batch: list[list[float]] = []
         self.eval_rounds: list[list[float]] = []
@@ -66,34 +84,38 @@ class EpisodeRecorder(RolloutCallback):
     def on_eval_end(self, trainer, pl_module, episodes) -> None:
         self.eval_rounds.append([float(e.reward) for e in episodes])
 
+    def on_fit_end(self, trainer, pl_module) -> None:
+        dm = trainer.datamodule
+        report = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "steps": pl_module.steps,
+            "frames": dm.collector.frames,
+            "episodes": dm.collector.loop.episodes,
+            "last_collect_seconds": dm.last_collect_seconds,
+            "per_batch_rewards": self.per_batch,
+            "eval_rounds": self.eval_rounds,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(report, f)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", choices=["ddp", "ddp_spawn"], default="ddp")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
 
-    recorder = EpisodeRecorder()
     dm = RolloutDataModule("CartPole-v1", num_envs=NUM_ENVS, frames_per_batch=FRAMES_PER_BATCH, seed=0,
-                           eval_every_n_steps=2, eval_episodes=2, eval_max_episode_steps=40)
-    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False,
-                         callbacks=[recorder], enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=False, log_every_n_steps=1)
-    model = Agent(args.out)
-    trainer.fit(model, datamodule=dm)
-    report = {
-        "rank": trainer.global_rank,
-        "world_size": trainer.world_size,
-        "steps": model.steps,
-        "frames": dm.collector.frames,
-        "episodes": dm.collector.loop.episodes,
-        "per_batch_rewards": recorder.per_batch,
-        "eval_rounds": recorder.eval_rounds,
-        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-    }
-    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(report, f)
+                           eval_every_n_frames=2 * FRAMES_PER_BATCH, eval_episodes=2, eval_max_episode_steps=40)
+    trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False,
+                         callbacks=[Reporter(args.out), EpisodeStatsLogger(clock=TickClock())],
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         num_sanity_val_steps=0)
+    trainer.fit(Agent(args.out), datamodule=dm)
 
 
 if __name__ == "__main__":

@@ -3,203 +3,41 @@
 Every test runs a real ``Trainer.fit`` on CPU, kept tiny (a few steps, 32-64
 frames per batch, 2-4 envs) so the file stays fast on a 2-core machine. The
 autouse ``no_thread_leak`` fixture (conftest) fails any test that leaves a
-``lightning_rollout-*`` thread alive.
+``lightning_rollout-*`` thread alive. What issue 14 asked of the Lightning habits
+(evaluation as the validation loop, metrics against frames, config, progress bar,
+resume) is tested in ``test_lightning_habits.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import glob
 import json
-import math
-import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
-from tensordict.nn import TensorDictModule
+from lightning.pytorch.callbacks import Callback
 from torchrl.envs.utils import ExplorationType, set_exploration_type
-from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
+from torchrl.modules import ProbabilisticActor
 
-from conftest import THREAD_PREFIX, MockEnv
+from conftest import MockEnv
+from lightning_helpers import Agent, EventCounter, make_actor, make_trainer, rollout_threads
 from lightning_rollout import EnvError, RolloutCallback, RolloutDataModule
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-# -- helpers -----------------------------------------------------------------------------------------------------
-
-def make_actor(obs_dim: int = 4, num_actions: int = 2) -> ProbabilisticActor:
-    net = TensorDictModule(MLP(in_features=obs_dim, out_features=num_actions, num_cells=[16]),
-                           in_keys=["observation"], out_keys=["logits"])
-    return ProbabilisticActor(net, in_keys=["logits"], distribution_class=OneHotCategorical, return_log_prob=True)
-
-
-class Agent(pl.LightningModule):
-    """Small MLP policy in ``self.actor``; records what every ``training_step`` saw."""
-
-    def __init__(self, obs_dim: int = 4, lr: float = 1e-2) -> None:
-        super().__init__()
-        self.actor = make_actor(obs_dim)
-        self.lr = lr
-        self.steps = 0
-        self.versions: list[list[int]] = []
-        self.first_weights: dict[str, torch.Tensor] | None = None
-
-    def training_step(self, batch, batch_idx):
-        if self.first_weights is None:
-            self.first_weights = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
-        self.steps += 1
-        self.versions.append(batch["policy_version"].unique().tolist())
-        logits = self.actor(batch.select("observation").clone())["logits"]
-        return -logits.log_softmax(-1).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-def make_trainer(**kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_model_summary=False, enable_progress_bar=False, log_every_n_steps=1)
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
-def rollout_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
-
-
-class EventCounter(RolloutCallback):
-    """Counts every collection event it receives (overrides ``on_rollout_step``)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.step_dones = 0
-        self.step_evals = 0
-        self.episodes = 0
-        self.episode_frames = 0
-        self.eval_episodes = 0
-        self.eval_rounds: list[int] = []
-        self.batches = 0
-
-    def on_rollout_step(self, trainer, pl_module, step) -> None:
-        self.steps += 1
-        self.step_dones += int(step.done)
-        self.step_evals += int(step.eval)
-
-    def on_episode_end(self, trainer, pl_module, episode) -> None:
-        assert not episode.eval
-        self.episodes += 1
-        self.episode_frames += episode.length
-
-    def on_eval_episode_end(self, trainer, pl_module, episode) -> None:
-        assert episode.eval
-        self.eval_episodes += 1
-
-    def on_eval_end(self, trainer, pl_module, episodes) -> None:
-        self.eval_rounds.append(len(episodes))
-
-    def on_rollout_batch(self, trainer, pl_module, batch) -> None:
-        self.batches += 1
-
-
-# -- logging -----------------------------------------------------------------------------------------------------
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the single TensorBoard event file under ``log_dir``: tag -> [(step, value)]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    files = glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True)
-    assert len(files) == 1, files
-    acc = EventAccumulator(files[0])
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-class EpisodesPerBatch(RolloutCallback):
-    """Returns and lengths of the episodes each batch finished; means of each evaluation round."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[float, int]] = []
-        self.per_batch: list[list[tuple[float, int]]] = []
-        self.eval_means: list[float] = []
-
-    def on_episode_end(self, trainer, pl_module, episode) -> None:
-        self.pending.append((episode.reward, episode.length))
-
-    def on_rollout_batch(self, trainer, pl_module, batch) -> None:
-        self.per_batch.append(self.pending)
-        self.pending = []
-
-    def on_eval_end(self, trainer, pl_module, episodes) -> None:
-        self.eval_means.append(sum(e.reward for e in episodes) / len(episodes))
-
-
-def test_fit_writes_rollout_and_eval_metrics_to_tensorboard_at_increasing_steps(tmp_path):
-    recorder = EpisodesPerBatch()
-    dm = RolloutDataModule("CartPole-v1", num_envs=4, frames_per_batch=64, eval_every_n_steps=2, eval_episodes=2,
-                           eval_max_episode_steps=50)
-    trainer = make_trainer(max_steps=4, logger=TensorBoardLogger(str(tmp_path), name="tb"), callbacks=[recorder])
-    trainer.fit(Agent(), datamodule=dm)
-
-    scalars = read_scalars(tmp_path / "tb")
-    for tag in ("rollout/episode_reward", "rollout/episode_length", "eval/episode_reward"):
-        assert tag in scalars, f"{tag} not written; got {sorted(scalars)}"
-        steps = [s for s, _ in scalars[tag]]
-        assert len(steps) >= 2, f"{tag} written at steps {steps}"
-        assert steps == sorted(set(steps)), f"{tag} steps not strictly increasing: {steps}"
-        assert all(math.isfinite(v) and v > 0 for _, v in scalars[tag])
-    # one rollout/frames point per training step, with the running total
-    assert [v for _, v in scalars["rollout/frames"]] == [64.0, 128.0, 192.0, 256.0]
-    assert scalars["rollout/episodes"][-1][1] == dm.collector.loop.episodes
-    # evaluated after training steps 2 and 4, each value written once, at the step of that training step
-    step_of = [s for s, _ in scalars["rollout/frames"]]  # the logger step of training step 1, 2, 3, 4
-    assert [s for s, _ in scalars["eval/episode_reward"]] == [step_of[1], step_of[3]]
-    assert [v for _, v in scalars["eval/episode_reward"]] == pytest.approx(recorder.eval_means)
-    assert all(v <= 50 for _, v in scalars["eval/episode_length"])  # eval_max_episode_steps caps the episodes
-
-
-@pytest.mark.parametrize("log_every_n_steps", [1, 3])
-def test_episode_metrics_are_written_once_covering_every_episode_since_the_previous_write(tmp_path,
-                                                                                          log_every_n_steps):
-    # episodes of 10, 13 or 16 steps and 8 steps per env per batch: some batches finish no episode
-    ids = iter(range(100))
-    dm = RolloutDataModule(lambda: MockEnv(next(ids), length_fn=lambda i, e: 10 + 3 * ((i + e) % 3)),
-                           num_envs=2, frames_per_batch=16)
-    recorder = EpisodesPerBatch()
-    trainer = make_trainer(max_steps=7, logger=TensorBoardLogger(str(tmp_path), name="tb"), callbacks=[recorder],
-                           log_every_n_steps=log_every_n_steps)
-    trainer.fit(Agent(obs_dim=3), datamodule=dm)
-    scalars = read_scalars(tmp_path / "tb")
-
-    assert any(not episodes for episodes in recorder.per_batch)
-    expected_steps, expected_rewards, expected_lengths, unwritten = [], [], [], []
-    for step, episodes in enumerate(recorder.per_batch):  # batch b is training step b + 1, logger step b
-        unwritten += episodes
-        if (step + 1) % log_every_n_steps == 0 and unwritten:
-            expected_steps.append(step)
-            expected_rewards.append(sum(r for r, _ in unwritten) / len(unwritten))
-            expected_lengths.append(sum(n for _, n in unwritten) / len(unwritten))
-            unwritten = []
-    assert expected_steps
-    assert [s for s, _ in scalars["rollout/episode_reward"]] == expected_steps  # never a stale repeat
-    assert [v for _, v in scalars["rollout/episode_reward"]] == pytest.approx(expected_rewards)
-    assert [v for _, v in scalars["rollout/episode_length"]] == pytest.approx(expected_lengths)
-    assert [s for s, _ in scalars["rollout/frames"]] == [s for s in range(7) if (s + 1) % log_every_n_steps == 0]
+pytestmark = pytest.mark.timeout(120)
 
 
 # -- events ------------------------------------------------------------------------------------------------------
 
 def test_rollout_callback_receives_every_step_and_every_episode_end():
     counter = EventCounter()
-    dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=64, eval_every_n_steps=2, eval_episodes=2,
+    dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=64, eval_every_n_frames=128, eval_episodes=2,
                            eval_max_episode_steps=30)
     trainer = make_trainer(max_steps=3, callbacks=[counter])
     trainer.fit(Agent(), datamodule=dm)
@@ -211,9 +49,9 @@ def test_rollout_callback_receives_every_step_and_every_episode_end():
     assert dm.collector.loop.episodes > 0
     assert counter.episodes == dm.collector.loop.episodes
     assert counter.step_dones == counter.episodes
-    # evaluation episodes go to on_eval_episode_end only: one round at step 2, one at train end (step 3)
-    assert counter.eval_rounds == [2, 2]
-    assert counter.eval_episodes == 4
+    # evaluation episodes go to on_eval_episode_end only: one round, in the validation loop after batch 2
+    assert counter.eval_rounds == [2]
+    assert counter.eval_episodes == 2
 
 
 def test_per_step_events_are_not_built_when_no_callback_overrides_on_rollout_step():
@@ -394,8 +232,8 @@ def test_checkpoint_saved_after_fit_holds_collector_state_once_and_resume_contin
     assert _paths_with_keys(saved, {"collector", "next_traj_id", "policy_state_dict"}) == [
         "/RolloutDataModule/collector", "/RolloutDataModule/collector/next_traj_id",
         "/RolloutDataModule/collector/policy_state_dict"]
-    assert _paths_with_keys(saved["loops"], {"combined_loader"}) in ([], ["/fit_loop/state_dict/combined_loader"])
-    assert not saved["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+    # the dataloader's own state is empty (it only tells Lightning that the DataModule resumes it)
+    assert saved["loops"]["fit_loop"]["state_dict"].get("combined_loader") in (None, [], [{}])
 
     dm2 = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32, seed=3)
     counter = EventCounter()
@@ -433,33 +271,15 @@ def test_a_second_fit_with_the_same_datamodule_continues_the_counts():
     assert counter.steps == 2 * 32  # events go to the new trainer's callbacks
 
 
-@pytest.mark.parametrize("every_n_train_steps", [None, 2])
-def test_model_checkpoint_monitors_eval_episode_reward(tmp_path, every_n_train_steps):
-    recorder = EpisodesPerBatch()
-    checkpoint = ModelCheckpoint(dirpath=str(tmp_path), monitor="eval/episode_reward", mode="max",
-                                 every_n_train_steps=every_n_train_steps)
-    dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32, eval_every_n_steps=2, eval_episodes=2,
-                           eval_max_episode_steps=40)
-    trainer = make_trainer(max_steps=4, callbacks=[recorder, checkpoint], enable_checkpointing=True,
-                           default_root_dir=str(tmp_path))
-    trainer.fit(Agent(), datamodule=dm)
-    assert len(recorder.eval_means) == 2  # after steps 2 and 4 (step 4 was just evaluated: no round at train end)
-    assert trainer.callback_metrics["eval/episode_reward"].item() == pytest.approx(recorder.eval_means[-1])
-    assert checkpoint.best_model_path and os.path.exists(checkpoint.best_model_path)
-    if every_n_train_steps is None:  # checked once, at the end of the (only) epoch: the last round's value
-        assert checkpoint.best_model_score.item() == pytest.approx(recorder.eval_means[-1])
-    else:  # checked after every evaluation: the best round is kept
-        assert checkpoint.best_model_score.item() == pytest.approx(max(recorder.eval_means))
-    best = torch.load(checkpoint.best_model_path, weights_only=True)
-    assert best["RolloutDataModule"]["collector"]["frames"] in (64, 128)
-
-
 # -- DDP ---------------------------------------------------------------------------------------------------------
 
-def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(tmp_path):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(tmp_path, strategy):
+    # ddp_spawn pickles the trainer, the module and a DataModule built from a plain gym id into its processes
     out = tmp_path / "ddp"
-    proc = subprocess.run([sys.executable, "tests/ddp_script.py", "--out", str(out)], cwd=str(REPO),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "tests/ddp_script.py", "--out", str(out), "--strategy", strategy],
+                          cwd=str(REPO), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1] and all(r["world_size"] == 2 for r in reports)
@@ -472,17 +292,24 @@ def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(tmp_
 
     m0, m1 = reports[0]["metrics"], reports[1]["metrics"]
     for key in ("rollout/episode_reward", "rollout/episode_length", "rollout/episodes", "rollout/frames",
-                "eval/episode_reward"):
+                "rollout/fps", "rollout/collect_fps", "eval/episode_reward"):
         assert key in m0, sorted(m0)
         assert m0[key] == m1[key], key
     assert m0["rollout/frames"] == 2 * 3 * 32
     assert m0["rollout/episodes"] == reports[0]["episodes"] + reports[1]["episodes"]
+    # total frames/s of wall time: both ranks' frames over the (fake, 1 s a batch) seconds since fit started
+    assert m0["rollout/fps"] == 2 * 3 * 32 / 3
+    # per-rank collection speed: each rank's last batch over the seconds it waited for it, averaged over ranks
+    per_rank = [32 / r["last_collect_seconds"] for r in reports]
+    assert m0["rollout/collect_fps"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
     # the last logged episode reward is the mean over both ranks' episodes of the last batch that finished any
     per_batch = [r["per_batch_rewards"] for r in reports]
     last = max(i for i in range(3) if per_batch[0][i] or per_batch[1][i])
     both = per_batch[0][last] + per_batch[1][last]
     assert m0["rollout/episode_reward"] == pytest.approx(sum(both) / len(both), rel=1e-5)
-    first_eval = reports[0]["eval_rounds"][0] + reports[1]["eval_rounds"][0]  # the logged round, at step 2
+    # one evaluation round per rank (validation loop after batch 2), reduced over both ranks' episodes
+    assert [len(r["eval_rounds"]) for r in reports] == [1, 1]
+    first_eval = reports[0]["eval_rounds"][0] + reports[1]["eval_rounds"][0]
     assert m0["eval/episode_reward"] == pytest.approx(sum(first_eval) / len(first_eval), rel=1e-5)
 
 

@@ -1,43 +1,82 @@
-"""Lightning callbacks that play the seed's event processor.
+"""Lightning callbacks that play the seed's event processor and metrics renderer.
 
 * :class:`RolloutCallback` is the base class: subclass it and override the
   ``on_rollout_*`` / ``on_episode_end`` / ``on_eval_*`` hooks; put it in
   ``Trainer(callbacks=[...])``. :class:`~lightning_rollout.lightning.RolloutDataModule`
   dispatches the collector's events to every such callback.
 * :class:`EpisodeStatsLogger` logs episode return/length, frames, throughput and
-  policy lag to ``trainer.logger`` (TensorBoard by default) and the progress bar.
-* :class:`RolloutEvaluation` runs fresh deterministic episodes every N training
-  steps and logs ``eval/...`` (so ``ModelCheckpoint(monitor="eval/episode_reward")``
-  and ``EarlyStopping`` work).
+  policy lag after every training batch, against frames by default.
+* :class:`RolloutEvaluation` logs each evaluation round of the validation loop as
+  ``eval/...`` (so ``ModelCheckpoint(monitor="eval/episode_reward")`` and
+  ``EarlyStopping`` act on it at validation end).
+* :class:`RolloutProgressBar` shows frames, frames/s and returns within 80 columns.
+* :class:`EvalRound` is what the DataModule's ``val_dataloader()`` yields.
 
 When hooks run: collection events are dispatched in the training process's main
 thread while the DataModule fetches a batch, i.e. *before* ``training_step`` of
 that batch, where Lightning forbids ``self.log``. So callbacks that log keep
-what they saw and log it from ``on_train_batch_end``, where logging is allowed.
-Values are reduced across DDP ranks there (every rank calls the same
-collectives in the same order each step), so logged metrics are global.
+what they saw and log it from ``on_train_batch_end`` (or, for evaluation,
+``on_validation_batch_end``), where logging is allowed. Values are reduced across
+DDP ranks there (every rank calls the same collectives in the same order), so
+logged metrics are global.
 
-Metrics that exist only at some steps (episode returns: only when an episode
-ended; evaluation: every N steps) are not sent to the logger through
-``self.log``: Lightning would write their last value again at every later step
-of the epoch. They go to ``self.log(..., logger=False)`` (``callback_metrics``,
-so ``ModelCheckpoint`` / ``EarlyStopping`` see them, and the progress bar) and
-straight to ``trainer.loggers`` at the step Lightning uses for that training step.
+Rollout and evaluation metrics exist only at some batches and are cheap, so they
+are not sent to the loggers through ``self.log`` (which would write them only at
+the steps ``log_every_n_steps`` selects, and at Lightning's batch counter). They
+go to ``self.log(..., logger=False)`` (``callback_metrics``, so ``ModelCheckpoint``
+/ ``EarlyStopping`` see them, and the progress bar) and straight to every logger's
+``log_metrics``, once, whenever they exist, at the step the callback's ``step``
+option names: the total frames collected (``"frames"``, default) or Lightning's
+own step (``"batches"``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from tensordict import TensorDictBase
 
 from ..events import EpisodeEnd, TimeStep
 
-__all__ = ["EpisodeStatsLogger", "RolloutCallback", "RolloutEvaluation"]
+__all__ = ["EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutEvaluation", "RolloutProgressBar"]
+
+StepAxis = Literal["frames", "batches"]
+
+
+class EvalRound:
+    """One evaluation round: what ``RolloutDataModule.val_dataloader()`` yields, already run.
+
+    A module's own ``validation_step(batch, batch_idx)`` receives it (when the module
+    has none, the DataModule lends one that does nothing). It is a plain object, so
+    Lightning leaves it as it is when it moves a batch to the device.
+
+    Attributes:
+        episodes: this rank's finished evaluation episodes, in request order.
+        seconds: wall-clock seconds the round took on this rank.
+        frames: frames this rank's collector had collected when the round ran.
+    """
+
+    __slots__ = ("episodes", "seconds", "frames")
+
+    def __init__(self, episodes: list[EpisodeEnd], *, seconds: float, frames: int) -> None:
+        self.episodes = episodes
+        self.seconds = seconds
+        self.frames = frames
+
+    @property
+    def mean_reward(self) -> float:
+        """Mean return of this rank's episodes (``nan`` when there are none)."""
+        return sum(e.reward for e in self.episodes) / len(self.episodes) if self.episodes else math.nan
+
+    def __repr__(self) -> str:
+        return (f"EvalRound({len(self.episodes)} episodes, mean_reward={self.mean_reward:.2f}, "
+                f"frames={self.frames}, seconds={self.seconds:.3f})")
 
 
 class RolloutCallback(pl.Callback):
@@ -45,9 +84,11 @@ class RolloutCallback(pl.Callback):
 
     Every hook is a no-op by default. ``on_rollout_step`` is dispatched only if
     some callback in ``trainer.callbacks`` overrides it, so per-step events cost
-    nothing otherwise. Hooks run in the main thread, before ``training_step`` of
-    the batch being collected: do not call ``pl_module.log`` from them (keep the
-    values and log in ``on_train_batch_end``).
+    nothing otherwise. Hooks run in the main thread: training events before
+    ``training_step`` of the batch being collected, evaluation events inside the
+    validation loop while it fetches the round. Do not call ``pl_module.log``
+    from them (keep the values and log in ``on_train_batch_end`` /
+    ``on_validation_batch_end``).
     """
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
@@ -71,26 +112,44 @@ def overrides(callback: RolloutCallback, hook: str) -> bool:
     return getattr(type(callback), hook) is not getattr(RolloutCallback, hook)
 
 
-def _global_stats(trainer: pl.Trainer, values: list[float]) -> dict[str, float]:
-    """Sum, count, min and max of ``values`` over every DDP rank (one collective each)."""
+def _reduce(trainer: pl.Trainer, sums: Sequence[float],
+            maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
+    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (at most two collectives).
+
+    Every rank must call this at the same point with sequences of the same lengths.
+    """
     device = trainer.strategy.root_device
-    n = float(len(values))
-    packed = torch.tensor([sum(values), n, -min(values, default=math.inf), max(values, default=-math.inf)],
-                          dtype=torch.float64, device=device)
-    sums = trainer.strategy.reduce(packed[:2].clone(), reduce_op="sum")
-    extremes = packed[2:].clone()
+    total = [float(v) for v in sums]
+    peak = [float(v) for v in maxima]
     if trainer.world_size > 1:
-        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
-    return {"sum": float(sums[0]), "count": float(sums[1]), "min": -float(extremes[0]), "max": float(extremes[1])}
+        if total:
+            packed = torch.tensor(total, dtype=torch.float64, device=device)
+            total = trainer.strategy.reduce(packed, reduce_op="sum").tolist()
+        if peak:
+            packed = torch.tensor(peak, dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX)
+            peak = packed.tolist()
+    return total, peak
+
+
+def _episode_stats(trainer: pl.Trainer, rewards: Sequence[float], lengths: Sequence[float]) -> dict[str, float]:
+    """Count, mean and extremes of returns and mean length over every rank's episodes (two collectives)."""
+    (reward_sum, length_sum, count), (neg_min, max_) = _reduce(
+        trainer, [sum(rewards), sum(lengths), float(len(rewards))],
+        [-min(rewards, default=math.inf), max(rewards, default=-math.inf)])
+    if not count:
+        return {"count": 0.0}
+    return {"count": count, "mean": reward_sum / count, "min": -neg_min, "max": max_, "length": length_sum / count}
 
 
 def _logger_step(trainer: pl.Trainer) -> int:
-    """The step at which Lightning writes what ``self.log`` received in this training step's hooks."""
+    """The step at which Lightning writes what ``self.log`` received in the current hooks."""
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
 def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Write ``metrics`` once to every logger of the trainer, at ``step`` (global rank zero only)."""
+    """Write ``metrics`` once to every logger of the trainer, at ``step`` (global rank zero only), and flush
+    (as Lightning does after each write, so a live TensorBoard sees them)."""
     if not metrics or not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
@@ -98,41 +157,65 @@ def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int)
         logger.save()
 
 
-class EpisodeStatsLogger(RolloutCallback):
-    """Log collection statistics at each training step's ``global_step``.
+def _check_step(step: str) -> None:
+    if step not in ("frames", "batches"):
+        raise ValueError(f"step must be 'frames' (total frames collected) or 'batches' (Lightning's step), "
+                         f"got {step!r}")
 
-    Metrics (``prefix`` defaults to ``"rollout"``), reduced across ranks:
+
+def _local_frames(trainer: pl.Trainer) -> float:
+    collector = getattr(trainer.datamodule, "collector", None)
+    return float(getattr(collector, "frames", 0))
+
+
+class EpisodeStatsLogger(RolloutCallback):
+    """Log collection statistics after every training batch, reduced across ranks.
+
+    Metrics (``prefix`` defaults to ``"rollout"``):
 
     * ``rollout/episode_reward`` (mean), ``_max``, ``_min`` and ``rollout/episode_length``:
-      in ``callback_metrics`` and the progress bar, over the episodes finished since the
-      previous training step (updated only at steps where some episode finished); in
-      the logger, over the episodes finished since the previous write (at the steps
-      ``log_every_n_steps`` selects, and only if some episode finished), so no episode
-      is left out of the curves and no value is written twice;
-    * ``rollout/episodes`` and ``rollout/frames``: totals since the start;
-    * ``rollout/fps``: frames per second of collection for the last batch;
+      over the episodes finished during the batch's collection (written only at
+      batches where some episode finished, so no value is ever repeated);
+    * ``rollout/episodes`` and ``rollout/frames``: totals since the start of training
+      (all ranks, resumed runs included);
+    * ``rollout/fps``: frames of all ranks per second of wall time since this ``fit``
+      started (collection, training and evaluation included: end-to-end throughput);
+    * ``rollout/collect_fps``: collection speed of one rank, frames of its last batch
+      over the seconds ``training_step`` waited for that batch (mean over ranks);
     * ``rollout/policy_lag``: mean number of weight updates between the policy
       that acted a transition and the current one (0 when on-policy).
 
+    All are in ``trainer.callback_metrics`` after every batch (``ModelCheckpoint`` /
+    ``EarlyStopping`` can monitor them) and written to every logger then, whatever
+    ``log_every_n_steps`` is, at the step ``step`` names.
+
     Args:
         prefix: metric name prefix.
-        prog_bar: show episode return and frames in the progress bar.
+        prog_bar: show the episode return, frames and fps in the progress bar.
+        step: x-axis of what is written to the loggers: ``"frames"`` (total frames
+            collected, all ranks; as SB3 / CleanRL curves) or ``"batches"``
+            (Lightning's step, shared with metrics the module logs itself).
+        clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
+
+    Raises:
+        ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``.
     """
 
-    def __init__(self, *, prefix: str = "rollout", prog_bar: bool = True) -> None:
+    def __init__(self, *, prefix: str = "rollout", prog_bar: bool = True, step: StepAxis = "frames",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        _check_step(step)
         self.prefix = prefix
         self.prog_bar = prog_bar
+        self.step = step
+        self.clock = clock
         self._rewards: list[float] = []
         self._lengths: list[float] = []
         self._episodes = 0
         self._batch_frames = 0
         self._batch_seconds = 0.0
         self._lag: float | None = None
-        self._unwritten: dict[str, float] = self._no_episodes()
-
-    @staticmethod
-    def _no_episodes() -> dict[str, float]:
-        return {"sum": 0.0, "count": 0.0, "min": math.inf, "max": -math.inf, "length_sum": 0.0}
+        self._start_time = 0.0
+        self._start_frames = 0.0
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         self._rewards.append(episode.reward)
@@ -148,43 +231,37 @@ class EpisodeStatsLogger(RolloutCallback):
             current = dm.collector.policy_version
             self._lag = float(current - acted.double().mean()) if acted.numel() else None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self._start_frames,), _ = _reduce(trainer, [_local_frames(trainer)])
+        self._start_time = self.clock()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
-        rewards = _global_stats(trainer, self._rewards)
-        lengths = _global_stats(trainer, self._lengths)
-        fps = _global_stats(trainer, [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else [])
-        dm = trainer.datamodule
-        local_frames = float(getattr(getattr(dm, "collector", None), "frames", 0))
-        frames = _global_stats(trainer, [local_frames])
-        self._episodes += int(rewards["count"])
-        log = dict(on_step=True, on_epoch=False, batch_size=1)
-        if rewards["count"]:
-            only_callbacks = dict(log, logger=False)  # written to the logger below, once
-            pl_module.log(f"{p}/episode_reward", rewards["sum"] / rewards["count"], prog_bar=self.prog_bar,
-                          **only_callbacks)
-            pl_module.log(f"{p}/episode_reward_max", rewards["max"], **only_callbacks)
-            pl_module.log(f"{p}/episode_reward_min", rewards["min"], **only_callbacks)
-            pl_module.log(f"{p}/episode_length", lengths["sum"] / lengths["count"], **only_callbacks)
-            u = self._unwritten
-            u["sum"] += rewards["sum"]
-            u["count"] += rewards["count"]
-            u["min"] = min(u["min"], rewards["min"])
-            u["max"] = max(u["max"], rewards["max"])
-            u["length_sum"] += lengths["sum"]
-        step = _logger_step(trainer)
-        if self._unwritten["count"] and ((step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop):
-            u = self._unwritten  # same rule as Lightning's for what self.log sends to the logger
-            _write_to_loggers(trainer, {f"{p}/episode_reward": u["sum"] / u["count"],
-                                        f"{p}/episode_reward_max": u["max"], f"{p}/episode_reward_min": u["min"],
-                                        f"{p}/episode_length": u["length_sum"] / u["count"]}, step)
-            self._unwritten = self._no_episodes()
-        pl_module.log(f"{p}/episodes", float(self._episodes), **log)
-        pl_module.log(f"{p}/frames", frames["sum"], prog_bar=self.prog_bar, **log)
-        if fps["count"]:
-            pl_module.log(f"{p}/fps", fps["sum"], **log)
-        if self._lag is not None:
-            pl_module.log(f"{p}/policy_lag", self._lag, **log)
+        episodes = _episode_stats(trainer, self._rewards, self._lengths)
+        collect = [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else []
+        lag = [self._lag] if self._lag is not None else []
+        (frames, collect_sum, collect_ranks, lag_sum, lag_ranks), _ = _reduce(
+            trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag)])
+        self._episodes += int(episodes["count"])
+        elapsed = self.clock() - self._start_time
+        metrics: dict[str, float] = {}
+        if episodes["count"]:
+            metrics.update({f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_max": episodes["max"],
+                            f"{p}/episode_reward_min": episodes["min"], f"{p}/episode_length": episodes["length"]})
+        metrics[f"{p}/episodes"] = float(self._episodes)
+        metrics[f"{p}/frames"] = frames
+        if elapsed > 0:
+            metrics[f"{p}/fps"] = (frames - self._start_frames) / elapsed
+        if collect_ranks:
+            metrics[f"{p}/collect_fps"] = collect_sum / collect_ranks
+        if lag_ranks:
+            metrics[f"{p}/policy_lag"] = lag_sum / lag_ranks
+        shown = {f"{p}/episode_reward", f"{p}/frames", f"{p}/fps"} if self.prog_bar else set()
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=name in shown, on_step=True, on_epoch=False, batch_size=1,
+                          logger=False)
+        _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
         self._rewards.clear()
         self._lengths.clear()
 
@@ -196,91 +273,109 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Every ``every_n_steps`` training steps, run fresh deterministic episodes and log ``eval/...``.
+    """Log each evaluation round of the validation loop as ``eval/...`` metrics.
 
-    Episodes run on a separate evaluation loop owned by the
-    :class:`~lightning_rollout.lightning.RolloutDataModule` (reset on request,
-    ``ExplorationType.DETERMINISTIC``, capped at ``max_episode_steps``), with the
-    module's current weights. Logged, reduced across ranks: ``eval/episode_reward``
-    (mean), ``eval/episode_reward_min``, ``eval/episode_reward_max``,
-    ``eval/episode_length``, ``eval/seconds``. ``on_eval_episode_end`` and
-    ``on_eval_end`` are dispatched to every :class:`RolloutCallback`.
+    The rounds themselves are run by :class:`~lightning_rollout.lightning.RolloutDataModule`
+    when Lightning validates (see its ``eval_every_n_frames`` and the Trainer's
+    ``val_check_interval`` / ``check_val_every_n_epoch``): fresh deterministic
+    episodes with the module's current weights. This callback reduces them across
+    ranks and logs ``eval/episode_reward`` (mean), ``eval/episode_reward_min``,
+    ``eval/episode_reward_max``, ``eval/episode_length`` and ``eval/seconds``
+    (mean over ranks) as epoch-level validation metrics: they are in
+    ``trainer.callback_metrics`` when ``ModelCheckpoint`` and ``EarlyStopping`` run
+    at validation end, and written to every logger once per round, at the step
+    ``step`` names. The DataModule adds one unless the trainer has one.
 
     Args:
-        every_n_steps: evaluate when ``trainer.global_step`` reaches a multiple of it (``>= 1``).
-        episodes: episodes per evaluation on each rank (``>= 1``).
-        at_train_end: also evaluate when training ends.
         prefix: metric name prefix.
+        prog_bar: show the mean evaluation return in the progress bar.
+        step: x-axis of what is written to the loggers: ``"frames"`` (total frames
+            collected by all ranks when the round ran) or ``"batches"`` (Lightning's step).
 
     Raises:
-        ValueError: ``every_n_steps`` or ``episodes`` below 1.
+        ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``.
     """
 
-    def __init__(self, *, every_n_steps: int, episodes: int = 5, at_train_end: bool = True,
-                 prefix: str = "eval") -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        if episodes < 1:
-            raise ValueError(f"episodes must be >= 1, got {episodes}")
-        self.every_n_steps = every_n_steps
-        self.episodes = episodes
-        self.at_train_end = at_train_end
+    def __init__(self, *, prefix: str = "eval", prog_bar: bool = True, step: StepAxis = "frames") -> None:
+        _check_step(step)
         self.prefix = prefix
-        self._last_step = -1
-        self.last_results: list[EpisodeEnd] = []
+        self.prog_bar = prog_bar
+        self.step = step
+        self.last_round: EvalRound | None = None
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
-            self.evaluate(trainer, pl_module, log=True)
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not isinstance(batch, EvalRound) or trainer.sanity_checking:
+            return
+        self.last_round = batch
+        episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
+                                  [float(e.length) for e in batch.episodes])
+        (frames, seconds), _ = _reduce(trainer, [float(batch.frames), batch.seconds])
+        if not episodes["count"]:
+            return
+        p = self.prefix
+        metrics = {f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_min": episodes["min"],
+                   f"{p}/episode_reward_max": episodes["max"], f"{p}/episode_length": episodes["length"],
+                   f"{p}/seconds": seconds / trainer.world_size}
+        for name, value in metrics.items():  # the same value on every rank: sync_dist only averages equals
+            pl_module.log(name, value, prog_bar=self.prog_bar and name == f"{p}/episode_reward", on_step=False,
+                          on_epoch=True, batch_size=1, logger=False, sync_dist=trainer.world_size > 1)
+        _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.at_train_end and trainer.global_step != self._last_step and trainer.global_step > 0:
-            self.evaluate(trainer, pl_module, log=False)
 
-    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, log: bool = True) -> list[EpisodeEnd]:
-        """Run one evaluation round now; returns this rank's episodes.
+def _figure(value: float) -> str:
+    """A return as the progress bar shows it: one decimal (whole units from 10^4 on)."""
+    return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.1f}"
 
-        Args:
-            log: called from a hook where ``self.log`` is allowed (``on_train_batch_end``):
-                the metrics also go to ``callback_metrics`` and the progress bar. Otherwise
-                (``on_train_end``) they are only written to the loggers, at the last training
-                step. Every rank must call this together (the metrics are reduced across ranks).
 
-        Raises:
-            RuntimeError: the trainer's datamodule is not a ``RolloutDataModule``.
+def _whole(value: float) -> str:
+    return str(int(round(value)))
+
+
+class RolloutProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar showing RL figures, fitting in 80 columns.
+
+    The training bar reads ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123,
+    ret=123.4, eval=500.0``: whole frames (all ranks), frames per second of wall
+    time, the mean return of the episodes finished in the last batch and the mean
+    return of the last evaluation round, from the metrics :class:`EpisodeStatsLogger`
+    and :class:`RolloutEvaluation` put in the progress bar. Batches/s, the batch
+    count and the logger's version are left out; other progress-bar metrics follow.
+    The DataModule swaps Lightning's stock ``TQDMProgressBar`` for this one
+    (``RolloutDataModule(progress_bar=False)`` keeps the stock one).
+
+    Args:
+        refresh_rate, process_position, leave: as ``TQDMProgressBar``.
+        rollout_prefix, eval_prefix: prefixes of the metrics to show.
+    """
+
+    BAR_FORMAT = "{l_bar}{bar}| {elapsed}{postfix}"
+
+    def __init__(self, *, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
+                 rollout_prefix: str = "rollout", eval_prefix: str = "eval") -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self.rollout_prefix = rollout_prefix
+        self.eval_prefix = eval_prefix
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        items = dict(super().get_metrics(trainer, pl_module))
+        items.pop("v_num", None)
+        return self.shown(items)
+
+    def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
+        """What the bar shows for these progress-bar metrics.
+
+        ``frames`` and ``fps`` as whole numbers, ``ret`` and ``eval`` with one decimal, all as
+        strings (tqdm writes strings as they are, where it would write ``1.23e+7`` for a number),
+        then every other metric unchanged. Missing or non-finite figures are left out.
         """
-        dm = trainer.datamodule
-        if dm is None or not hasattr(dm, "run_eval_episodes"):
-            raise RuntimeError("RolloutEvaluation needs Trainer.fit(..., datamodule=RolloutDataModule(...))")
-        self._last_step = trainer.global_step
-        was_training = pl_module.training
-        pl_module.eval()
-        start = time.perf_counter()
-        try:
-            episodes = dm.run_eval_episodes(self.episodes)
-        finally:
-            pl_module.train(was_training)
-        seconds = time.perf_counter() - start
-        self.last_results = episodes
-        rewards = _global_stats(trainer, [e.reward for e in episodes])
-        lengths = _global_stats(trainer, [float(e.length) for e in episodes])
-        for callback in trainer.callbacks:
-            if isinstance(callback, RolloutCallback):
-                callback.on_eval_end(trainer, pl_module, episodes)
-        if rewards["count"]:
-            p = self.prefix
-            metrics = {f"{p}/episode_reward": rewards["sum"] / rewards["count"],
-                       f"{p}/episode_reward_min": rewards["min"], f"{p}/episode_reward_max": rewards["max"],
-                       f"{p}/episode_length": lengths["sum"] / lengths["count"], f"{p}/seconds": seconds}
-            if log:  # callback_metrics (ModelCheckpoint, EarlyStopping) and progress bar; not the logger (see module)
-                kw = dict(on_step=True, on_epoch=False, batch_size=1, logger=False)
-                for name, value in metrics.items():
-                    pl_module.log(name, value, prog_bar=name == f"{p}/episode_reward", **kw)
-                _write_to_loggers(trainer, metrics, _logger_step(trainer))
-            else:
-                # on_train_end does not allow self.log; Lightning's step counter has moved past the last
-                # training step there, so write at that training step's logger step
-                _write_to_loggers(trainer, metrics, max(_logger_step(trainer) - 1, 0))
-        return episodes
+        items = dict(metrics)
+        r, e = self.rollout_prefix, self.eval_prefix
+        shown: dict[str, int | str | float] = {}
+        for key, name, render in ((f"{r}/frames", "frames", _whole), (f"{r}/fps", "fps", _whole),
+                                  (f"{r}/episode_reward", "ret", _figure), (f"{e}/episode_reward", "eval", _figure)):
+            value = items.pop(key, None)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                shown[name] = render(value)
+        shown.update(items)
+        return shown

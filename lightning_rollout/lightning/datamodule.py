@@ -9,13 +9,20 @@ What it does for you:
   ``update_policy``), so an on-policy batch is acted by the weights of the latest
   optimizer step; the dataloader has a length, so Lightning does not prefetch a
   batch ahead (which would act it with the weights of one step before);
+* runs **evaluation as Lightning's validation loop**: ``val_dataloader()``
+  yields one :class:`EvalRound` (fresh deterministic episodes, already run) each
+  time Lightning validates, so ``ModelCheckpoint`` / ``EarlyStopping`` act on
+  ``eval/...`` at validation end, scheduled by ``eval_every_n_frames`` or by the
+  Trainer's own ``val_check_interval`` / ``check_val_every_n_epoch``;
 * dispatches collection events to every :class:`RolloutCallback` in
-  ``trainer.callbacks`` and adds :class:`EpisodeStatsLogger` (and
-  :class:`RolloutEvaluation` when ``eval_every_n_steps`` is set) unless you
-  passed your own;
+  ``trainer.callbacks`` and adds :class:`EpisodeStatsLogger`,
+  :class:`RolloutEvaluation` and :class:`RolloutProgressBar` unless told not to;
 * saves its counters (frames, episodes, trajectory ids, seed, policy version)
-  in Lightning checkpoints, once, through ``state_dict``; resumes them;
-* closes every env thread on teardown, on exceptions and on ``KeyboardInterrupt``.
+  in Lightning checkpoints, once, through ``state_dict``; resumes them, mid-epoch
+  included;
+* closes every env thread on teardown, on exceptions and on ``KeyboardInterrupt``;
+* pickles (``strategy="ddp_spawn"``): the env factory it builds from a gymnasium
+  id is picklable, and threads and collectors stay behind (the counters travel).
 
 Threading: the collector is driven from Lightning's main thread; nothing here
 is called from env threads.
@@ -25,23 +32,33 @@ from __future__ import annotations
 
 import math
 import time
+import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
 from ..collector import ThreadedCollector
 from ..envs import EnvFactory, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
-from ..loop import MultiEnvLoop, _check_int
-from .callbacks import EpisodeStatsLogger, RolloutCallback, RolloutEvaluation, overrides
+from ..loop import MultiEnvLoop
+from .callbacks import EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar, overrides
 
 __all__ = ["RolloutDataModule"]
 
 _RANK_SEED_STRIDE = 100_003  # seeds of rank r start at seed + r * stride: disjoint across ranks
 _EVAL_SEED_OFFSET = 1_000_000_007
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ``>= minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _Dispatcher(EventProcessor):
@@ -65,10 +82,23 @@ class _Dispatcher(EventProcessor):
         for c in self.callbacks:
             c.on_eval_episode_end(self.trainer, self.trainer.lightning_module, episode)
 
+    def on_eval_end(self, episodes: list[EpisodeEnd]) -> None:
+        for c in self.callbacks:
+            c.on_eval_end(self.trainer, self.trainer.lightning_module, episodes)
+
 
 class _Batches:
-    """What ``train_dataloader()`` returns: sized (so Lightning does not prefetch), no ``state_dict``
-    (so Lightning does not save it into checkpoints: the DataModule does, once)."""
+    """What ``train_dataloader()`` returns.
+
+    Sized (so Lightning does not prefetch a batch ahead). For a finite collector
+    the length counts the batches of this epoch that ran before a mid-epoch
+    checkpoint Lightning resumes from, plus those left: Lightning's restored batch
+    counter and the collector's restored frame counter then agree, and Lightning
+    fetches exactly the batches left. Iteration stops early when the collector is
+    exhausted. ``state_dict`` is empty: the DataModule saves the collector's
+    counters, once; the empty state only tells Lightning that this iterable
+    resumes (the DataModule restores it), so it does not warn that it cannot.
+    """
 
     def __init__(self, dm: RolloutDataModule, num_batches: int) -> None:
         self._dm = dm
@@ -78,19 +108,56 @@ class _Batches:
         return self._num_batches
 
     def __iter__(self) -> Iterator[TensorDictBase]:
-        for _ in range(self._num_batches):
+        for _ in range(self._num_batches):  # Lightning stops fetching at the length (minus what a resume skipped)
             batch = self._dm._next_batch()
             if batch is None:
                 return
             yield batch
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the DataModule's own state (frames, episodes...) is restored by Lightning."""
+
+
+class _EvalRounds:
+    """What ``val_dataloader()`` returns: one :class:`EvalRound` per validation run.
+
+    The episodes run when Lightning fetches the round, inside its validation loop
+    (module in ``eval()`` mode, gradients off). During Lightning's sanity check the
+    evaluation envs are built and the policy probed, but no episode runs.
+    """
+
+    def __init__(self, dm: RolloutDataModule) -> None:
+        self._dm = dm
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[EvalRound]:
+        trainer = self._dm.trainer
+        if trainer is not None and trainer.sanity_checking:
+            self._dm._eval_envs()
+            return
+        yield self._dm._eval_round()
+
+
+def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
+    """The ``validation_step`` a :class:`RolloutDataModule` lends, for the length of ``fit``, to a module
+    without one: Lightning runs its validation loop only for modules that have a ``validation_step``. The
+    episodes already ran when the round was fetched; :class:`RolloutEvaluation` logs them."""
+    return None
+
 
 class RolloutDataModule(pl.LightningDataModule):
-    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector`.
+    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector`
+    and whose validation loop runs evaluation episodes.
 
     Args:
         env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or an
-            unbatched torchrl ``EnvBase``.
+            unbatched torchrl ``EnvBase`` (picklable for ``strategy="ddp_spawn"``:
+            a module-level function or class, not a lambda).
 
     Keyword Args:
         num_envs: envs per rank.
@@ -106,13 +173,24 @@ class RolloutDataModule(pl.LightningDataModule):
             exploration_type, step_timeout: passed to the collector.
         batches_per_epoch: batches per Lightning epoch for an endless collector
             (default 1000); a finite one is a single epoch.
-        eval_every_n_steps: add a :class:`RolloutEvaluation` running every so many
-            training steps (``None``: no evaluation unless you add the callback).
-        eval_episodes: episodes per evaluation (per rank).
+        eval_every_n_frames: evaluate each time this rank has collected this many
+            more frames (rounded up to whole batches), whatever the optimizer steps per
+            batch. Sets the Trainer's ``val_check_interval`` to that many batches and its
+            ``check_val_every_n_epoch`` to ``None`` (so leave those two at their
+            defaults). ``None``: Lightning's own schedule (by default once per epoch,
+            i.e. at the end of a finite collector's run).
+        eval_every_n_steps: deprecated (it counts optimizer steps, not frames): use
+            ``eval_every_n_frames``. Still honoured when one optimizer step is taken per
+            batch; a module with manual optimization or gradient accumulation gets a
+            ``ValueError`` at ``fit``.
+        eval_episodes: episodes per evaluation round (per rank); ``0`` turns evaluation
+            off (no ``val_dataloader``).
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
+        progress_bar: replace Lightning's stock ``TQDMProgressBar`` by a
+            :class:`RolloutProgressBar` (frames, frames/s, returns).
 
     Raises:
         ValueError: bad configuration, with what to change.
@@ -136,12 +214,14 @@ class RolloutDataModule(pl.LightningDataModule):
         exploration_type: ExplorationType = ExplorationType.RANDOM,
         step_timeout: float | None = None,
         batches_per_epoch: int | None = None,
+        eval_every_n_frames: int | None = None,
         eval_every_n_steps: int | None = None,
         eval_episodes: int = 5,
         eval_num_envs: int | None = None,
         eval_max_episode_steps: int | None = None,
         seed: int = 0,
         log_stats: bool = True,
+        progress_bar: bool = True,
     ) -> None:
         super().__init__()
         self.env_factory = resolve_env_factory(env)
@@ -161,9 +241,22 @@ class RolloutDataModule(pl.LightningDataModule):
                              "or a callable taking the module and returning the actor")
         if batches_per_epoch is not None:
             _check_int("batches_per_epoch", batches_per_epoch, 1)
+        _check_int("eval_episodes", eval_episodes, 0)
+        if eval_every_n_frames is not None:
+            _check_int("eval_every_n_frames", eval_every_n_frames, 1)
         if eval_every_n_steps is not None:
             _check_int("eval_every_n_steps", eval_every_n_steps, 1)
-        _check_int("eval_episodes", eval_episodes, 1)
+            warnings.warn("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
+                          "frames between evaluations depend on the optimizer steps per batch. Use "
+                          "eval_every_n_frames= (frames per rank) or Trainer(val_check_interval=) (batches).",
+                          FutureWarning, stacklevel=2)
+        if eval_every_n_frames is not None and eval_every_n_steps is not None:
+            raise ValueError("pass eval_every_n_frames or the deprecated eval_every_n_steps, not both")
+        if eval_episodes == 0 and (eval_every_n_frames is not None or eval_every_n_steps is not None):
+            raise ValueError("eval_episodes=0 turns evaluation off; drop eval_every_n_frames / eval_every_n_steps "
+                             "or ask for at least one episode")
+        if eval_num_envs is not None:
+            _check_int("eval_num_envs", eval_num_envs, 1)
         _check_int("seed", seed, 0)
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
@@ -176,30 +269,101 @@ class RolloutDataModule(pl.LightningDataModule):
                                      init_random_frames=init_random_frames, exploration_type=exploration_type,
                                      step_timeout=step_timeout)
         self.batches_per_epoch = batches_per_epoch
+        self.eval_every_n_frames = eval_every_n_frames
         self.eval_every_n_steps = eval_every_n_steps
         self.eval_episodes = eval_episodes
         self.eval_num_envs = eval_num_envs
         self.eval_max_episode_steps = eval_max_episode_steps
         self.seed = seed
         self.log_stats = log_stats
+        self.progress_bar = progress_bar
         self.collector: ThreadedCollector | None = None
         self.last_collect_seconds = 0.0
         self._iterator: Iterator[Any] | None = None
         self._dispatcher: _Dispatcher | None = None
         self._eval_loop: MultiEnvLoop | None = None
+        self._lent_to: pl.LightningModule | None = None
         self._pending_state: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
 
+    # -- pickling (ddp_spawn) -------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the threads: collector, loops and trainer stay here, their counters travel
+        (applied when the copy builds its collector)."""
+        state = self.__dict__.copy()
+        counters = self.state_dict()
+        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_lent_to", "_final_state", "trainer"):
+            state[key] = None
+        state["_pending_state"] = counters or None
+        state["last_collect_seconds"] = 0.0
+        return state
+
     # -- setup -------------------------------------------------------------------------------
+    @property
+    def evaluates(self) -> bool:
+        """True when evaluation rounds run in the validation loop (``eval_episodes > 0``)."""
+        return self.eval_episodes > 0
+
     def setup(self, stage: str) -> None:
-        """Add the built-in callbacks the options ask for (before the trainer's own setup hooks)."""
+        """Prepare ``fit``: add the built-in callbacks, lend a ``validation_step`` and set the evaluation schedule.
+
+        Runs before the callbacks' own ``setup`` hooks (so ``EarlyStopping`` and ``ModelCheckpoint``
+        see the schedule set here).
+
+        Raises:
+            ValueError: ``eval_every_n_frames`` together with a non-default ``val_check_interval`` /
+                ``check_val_every_n_epoch`` of the Trainer, or the deprecated ``eval_every_n_steps``
+                with a module that does not take exactly one optimizer step per batch.
+        """
         if stage != "fit" or self.trainer is None:
             return
-        callbacks = self.trainer.callbacks
+        trainer = self.trainer
+        self._dispatcher = None  # rebuilt from this trainer's callbacks on first use
+        callbacks = trainer.callbacks
         if self.log_stats and not any(isinstance(c, EpisodeStatsLogger) for c in callbacks):
             callbacks.insert(0, EpisodeStatsLogger())
-        if self.eval_every_n_steps is not None and not any(isinstance(c, RolloutEvaluation) for c in callbacks):
-            callbacks.insert(0, RolloutEvaluation(every_n_steps=self.eval_every_n_steps, episodes=self.eval_episodes))
+        if self.evaluates and not any(isinstance(c, RolloutEvaluation) for c in callbacks):
+            callbacks.insert(0, RolloutEvaluation())
+        if self.progress_bar:
+            for i, c in enumerate(callbacks):
+                if type(c) is TQDMProgressBar:  # Lightning's stock bar (not a subclass of the user's)
+                    callbacks[i] = RolloutProgressBar(refresh_rate=c.refresh_rate,
+                                                      process_position=c.process_position,
+                                                      leave=getattr(c, "_leave", False))
+        if self.evaluates:
+            self._set_eval_schedule(trainer)
+            module = trainer.lightning_module
+            if module is not None and not is_overridden("validation_step", module):
+                module.validation_step = types.MethodType(_lent_validation_step, module)
+                self._lent_to = module
+
+    def _set_eval_schedule(self, trainer: pl.Trainer) -> None:
+        if self.eval_every_n_steps is not None:
+            module = trainer.lightning_module
+            if module is None or not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"eval_every_n_steps={self.eval_every_n_steps} counts optimizer steps, and this module does "
+                    "not take exactly one per batch (manual optimization or gradient accumulation); use "
+                    "eval_every_n_frames= (frames per rank, e.g. "
+                    f"{self.eval_every_n_steps * self.frames_per_batch} for one evaluation every "
+                    f"{self.eval_every_n_steps} batches)")
+            batches = self.eval_every_n_steps
+        elif self.eval_every_n_frames is not None:
+            batches = math.ceil(self.eval_every_n_frames / self.frames_per_batch)
+        else:
+            return
+        ours = (trainer.val_check_interval == batches and trainer.check_val_every_n_epoch is None)
+        defaults = (trainer.val_check_interval == 1.0 and not isinstance(trainer.val_check_interval, int)
+                    and trainer.check_val_every_n_epoch == 1
+                    and getattr(trainer, "_val_check_time_interval", None) is None)
+        if not (ours or defaults):
+            raise ValueError(
+                "eval_every_n_frames schedules evaluation (it sets the Trainer's val_check_interval and "
+                "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
+                f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
+                f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
+        trainer.val_check_interval = batches
+        trainer.check_val_every_n_epoch = None
 
     def _actor(self) -> Any:
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -218,13 +382,19 @@ class RolloutDataModule(pl.LightningDataModule):
     def _rank(self) -> int:
         return self.trainer.global_rank if self.trainer is not None else 0
 
+    def _events(self) -> _Dispatcher | None:
+        if self._dispatcher is None and self.trainer is not None:
+            self._dispatcher = _Dispatcher(self.trainer)
+        return self._dispatcher
+
+    # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Batches:
         """The batches of this rank's collector (created on first call).
 
         Returns an iterable with a length (``batches_per_epoch`` for an endless
-        collector, the remaining batches for a finite one) and no ``state_dict``.
-        A later ``fit`` with the same DataModule gets a fresh collector that continues
-        the counts (or those of its ``ckpt_path``).
+        collector, the batches up to ``total_frames`` for a finite one) and an empty
+        ``state_dict``. A later ``fit`` with the same DataModule gets a fresh collector
+        that continues the counts (or those of its ``ckpt_path``).
         """
         if self.collector is not None and self.collector.is_shut_down:
             if self._pending_state is None and self._final_state is not None:
@@ -235,18 +405,22 @@ class RolloutDataModule(pl.LightningDataModule):
             self._build_collector()
         assert self.collector is not None
         if self.total_frames > 0:
-            left = self.total_frames - self.collector.frames
-            num_batches = max(0, math.ceil(left / self.frames_per_batch))
-        else:
-            num_batches = self.batches_per_epoch or 1000
-        return _Batches(self, num_batches)
+            left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
+            return _Batches(self, self._batches_done_this_epoch() + left)
+        return _Batches(self, self.batches_per_epoch or 1000)
+
+    def _batches_done_this_epoch(self) -> int:
+        """Batches of the current epoch that ran before the checkpoint Lightning resumes from (else 0)."""
+        trainer = self.trainer
+        if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
+            return 0
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def _build_collector(self) -> None:
-        self._dispatcher = _Dispatcher(self.trainer) if self.trainer is not None else None
         self.collector = ThreadedCollector(
             self.env_factory, self._actor(), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
             num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
-            seed=self.seed + self._rank * _RANK_SEED_STRIDE, processor=self._dispatcher,
+            seed=self.seed + self._rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
             name=f"rank{self._rank}", **self.collector_kwargs)
         if self._pending_state is not None:
             self.collector.load_state_dict(self._pending_state["collector"])
@@ -269,38 +443,75 @@ class RolloutDataModule(pl.LightningDataModule):
             return None
         if self.trainer is not None and 0 < self.total_frames <= self.collector.frames:
             # the last batch: stop after it, rather than running one more (empty) epoch to find out
+            # (Lightning then validates once more: the final evaluation round)
             self.trainer.should_stop = True
-        if self._dispatcher is not None:
-            for callback in self._dispatcher.callbacks:
+        events = self._events()
+        if events is not None:
+            for callback in events.callbacks:
                 callback.on_rollout_batch(self.trainer, self.trainer.lightning_module, batch)
         return batch
 
     # -- evaluation ------------------------------------------------------------------------------
-    def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
-        """Run ``episodes`` fresh deterministic episodes with the module's current weights.
+    @property
+    def val_dataloader(self) -> Callable[[], _EvalRounds] | None:  # type: ignore[override]
+        """The evaluation rounds, one per validation run (``None`` while no validation loop can run).
 
-        Uses a separate evaluation loop (created on first use, closed on teardown);
-        ``on_eval_episode_end`` goes to every :class:`RolloutCallback`.
-
-        Returns:
-            The finished episodes, in request order.
+        Lightning asks whether a DataModule defines ``val_dataloader`` before the DataModule's
+        ``setup`` lends the module its ``validation_step``; answering ``None`` until then keeps
+        Lightning from warning "val_dataloader but no validation_step". It is defined when
+        evaluation is on and the module has a ``validation_step`` of its own or lent.
         """
+        trainer = getattr(self, "trainer", None)
+        module = trainer.lightning_module if trainer is not None else None
+        if not self.evaluates or module is None or not is_overridden("validation_step", module):
+            return None
+        return self._eval_rounds
+
+    def _eval_rounds(self) -> _EvalRounds:
+        return _EvalRounds(self)
+
+    def _eval_envs(self) -> MultiEnvLoop:
+        """The evaluation loop, built on first use (envs created, policy probed), closed on teardown."""
         if self._eval_loop is None:
-            n = self.eval_num_envs or min(episodes, self.num_envs)
+            n = self.eval_num_envs or max(1, min(self.eval_episodes, self.num_envs))
             self._eval_loop = MultiEnvLoop(
                 [self.env_factory] * n, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
                 lookahead=False, eval=True, max_episode_steps=self.eval_max_episode_steps,
                 seed=self.seed + _EVAL_SEED_OFFSET + self._rank * _RANK_SEED_STRIDE, name=f"rank{self._rank}-eval")
+        return self._eval_loop
+
+    def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
+        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now.
+
+        Uses a separate evaluation loop (created on first use, closed on teardown);
+        ``on_eval_episode_end`` goes to every :class:`RolloutCallback`. The validation
+        loop calls this through ``val_dataloader()``; call it yourself for an extra round
+        (nothing is logged then).
+
+        Returns:
+            The finished episodes, in request order.
+        """
         results: list[EpisodeEnd] = []
+        events = self._events()
 
         class _Collect(EventProcessor):
             def on_eval_episode_end(inner, episode: EpisodeEnd) -> None:  # noqa: N805
                 results.append(episode)
-                if self._dispatcher is not None:
-                    self._dispatcher.on_eval_episode_end(episode)
+                if events is not None:
+                    events.on_eval_episode_end(episode)
 
-        self._eval_loop.run_episodes(episodes, processor=_Collect())
+        self._eval_envs().run_episodes(episodes, processor=_Collect())
         return results
+
+    def _eval_round(self) -> EvalRound:
+        start = time.perf_counter()
+        episodes = self.run_eval_episodes(self.eval_episodes)
+        seconds = time.perf_counter() - start
+        events = self._events()
+        if events is not None:
+            events.on_eval_end(episodes)
+        frames = self.collector.frames if self.collector is not None else 0
+        return EvalRound(episodes, seconds=seconds, frames=frames)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -340,9 +551,13 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._eval_loop is not None:
             self._eval_loop.close()
             self._eval_loop = None
+        if self._lent_to is not None:
+            self._lent_to.__dict__.pop("validation_step", None)
+            self._lent_to = None
 
     def teardown(self, stage: str) -> None:
-        """Join every env thread (state stays available for a later checkpoint)."""
+        """Join every env thread and take back the lent ``validation_step`` (the counters stay available
+        for a later checkpoint)."""
         self._close()
 
     def on_exception(self, exception: BaseException) -> None:
