@@ -1,17 +1,53 @@
-"""Close running loops and policies at interpreter exit, before Python finalizes.
+"""Interpreter exit: close running loops and policies, and never let an abandoned thread abort the process.
 
-A daemon thread still inside a torch or numpy call while the interpreter tears
-itself down can abort the process ("terminate called without an active
-exception"). :func:`close_at_exit` registers an object with a ``close()``
-method (held weakly); one ``atexit`` hook closes every registered object that
-is still alive, which stops and joins its threads first.
+Two dangers at exit, both from daemon threads:
+
+* a loop or policy the script never closed still has threads running. One
+  ``atexit`` hook closes every object registered with :func:`close_at_exit`
+  (held weakly) that is still alive, which stops and joins its threads first.
+* a thread **abandoned** after a timeout (an env call past ``step_timeout``, a
+  forward pass past ``policy_timeout``, a thread still running after a
+  ``join_timeout``; registered with :func:`abandon`) cannot be stopped: Python
+  cannot kill a thread. If it is inside a torch call when the interpreter
+  finalizes, it is killed by ``pthread_exit`` as it takes the GIL back, inside
+  C++ code that may not unwind, and the process aborts ("terminate called
+  without an active exception", exit status -6), whatever the script did.
+
+So, after closing, the hook waits up to :data:`EXIT_GRACE_S` seconds in total
+for every ``lightning_rollout-*`` thread still alive. When one is still running
+after that, the interpreter must not finalize: the hook flushes ``logging``,
+``sys.stdout`` and ``sys.stderr``, prints one line on stderr naming the threads,
+and ends the process with :func:`os._exit`, with the exit code the script was
+about to exit with:
+
+* the code passed to ``sys.exit()`` in the main thread (recorded by a thin wrapper
+  installed while lightning_rollout threads exist; ``None`` is 0, a string is 1);
+* 1 after an uncaught exception (its traceback was printed already);
+* death by ``SIGINT`` after an uncaught ``KeyboardInterrupt`` (130 in a shell), as Python does;
+* else 0. (``raise SystemExit(n)`` written without ``sys.exit`` is not visible to
+  Python code at exit and ends with 0.)
+
+Exit handlers registered before lightning_rollout was imported (they would run
+after this one) are skipped by ``os._exit``, except ``logging.shutdown`` and
+``weakref.finalize`` callbacks, which are run first.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import time
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
+
+__all__ = ["EXIT_GRACE_S", "abandon", "close_at_exit"]
+
+EXIT_GRACE_S = 2.0  # seconds the exit hook waits, in total, for threads still running after closing
+THREAD_PREFIX = "lightning_rollout-"
 
 
 class _Closable(Protocol):
@@ -19,11 +55,106 @@ class _Closable(Protocol):
 
 
 _LIVE: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_ABANDONED: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_LOCK = threading.Lock()
+_EXIT_STATUS: list[Any] = []  # the last sys.exit() argument given in the main thread, if any
+
+
+def _last_uncaught() -> BaseException | None:
+    """The exception Python last reported as uncaught (``sys.last_exc``, ``sys.last_value`` before 3.12)."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+_LAST_UNCAUGHT_AT_IMPORT = _last_uncaught()
 
 
 def close_at_exit(obj: _Closable) -> None:
     """Close ``obj`` at interpreter exit if it is still alive then (weak reference)."""
     _LIVE.add(obj)
+    _record_sys_exit()
+
+
+def abandon(thread: threading.Thread) -> None:
+    """Record a daemon ``thread`` left running after a timeout (it cannot be stopped).
+
+    At exit it is waited for at most :data:`EXIT_GRACE_S` seconds; if it still runs
+    then, the process ends with :func:`os._exit` instead of finalizing (see the
+    module docs). Safe from any thread; a thread that has ended is ignored.
+    """
+    with _LOCK:
+        _ABANDONED.add(thread)
+    _record_sys_exit()
+
+
+def _record_sys_exit() -> None:
+    """Wrap ``sys.exit`` once so the exit code asked for in the main thread is known at exit."""
+    if getattr(sys.exit, "_lightning_rollout_wrapped", False):
+        return
+    original = sys.exit
+
+    def exit(status: Any = None) -> None:  # noqa: A001 (same name and signature as sys.exit)
+        if threading.current_thread() is threading.main_thread():
+            _EXIT_STATUS[:] = [status]
+        original(status)
+
+    exit.__doc__ = original.__doc__
+    exit._lightning_rollout_wrapped = True  # type: ignore[attr-defined]
+    exit.__wrapped__ = original  # type: ignore[attr-defined]
+    sys.exit = exit
+
+
+def _still_running() -> list[threading.Thread]:
+    with _LOCK:
+        abandoned = set(_ABANDONED)
+    current = threading.current_thread()
+    ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+    return [t for t in abandoned | ours if t.is_alive() and t is not current]
+
+
+def _intended_status() -> tuple[int, bool]:
+    """``(exit code, killed by SIGINT)`` the interpreter was about to exit with (see the module docs)."""
+    last = _last_uncaught()
+    if last is not None and last is not _LAST_UNCAUGHT_AT_IMPORT:  # an uncaught exception ended the script
+        return 1, isinstance(last, KeyboardInterrupt)
+    if _EXIT_STATUS:
+        status = _EXIT_STATUS[0]
+        if status is None:
+            return 0, False
+        if isinstance(status, int):  # bools included, as Python does
+            return int(status) & 0xFF, False
+        return 1, False  # sys.exit("message"): Python prints it and exits with 1
+    return 0, False
+
+
+def _exit_now(stuck: list[threading.Thread]) -> None:
+    """End the process without finalizing (``stuck`` threads could abort it there)."""
+    code, by_sigint = _intended_status()
+    for run in (weakref.finalize._exitfunc, logging.shutdown):  # type: ignore[attr-defined]
+        try:
+            run()
+        except Exception:  # exiting: nothing to report to
+            pass
+    names = sorted(t.name for t in stuck)
+    try:
+        print(f"lightning_rollout: thread(s) {names} abandoned after a timeout are still running at interpreter "
+              f"exit; ending the process with os._exit({code}) so they cannot crash its finalization",
+              file=sys.stderr)
+    except Exception:  # stderr closed
+        pass
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # a closed or broken stream
+            pass
+    if by_sigint and os.name == "posix":  # POSIX: die by SIGINT, as Python does after a KeyboardInterrupt
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except (OSError, ValueError):
+            pass
+        code = 130
+    os._exit(code)
 
 
 @atexit.register
@@ -33,3 +164,10 @@ def _close_live() -> None:
             obj.close()
         except Exception:  # exiting: nothing to report to
             pass
+    deadline = time.monotonic() + EXIT_GRACE_S
+    stuck = _still_running()
+    for thread in stuck:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in stuck if t.is_alive()]
+    if stuck:
+        _exit_now(stuck)

@@ -47,6 +47,7 @@ from torchrl.collectors.utils import split_trajectories
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
+from ._checks import check_device
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
@@ -153,6 +154,8 @@ class ThreadedCollector(BaseCollector):
         on_policy: see the module docs.
         seed: env ``i`` is seeded with ``seed + i`` (same as :meth:`set_seed` before iterating).
         step_timeout: seconds before a hung env step raises ``StepTimeoutError``.
+        policy_timeout: seconds one policy call may take before it raises ``PolicyError``
+            (``None``: no limit; see :class:`AutobatchPolicy`).
         processor: an :class:`EventProcessor` receiving timestep / episode events.
         interrupter: an :class:`Interrupter`; when it fires, the current batch ends early.
         name: used in thread names.
@@ -203,6 +206,7 @@ class ThreadedCollector(BaseCollector):
         on_policy: bool = True,
         seed: int | None = None,
         step_timeout: float | None = None,
+        policy_timeout: float | None = None,
         processor: EventProcessor | None = None,
         interrupter: Interrupter | None = None,
         name: str = "collector",
@@ -231,10 +235,7 @@ class ThreadedCollector(BaseCollector):
             max_frames_per_traj = None
         for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device),
                            ("env_device", env_device)):
-            try:
-                torch.device(dev) if dev is not None else None
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"{label} must be a torch device such as 'cpu' or 'cuda:0', got {dev!r}") from exc
+            check_device(label, dev)  # "cuda" without CUDA is refused here, not deep in the first forward pass
         if layout not in ("env_time", "flat"):
             raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
         if not reset_when_done:
@@ -325,7 +326,7 @@ class ThreadedCollector(BaseCollector):
                 max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
-                processor=processor, interrupter=interrupter, name=name, start=False)
+                policy_timeout=policy_timeout, processor=processor, interrupter=interrupter, name=name, start=False)
         except PolicyError as exc:
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
@@ -399,22 +400,69 @@ class ThreadedCollector(BaseCollector):
                 f"total_frames={self.total_frames}, layout={self.layout!r}, on_policy={self.on_policy})")
 
     # -- iteration ---------------------------------------------------------------------------------
+    # Which thread iterates each collector: one at a time (a loop has one driver). Class-level lock, held
+    # for a few instructions per iterator start and end; the owner and depth are per instance.
+    _ITERATION_LOCK = threading.Lock()
+    _iteration_owner: threading.Thread | None = None
+    _iteration_depth = 0
+
+    @contextlib.contextmanager
+    def _iteration_claim(self) -> Iterator[None]:
+        """Hold this collector for iteration by the current thread (re-entrant in that thread).
+
+        Raises:
+            CollectionError: another live thread holds it (an iterator of its own started
+                and neither exhausted nor closed). Nothing waits: the caller is refused at once.
+        """
+        me = threading.current_thread()
+        with ThreadedCollector._ITERATION_LOCK:
+            owner = self._iteration_owner
+            if owner is not None and owner is not me and owner.is_alive():
+                raise CollectionError(
+                    f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a collector has "
+                    f"one driver: iterate it from one thread at a time (exhaust or close() that iterator first), "
+                    f"or give each thread its own collector")
+            if owner is not me:  # free, or its owner thread has ended
+                self._iteration_owner, self._iteration_depth = me, 0
+            self._iteration_depth += 1
+        try:
+            yield
+        finally:
+            with ThreadedCollector._ITERATION_LOCK:
+                if self._iteration_owner is me:
+                    self._iteration_depth -= 1
+                    if self._iteration_depth == 0:
+                        self._iteration_owner = None
+
+    def __iter__(self) -> Iterator[TensorDictBase | None]:
+        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time.
+
+        Raises:
+            CollectionError: at the first ``next()``, when another thread is iterating
+                this collector (refused at once; that iteration goes on undisturbed);
+                or the collector was shut down.
+            EnvError, PolicyError: a worker failed; the collector is shut down.
+        """
+        with self._iteration_claim():  # refused before BaseCollector's handler, which would shut down
+            yield from super().__iter__()
+
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """Yield batches until ``total_frames`` (forever when -1); ``None`` per batch with a replay buffer.
 
         Raises:
             EnvError, PolicyError: a worker failed; the collector is shut down.
-            CollectionError: the collector was shut down.
+            CollectionError: the collector was shut down, or another thread is iterating it.
         """
-        while self.total_frames < 0 or self._frames < self.total_frames:
-            batch = self.collect_batch()
-            if batch is None:
-                return
-            if self.replay_buffer is not None and not self._ignore_rb:
-                self._extend(batch)
-                yield None
-            else:
-                yield batch
+        with self._iteration_claim():
+            while self.total_frames < 0 or self._frames < self.total_frames:
+                batch = self.collect_batch()
+                if batch is None:
+                    return
+                if self.replay_buffer is not None and not self._ignore_rb:
+                    self._extend(batch)
+                    yield None
+                else:
+                    yield batch
 
     def collect_batch(self) -> TensorDictBase | None:
         """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``).
@@ -471,9 +519,22 @@ class ThreadedCollector(BaseCollector):
         batch = batch.exclude(*drop)
         if not self.track_traj_ids and not batch.get("collector").keys():
             batch = batch.exclude("collector")
-        if self.set_truncated:
+        if self.set_truncated and batch.numel():
             self._truncate_last(batch)
         return batch
+
+    def fake_tensordict(self) -> TensorDictBase:
+        """A zero-filled batch with the layout of the batches this collector yields (shape, dim names, keys,
+        dtypes), built without collecting: TorchRL's ``Collector.fake_tensordict``."""
+        layout = self._loop._layout
+        if self.layout == "env_time":
+            shape, names = [self.num_envs, self.frames_per_batch // self.num_envs], [None, "time"]
+        else:
+            shape, names = [self.frames_per_batch], None
+        columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
+        batch = self._export(layout.to_tensordict(columns, shape, names=names))
+        private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
+        return batch.exclude(*private) if private else batch
 
     def _truncate_last(self, batch: TensorDictBase) -> None:
         """``set_truncated``: the last step of each env in the batch (of each trajectory, in the flat
@@ -662,8 +723,15 @@ class ThreadedCollector(BaseCollector):
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
         """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
 
+        Every field is checked before anything changes: ``frames``, ``batches``,
+        ``next_traj_id`` and ``policy_version`` must be ints ``>= 0`` and ``seed`` an
+        int ``>= -1`` (``-1``: unseeded); numpy ints are accepted, bools, floats
+        (``1e9`` included), strings and ``None`` are not. ``policy_state_dict`` must
+        be a mapping (a ``state_dict``; empty when no weights were saved).
+
         Raises:
-            ValueError: a foreign or truncated state (missing keys).
+            ValueError: a foreign or truncated state (missing keys), or a field of the
+                wrong type or range; the message names the field and what it got.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"not a ThreadedCollector state: expected a dict from state_dict(), got "
@@ -672,14 +740,26 @@ class ThreadedCollector(BaseCollector):
         missing = required - set(state_dict)
         if missing:
             raise ValueError(f"not a ThreadedCollector state: missing {sorted(missing)}")
-        self._frames = int(state_dict["frames"])
-        self._iter = int(state_dict["batches"]) - 1
-        if state_dict["policy_state_dict"]:
-            self._autobatch.update(state_dict["policy_state_dict"])
-        self._autobatch.set_version(int(state_dict["policy_version"]))
-        seed = int(state_dict["seed"])
+        fields: dict[str, int] = {}
+        for field, minimum in (("frames", 0), ("batches", 0), ("next_traj_id", 0), ("policy_version", 0),
+                               ("seed", -1)):
+            value = state_dict[field]
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+                raise ValueError(f"ThreadedCollector state: {field!r} must be an int >= {minimum}, got {value!r} "
+                                 f"({type(value).__name__})")
+            fields[field] = int(value)
+        weights = state_dict["policy_state_dict"]
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"ThreadedCollector state: 'policy_state_dict' must be a mapping (a state_dict, empty "
+                             f"when no weights were saved), got {type(weights).__name__}")
+        if next(iter(weights.keys()), None) is not None:  # first: weights of the wrong shape change nothing
+            self._autobatch.update(weights)
+        self._frames = fields["frames"]
+        self._iter = fields["batches"] - 1
+        self._autobatch.set_version(fields["policy_version"])
+        seed = fields["seed"]
         if not self._loop._started:
-            self._loop.set_traj_id_start(int(state_dict["next_traj_id"]))
+            self._loop.set_traj_id_start(fields["next_traj_id"])
             if seed >= 0:
                 self._seed = self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume
         elif seed >= 0:

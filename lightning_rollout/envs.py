@@ -288,6 +288,11 @@ class TorchRLAdapter:
         if max_episode_steps is not None:
             from torchrl.envs import StepCounter
 
+            if any("step_count" in (k if isinstance(k, tuple) else (k,)) for k in env.output_spec.keys(True, True)):
+                raise ValueError("A 'step_count' key is already present in the environment and the "
+                                 "'max_frames_per_traj' argument may conflict with a 'StepCounter' that has already "
+                                 "been set. Possible solutions: Set max_frames_per_traj to 0 or remove the "
+                                 "StepCounter limit from the environment transforms.")  # TorchRL's check and message
             env = env.append_transform(StepCounter(max_episode_steps))
         self.env = env
         self.keys = EnvKeys.from_specs(observation=env.full_observation_spec, state=env.full_state_spec,

@@ -65,6 +65,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
+from ._checks import check_device, check_seconds
 from ._exit import abandon, close_at_exit
 from .envs import ActionError, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
 from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
@@ -80,14 +81,11 @@ _POLL_S = 0.05
 _TRAJ = ("collector", "traj_ids")
 _ENV_ID = ("collector", "env_id")
 _VERSION = "policy_version"
-# Per-row statistics the loop keeps for events and counts (never part of a returned batch).
+# Per-row statistics the loop keeps for events and counts, one float64 column of 6 (one write a block;
+# never part of a returned batch): this step's reward (summed over reward leaves), the episode's return
+# and length up to and including this step, terminated, truncated, done (0 / 1).
 _STATS = "_stats"
-_S_REWARD = (_STATS, "reward")  # this step's reward, summed over reward leaves
-_S_RETURN = (_STATS, "return")  # the episode's return up to and including this step
-_S_LENGTH = (_STATS, "length")  # the episode's length up to and including this step
-_S_TERMINATED = (_STATS, "terminated")
-_S_TRUNCATED = (_STATS, "truncated")
-_S_DONE = (_STATS, "done")
+_S_REWARD, _S_RETURN, _S_LENGTH, _S_TERMINATED, _S_TRUNCATED, _S_DONE = range(6)
 # Entries a gymnasium env gets from the loop itself (TorchRL's StepCounter, RewardSum, InitTracker and
 # its done flags), written one vectorised assignment per block rather than per env.
 _GYM_LOOP_KEYS = ("is_init", "step_count", "episode_reward")
@@ -101,7 +99,8 @@ class _Layout:
             observations and state, what the policy wrote under ``"next"`` that the env does not
             provide (recurrent state), and what it wrote at the root besides the action (kept as
             TorchRL's ``step_mdp(keep_other=True)`` keeps it).
-        done_keys: done flags; all-false at the root (an env is reset as soon as it is done).
+        done_keys: done flags; all-false at the root (an env is reset as soon as it is done), so
+            they are no root columns: zeros are added when a batch is built.
         advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
         env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
         specs: every column (root, ``"next"``, policy outputs, bookkeeping).
@@ -129,13 +128,11 @@ class _Layout:
         self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
         self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
         self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
-        scalar_i, scalar_b = ArraySpec((), np.dtype(np.int64)), ArraySpec((), np.dtype(bool))
-        scalar_f = ArraySpec((), np.dtype(np.float64))
-        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **keys.done, **outputs}
+        scalar_i = ArraySpec((), np.dtype(np.int64))
+        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
         self.specs.update({next_key(k): v for k, v in keys.next.items()})
-        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i, _S_REWARD: scalar_f,
-                           _S_RETURN: scalar_f, _S_LENGTH: scalar_i, _S_TERMINATED: scalar_b,
-                           _S_TRUNCATED: scalar_b, _S_DONE: scalar_b})
+        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
+                           _STATS: ArraySpec((6,), np.dtype(np.float64))})
 
     def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         lead = (rows,) if isinstance(rows, int) else rows
@@ -146,9 +143,11 @@ class _Layout:
         """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
         td = TensorDict(batch_size=list(batch_size))
         for key, value in columns.items():
-            if not (isinstance(key, tuple) and key[0] == _STATS):
+            if key != _STATS:
                 td.set(key, torch.from_numpy(value))
         lead = list(batch_size)
+        for key in self.done_keys:  # root done flags: false, as TorchRL's collector writes them
+            td.set(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))
         for prefix, dims in self.keys.sub_batch.items():
             for root in (prefix, ("next", *prefix)):
                 sub = td.get(root, None)
@@ -185,8 +184,9 @@ class _Worker:
         self.rows = len(adapters)
         layout = loop._layout
         self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
-        # Each env's current root entries (TorchRL's carrier, one row per env).
+        # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
         self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
+        self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
         self.step_count = np.zeros(self.rows, dtype=np.int64)
         self.episode_reward = np.zeros(self.rows, dtype=np.float64)
         self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env
@@ -217,13 +217,17 @@ class _Worker:
         return error
 
     def _reset_env(self, j: int, seed: int | None = None) -> None:
-        self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
-        try:
-            root = self.adapters[j].reset(seed)
-        except Exception as exc:
-            raise self._env_error(exc, j, "reset") from exc
-        finally:
-            self.busy_since = 0.0
+        first = self.loop._first_roots.pop(self.env_ids[j], None)  # the construction's reset, if still valid
+        if first is not None and first[0] == seed:
+            root = first[1]
+        else:
+            self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
+            try:
+                root = self.adapters[j].reset(seed)
+            except Exception as exc:
+                raise self._env_error(exc, j, "reset") from exc
+            finally:
+                self.busy_since = 0.0
         layout = self.loop._layout
         self._check(j, root, layout.checked_root)
         for k in layout.keys.root:
@@ -267,7 +271,10 @@ class _Worker:
             cols[_VERSION][r0:r0 + rows] = -1
             return
         agent = self.agent
-        agent.submit({k: cols[k][r0:r0 + rows] for k in loop._input_keys}, exploration_type=loop.exploration_type)
+        inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
+        for k in loop._input_done:  # root done flags: false (no column)
+            inputs[k] = self.zero_done[k][:rows]
+        agent.submit(inputs, exploration_type=loop.exploration_type)
         step = int(self.steps_done[envs[0]])
         try:
             answer = agent.result(loop._stop)
@@ -312,10 +319,13 @@ class _Worker:
         rewards = np.empty(n)
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
-        inputs = loop._env_inputs
+        inputs, done_inputs = loop._env_inputs, loop._env_input_done
         for i, j in enumerate(envs):
             r = r0 + i
-            nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, {k: cols[k][r] for k in inputs})
+            row = {k: cols[k][r] for k in inputs}
+            for k in done_inputs:
+                row[k] = self.zero_done[k][0]
+            nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, row)
             for k, nk in layout.env_next_pairs:
                 cols[nk][r] = nxt[k]
         self.steps_done[sel] += 1
@@ -332,24 +342,23 @@ class _Worker:
             cols[("next", "step_count")][rows, 0] = self.step_count[sel]
             cols[("next", "episode_reward")][rows, 0] = self.episode_reward[sel]
         done = terminated | truncated
-        cols[_S_REWARD][rows] = rewards
-        cols[_S_RETURN][rows] = self.episode_reward[sel]
-        cols[_S_LENGTH][rows] = self.step_count[sel]
-        cols[_S_TERMINATED][rows] = terminated
-        cols[_S_TRUNCATED][rows] = truncated
-        cols[_S_DONE][rows] = done
+        stats = cols[_STATS][rows]
+        stats[:, _S_REWARD] = rewards
+        stats[:, _S_RETURN] = self.episode_reward[sel]
+        stats[:, _S_LENGTH] = self.step_count[sel]
+        stats[:, _S_TERMINATED] = terminated
+        stats[:, _S_TRUNCATED] = truncated
+        stats[:, _S_DONE] = done
         for k, src in layout.advance:
             self.cur[k][sel] = cols[src][rows]
         return done
 
     def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int) -> None:
-        """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols``; done flags false."""
+        """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols``."""
         n = self.rows if isinstance(sel, slice) else (1 if isinstance(sel, int) else len(sel))
         rows = slice(r0, r0 + n)
         for k, v in self.cur.items():
             cols[k][rows] = v[sel]
-        for k in self.loop._layout.done_keys:
-            cols[k][rows] = False
 
     def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
         """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch).
@@ -426,9 +435,9 @@ class _Worker:
         """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
         if staged is not None:
             cols = self.slots[staged]
-            if not cols[_S_DONE][j]:
-                cols[_S_TRUNCATED][j] = True
-                cols[_S_DONE][j] = True
+            if not cols[_STATS][j, _S_DONE]:
+                cols[_STATS][j, _S_TRUNCATED] = 1
+                cols[_STATS][j, _S_DONE] = 1
                 for k in self.loop._layout.done_keys:
                     name = k[-1] if isinstance(k, tuple) else k
                     if name in ("done", "truncated"):
@@ -534,7 +543,7 @@ class MultiEnvLoop:
         env: a gymnasium id, a factory returning a ``gymnasium.Env`` or a torchrl
             ``EnvBase``, or a list of ``num_envs`` such factories.
         policy: an :class:`AutobatchPolicy` (shared; then ``autobatch_size``,
-            ``max_wait`` and ``device`` must be left unset), or anything TorchRL's
+            ``max_wait``, ``device`` and ``policy_timeout`` must be left unset), or anything TorchRL's
             collectors accept: a ``TensorDictModule``, a function of a TensorDict,
             an ``nn.Module`` / function whose arguments are named after observation
             keys (see :func:`~lightning_rollout.policy.as_policy_module`), or
@@ -564,12 +573,17 @@ class MultiEnvLoop:
             policy (the env's action space), with ``policy_version == -1``.
         step_timeout: seconds; an env ``reset``/``step`` that takes longer raises
             :class:`~lightning_rollout.errors.StepTimeoutError`. ``None``: no limit.
+        policy_timeout: seconds one call of the policy (a batched forward pass, or
+            the probe at construction) may take; a call that takes longer raises
+            :class:`~lightning_rollout.errors.PolicyError` naming its envs and the
+            step, and the inference thread stuck in it is abandoned. ``None``
+            (default): no limit. See :class:`AutobatchPolicy`.
         validate: check every observation's shape, dtype and NaNs (about 2 us a step).
         processor: default :class:`EventProcessor` for every call.
         interrupter: default :class:`Interrupter` for every call.
         traj_id_start: first trajectory id (to continue counts after a resume).
         name: used in thread names.
-        join_timeout: seconds :meth:`close` waits for each thread.
+        join_timeout: seconds :meth:`close` waits for each thread (finite).
         start: start the env threads now; ``False`` defers it to :meth:`start` or
             the first ``run_*`` call (so ``seed`` and ``traj_id_start`` can still change).
 
@@ -597,6 +611,7 @@ class MultiEnvLoop:
         seed: int | None = None,
         random_steps_per_env: int = 0,
         step_timeout: float | None = None,
+        policy_timeout: float | None = None,
         validate: bool = True,
         processor: EventProcessor | None = None,
         interrupter: Interrupter | None = None,
@@ -615,8 +630,12 @@ class MultiEnvLoop:
         _check_int("random_steps_per_env", random_steps_per_env, 0)
         if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
             raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
-        if not _is_real(join_timeout) or not join_timeout >= 0:
-            raise ValueError(f"join_timeout must be a number of seconds >= 0, got {join_timeout!r}")
+        join_timeout = check_seconds("join_timeout", join_timeout, allow_zero=True)  # a join cannot take inf
+        if join_timeout is None:
+            raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
+        check_seconds("max_wait", max_wait, allow_zero=True)  # refused before any env is built
+        check_seconds("policy_timeout", policy_timeout, allow_zero=False)
+        check_device("device", device)
         _check_int("traj_id_start", traj_id_start, 0)
         if seed is not None:
             _check_int("seed", seed, 0)
@@ -629,9 +648,9 @@ class MultiEnvLoop:
         if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
             raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
         if isinstance(policy, AutobatchPolicy):
-            if autobatch_size is not None or max_wait is not None or device is not None:
-                raise ValueError("autobatch_size, max_wait and device belong to the AutobatchPolicy you passed; "
-                                 "set them there, not on the loop")
+            if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
+                raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
+                                 "you passed; set them there, not on the loop")
         elif autobatch_size is not None:
             _check_int("autobatch_size", autobatch_size, 1)
         self.num_envs = num_envs
@@ -660,6 +679,7 @@ class MultiEnvLoop:
 
         adapters: list[EnvAdapter] = []
         self._owns_policy = False
+        self._first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]] = {}  # env -> (seed, root) of the probe
         try:
             for factory in factories:
                 adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
@@ -674,15 +694,15 @@ class MultiEnvLoop:
                 if policy is None:  # TorchRL's default: uniformly random valid actions
                     from torchrl.envs.utils import RandomPolicy
 
-                    policy = RandomPolicy(adapters[0].action_spec.clone())
+                    policy = RandomPolicy()
                 data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS]
                 module = as_policy_module(policy, observation_spec=adapters[0].observation_spec,
-                                          action_keys=list(keys.action),
+                                          action_keys=list(keys.action), action_spec=adapters[0].action_spec,
                                           single_key=data_keys[0] if len(data_keys) == 1 else None)
                 self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
-                                              device=device, name=name, seed=seed)
+                                              device=device, name=name, seed=seed, policy_timeout=policy_timeout)
                 self._owns_policy = True
-            self._layout = self._probe_layout(keys, adapters[0].loop_keys)
+            self._layout = self._probe_layout(keys, adapters)
             g = envs_per_thread
             self._workers = [_Worker(self, w, adapters[w * g:(w + 1) * g], list(range(w * g, (w + 1) * g)))
                              for w in range(num_envs // g)]
@@ -704,11 +724,26 @@ class MultiEnvLoop:
         if start:
             self.start()
 
-    def _probe_layout(self, keys: EnvKeys, loop_keys: bool) -> _Layout:
-        """Run the policy once on zeros of the env's root entries; lay out the columns from what it writes."""
-        root = {**keys.root, **keys.done}
-        probe = {k: np.zeros((1, *spec.shape), spec.dtype) for k, spec in root.items()}
-        out = self.policy.probe(probe)
+    def _probe_layout(self, keys: EnvKeys, adapters: list[EnvAdapter]) -> _Layout:
+        """Reset every env (as TorchRL's collector does at construction) and run the policy once on their
+        first root entries, all envs in one batch; lay out the columns from what it writes. The resets are
+        kept: each env thread starts from its env's, unless the env is reseeded before the threads start."""
+        loop_keys = adapters[0].loop_keys
+        roots = []
+        for i, adapter in enumerate(adapters):
+            seed = None if self.seed is None else self.seed + i
+            try:
+                root = adapter.reset(seed)
+            except Exception as exc:
+                raise EnvError(f"{type(exc).__name__}: {exc}", env_id=i, step=0, phase="reset") from exc
+            self._first_roots[i] = (seed, root)
+            roots.append(root)
+        probe = {k: np.stack([np.asarray(r[k], dtype=spec.dtype).reshape(spec.shape) for r in roots])
+                 for k, spec in keys.root.items()}
+        probe.update({k: np.zeros((len(roots), *spec.shape), spec.dtype) for k, spec in keys.done.items()})
+        if self._owns_policy:
+            self.policy.unbatched = len(roots) == 1
+        out = self.policy.probe(probe, rows=len(roots))
         outputs = {k: ArraySpec(shape, np.dtype(dtype)) for k, (shape, dtype) in out.items()}
         missing = [k for k in keys.action if k not in outputs]
         if missing:
@@ -717,9 +752,12 @@ class MultiEnvLoop:
         layout = _Layout(keys, outputs, loop_keys=loop_keys)
         self._input_keys = self.policy.bind(layout.carried | {k: keys.done[k] for k in layout.done_keys},
                                             sub_batch=keys.sub_batch)
+        self._input_cols = [k for k in self._input_keys if k in layout.specs]
+        self._input_done = [k for k in self._input_keys if k not in layout.specs]  # root done flags
         self._action_columns = {k: layout.specs[k] for k in keys.action}
-        self._env_inputs = (layout.action_keys if loop_keys
-                            else list(dict.fromkeys([*layout.root_inputs, *layout.out_keys])))
+        env_inputs = (layout.action_keys if loop_keys else list(dict.fromkeys([*layout.root_inputs, *layout.out_keys])))
+        self._env_inputs = [k for k in env_inputs if k in layout.specs]
+        self._env_input_done = [k for k in env_inputs if k not in layout.specs]
         return layout
 
     def start(self) -> None:
@@ -982,7 +1020,7 @@ class MultiEnvLoop:
               eval_: bool, total: int, first_frame: int) -> None:
         """Events for rows ``rows`` of ``cols`` (driver thread); row ``rows[i]`` is frame ``first_frame + i``."""
         wants_steps = processor.wants_timesteps
-        done = cols[_S_DONE][rows]
+        done = cols[_STATS][rows, _S_DONE] > 0
         if not wants_steps and not done.any():
             return
         on_step = processor.on_eval_timestep if eval_ else processor.on_timestep
@@ -993,16 +1031,18 @@ class MultiEnvLoop:
             r = rows[int(i)]
             progress = Progress(first_frame + int(i), total)
             if wants_steps:
-                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(cols[_S_REWARD][r]),
-                                 step_count=int(cols[_S_LENGTH][r]),
-                                 episode_reward=float(cols[_S_RETURN][r]),
-                                 terminated=bool(cols[_S_TERMINATED][r]), truncated=bool(cols[_S_TRUNCATED][r]),
+                stats = cols[_STATS][r]
+                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(stats[_S_REWARD]),
+                                 step_count=int(stats[_S_LENGTH]),
+                                 episode_reward=float(stats[_S_RETURN]),
+                                 terminated=bool(stats[_S_TERMINATED]), truncated=bool(stats[_S_TRUNCATED]),
                                  policy_version=int(cols[_VERSION][r]), progress=progress,
                                  context={k: cols[k][r] for k in extras}, eval=eval_))
-            if cols[_S_DONE][r]:
-                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(cols[_S_LENGTH][r]),
-                                  reward=float(cols[_S_RETURN][r]),
-                                  terminated=bool(cols[_S_TERMINATED][r]), truncated=bool(cols[_S_TRUNCATED][r]),
+            if done[int(i)]:
+                stats = cols[_STATS][r]
+                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(stats[_S_LENGTH]),
+                                  reward=float(stats[_S_RETURN]),
+                                  terminated=bool(stats[_S_TERMINATED]), truncated=bool(stats[_S_TRUNCATED]),
                                   policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_))
 
     @_driver_call
@@ -1096,12 +1136,12 @@ class MultiEnvLoop:
         self.frames += len(rows)
         if processor is not None:
             self._emit(out, rows, processor, self.eval, -1, first_frame)
-        self.episodes += int(out[_S_DONE][rows].sum())
+        self.episodes += int(out[_STATS][rows, _S_DONE].sum())
 
     def _finish_flat(self, out: dict[NestedKey, np.ndarray], filled: int) -> TensorDict:
         if filled < len(out[_VERSION]):
             out = {k: v[:filled] for k, v in out.items()}
-        out[_TRAJ][:] = self._assign_traj(out[_ENV_ID], out[_S_DONE])
+        out[_TRAJ][:] = self._assign_traj(out[_ENV_ID], out[_STATS][:, _S_DONE] > 0)
         return self._layout.to_tensordict(out, [filled])
 
     @_driver_call
@@ -1213,10 +1253,10 @@ class MultiEnvLoop:
         flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
         # events in time order, env by env within a time step
         by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
-                   if (isinstance(k, tuple) and k[0] == _STATS) or k in (_ENV_ID, _VERSION)
-                   or (processor is not None and processor.wants_timesteps)}
-        flat[_TRAJ][...] = self._assign_traj(by_time[_ENV_ID], by_time[_S_DONE]).reshape(T, self.num_envs).T
-        self._after_take(by_time, range(len(by_time[_S_DONE])), processor)
+                   if k in (_STATS, _ENV_ID, _VERSION) or (processor is not None and processor.wants_timesteps)}
+        done = by_time[_STATS][:, _S_DONE] > 0
+        flat[_TRAJ][...] = self._assign_traj(by_time[_ENV_ID], done).reshape(T, self.num_envs).T
+        self._after_take(by_time, range(len(done)), processor)
         return self._layout.to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
 
     @_driver_call

@@ -33,6 +33,17 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   ``action`` fails every request it was answering with :class:`PolicyError`
   (the original exception chained). Every wait polls a stop flag, so nothing
   blocks forever.
+* An error in the inference thread's own loop (not in a forward pass) marks the
+  policy **failed** (``_failure``): the thread then answers every queued, taken
+  and later request, and every pending update, with :class:`PolicyError` until
+  :meth:`AutobatchPolicy.close`; :meth:`Agent.result` raises it too.
+* ``policy_timeout`` bounds one forward pass: the inference thread stamps
+  ``_busy_since`` / ``_busy_batch`` around each pass, and every waiting client
+  checks the stamp each 50 ms. The first to see a pass older than the timeout
+  marks the policy failed and its inference thread abandoned
+  (:func:`lightning_rollout._exit.abandon`); all clients then raise. With a
+  timeout, ``flush_in_caller`` is off (a caller cannot time out its own call),
+  and :meth:`AutobatchPolicy.probe` runs the probe in a helper thread it waits for.
 
 Locks: ``_cond`` (a :class:`threading.Condition`) guards the queue, the agent
 counts and the update list; ``_weights_lock`` guards the policy's parameters
@@ -211,9 +222,9 @@ class Agent:
                             name = thread.name if thread is not None else "?"
                             busy = policy._busy_batch
                             policy._failure = PolicyError(
-                                f"no answer within policy_timeout={policy.policy_timeout} s: a forward pass of "
-                                f"{sum(r.rows for r in busy)} rows has run for {elapsed:.2f} s; thread {name!r} is "
-                                "stuck inside the policy's call and is abandoned (daemon)",
+                                f"no answer within policy_timeout={policy.policy_timeout} s: a forward pass "
+                                f"({sum(r.rows for r in busy)} rows) has run for {elapsed:.2f} s; thread {name!r} "
+                                "is stuck inside the policy's call and is abandoned (daemon)",
                                 env_ids=tuple(i for r in busy for i in r.agent.env_ids))
                             policy._abandoned = True
                             if thread is not None:
@@ -306,6 +317,9 @@ class AutobatchPolicy:
         self.input_keys: list[NestedKey] | None = None  # set by bind(): the keys every request carries
         self.output_keys: list[NestedKey] | None = None  # set by probe(): the keys every answer carries
         self.sub_batch: dict[tuple[str, ...], tuple[int, ...]] = {}  # nested batch dims of the inputs
+        # Set by a loop of one env: the policy is then called on the env's unbatched row, as TorchRL's
+        # collector calls it on an unbatched env (not a one-argument tensor function: it always gets a batch).
+        self._unbatched = False
         # A seeded policy samples from its own CPU random stream (swapped in around each forward pass,
         # which run one at a time), so its draws do not depend on who else uses torch's global generator.
         self._rng_state: torch.Tensor | None = None
@@ -367,6 +381,15 @@ class AutobatchPolicy:
         self.input_keys = keys
         self.sub_batch = dict(sub_batch)
         return keys
+
+    @property
+    def unbatched(self) -> bool:
+        """Whether one-row flushes call the policy without the batch dim (a loop of one env)."""
+        return self._unbatched
+
+    @unbatched.setter
+    def unbatched(self, value: bool) -> None:
+        self._unbatched = bool(value) and not getattr(self.policy, "_lr_batched", False)
 
     @property
     def mean_batch_size(self) -> float:
@@ -485,7 +508,8 @@ class AutobatchPolicy:
         except PolicyError:
             raise
         except Exception as exc:
-            raise PolicyError(f"{type(exc).__name__}: {exc} (while probing the policy with one observation)") from exc
+            raise PolicyError(f"{type(exc).__name__}: {exc} (while probing the policy with the envs' first "
+                              "observations)") from exc
         self.output_keys = list(outputs)
         return {k: (tuple(v.shape[1:]), v.dtype) for k, v in outputs.items()}
 
@@ -576,7 +600,13 @@ class AutobatchPolicy:
         An inference thread stuck in the policy's call past ``policy_timeout`` is not
         waited for; it, or one still running after ``timeout``, is abandoned (a daemon
         that cannot crash the interpreter at exit, see :mod:`lightning_rollout._exit`).
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds >= 0 (a join cannot take it).
         """
+        timeout = check_seconds("timeout", timeout, allow_zero=True)
+        if timeout is None:
+            raise ValueError("timeout must be a finite number of seconds >= 0, got None")
         with self._cond:
             if self._closed:
                 return
@@ -622,35 +652,72 @@ class AutobatchPolicy:
         return batch
 
     def _serve(self) -> None:
+        """The inference thread: flushes, weight updates, and the failed state.
+
+        An error in this loop itself (a forward pass's own errors are answered by
+        :meth:`_forward`) must not leave anyone waiting: the policy is marked failed
+        and from then on this thread answers every request queued, taken or sent
+        later, and every weight update, with :class:`PolicyError`, until
+        :meth:`close`.
+        """
         cond = self._cond
+        batches: list[list[_Request]] = []  # taken from the queue, not answered yet
+        updates: list[tuple[Any, threading.Event]] = []  # taken, not applied yet
         while True:
-            with cond:
-                while True:
-                    if self._closed:
-                        return
-                    if self._updates:  # everything queued before an update is answered with the old weights
-                        batches = []
-                        while self._pending:
+            try:
+                with cond:
+                    while True:
+                        if self._closed:
+                            return
+                        if self._failure is not None:  # failed: answer everything with the failure, serve nothing
+                            failed, self._pending, self._pending_rows = self._pending, [], 0
+                            failed_updates, self._updates = self._updates, []
+                            _fail_requests(failed, self._failure)
+                            _fail_updates(failed_updates, self._failure)
+                            cond.wait(_POLL_S * 4)
+                            continue
+                        if self._updates:  # everything queued before an update is answered with the old weights
+                            while self._pending:
+                                batches.append(self._take_batch())
+                            break
+                        if self._ready(time.perf_counter()):
                             batches.append(self._take_batch())
-                        break
-                    if self._ready(time.perf_counter()):
-                        batches = [self._take_batch()]
-                        break
-                    timeout = None
-                    if self.max_wait is not None and self._pending:
-                        timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
-                    cond.wait(timeout if timeout is not None else _POLL_S * 4)
-                updates, self._updates = self._updates, []
-            for batch in batches:
-                with self._weights_lock:
-                    self._flush_locked(batch)
-            for state, done in updates:
-                try:
-                    self._apply_update(state)
-                except Exception as exc:  # re-raised by update() in its caller's thread
-                    done.error = exc  # type: ignore[attr-defined]
-                finally:
-                    done.set()
+                            break
+                        timeout = _POLL_S * 4
+                        if self.max_wait is not None and self._pending:
+                            timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
+                        cond.wait(timeout)
+                    updates, self._updates = self._updates, []
+                while batches:
+                    with self._weights_lock:
+                        self._busy_batch = batches[0]  # watched by Agent.result for policy_timeout
+                        self._busy_since = time.perf_counter()
+                        try:
+                            self._flush_locked(batches[0])
+                        finally:
+                            self._busy_since = 0.0
+                    batches.pop(0)
+                while updates:
+                    state, done = updates.pop(0)
+                    try:
+                        self._apply_update(state)
+                    except Exception as exc:  # re-raised by update() in its caller's thread
+                        done.error = exc  # type: ignore[attr-defined]
+                    finally:
+                        done.set()
+            except BaseException as exc:  # noqa: BLE001 (nothing may end this thread silently)
+                error = PolicyError(f"the inference thread {threading.current_thread().name!r} failed "
+                                    f"({type(exc).__name__}: {exc}); this and every later request to this policy "
+                                    "fail: close it and build a new one")
+                error.__cause__ = exc
+                with cond:
+                    if self._failure is None:
+                        self._failure = error
+                    self.flush_in_caller = False  # later requests reach this thread, which fails them
+                    cond.notify_all()
+                _fail_requests([r for batch in batches for r in batch if not r.agent._done.is_set()], self._failure)
+                _fail_updates(updates, self._failure)
+                batches, updates = [], []
 
     def _flush_locked(self, batch: list[_Request]) -> None:
         """Answer ``batch``, one forward pass per exploration mode (``_weights_lock`` held)."""
@@ -700,7 +767,9 @@ class AutobatchPolicy:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         with torch.no_grad(), set_exploration_type(batch[0].mode), self._own_rng():
             if self._direct is not None:
-                result = self._direct(*(stacked[k] for k in self.policy.in_keys))  # type: ignore[attr-defined]
+                one = self.unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
+                args = [stacked[k][0] if one else stacked[k] for k in self.policy.in_keys]  # type: ignore[attr-defined]
+                result = self._direct(*args)
                 out_keys = [_as_key(k) for k in self.policy.out_keys]  # type: ignore[attr-defined]
                 if isinstance(result, dict):
                     if set(out_keys) - set(result):
@@ -712,11 +781,15 @@ class AutobatchPolicy:
                     raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: return "
                                       "one tensor per output key (or list every output in out_keys)")
                 outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
+                if one:
+                    outputs = {k: v[None] for k, v in outputs.items()}
             else:
                 td = TensorDict(stacked, batch_size=[rows], device=self.device)
                 for prefix, dims in self.sub_batch.items():
                     if prefix in td.keys(True):
                         td.get(prefix).batch_size = torch.Size([rows, *dims])
+                if self.unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
+                    td = td[0]
                 given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
                 out = self.policy(td)
                 if out is None:
@@ -725,6 +798,8 @@ class AutobatchPolicy:
                     raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
                                       "a TensorDict (wrap a tensor function in a TensorDictModule)")
                 outputs = self._outputs(out, given)
+                if td.batch_dims == 0:
+                    outputs = {k: v[None] for k, v in outputs.items()}
         for key, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != rows:
                 shape = tuple(value.shape)
@@ -732,12 +807,12 @@ class AutobatchPolicy:
                                   f"(the leading dim must be the batch size {rows})")
         return outputs
 
-    @contextlib.contextmanager
-    def _own_rng(self) -> Iterator[None]:
+    def _own_rng(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on this policy's random stream (seeded policies; forward passes hold ``_weights_lock``)."""
-        if self._rng_state is None:
-            yield
-            return
+        return self._swapped_rng() if self._rng_state is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _swapped_rng(self) -> Iterator[None]:
         saved = torch.get_rng_state()
         torch.set_rng_state(self._rng_state)
         try:
@@ -768,7 +843,7 @@ class AutobatchPolicy:
 
 
 def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: Sequence[NestedKey] = ("action",),
-                     single_key: NestedKey | None = "observation") -> Any:
+                     single_key: NestedKey | None = "observation", action_spec: Any = None) -> Any:
     """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
 
     * A ``TensorDictModuleBase`` (TorchRL actors, ``TensorDictSequential``,
@@ -783,14 +858,21 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
       reads ``single_key`` (the env's only observation), the tensor-in /
       action-out form the seed used.
 
+    A spec-less ``RandomPolicy()`` and exploration modules built with ``spec=None``
+    get ``action_spec`` (the env's full action spec), as TorchRL's collectors fill them.
+
     Raises:
         TypeError: TorchRL cannot wrap it (its message says why).
     """
     from torchrl.envs.utils import RandomPolicy
 
     if isinstance(policy, RandomPolicy):
-        return BatchedRandomPolicy(policy.action_spec)
+        return BatchedRandomPolicy.for_env(policy, action_spec)
     if isinstance(policy, TensorDictModuleBase):
+        if action_spec is not None and isinstance(policy, torch.nn.Module):
+            from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
+
+            set_exploration_modules_spec_from_env(policy, _SpecView(None, list(action_keys), action_spec))
         return policy
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
@@ -839,12 +921,19 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
                 output = None
             if isinstance(output, tuple):
                 out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
-        return TensorDictModule(policy, in_keys=[single_key], out_keys=out_keys)
-    raise TypeError(
-        "TorchRL tried to automatically wrap your policy in a TensorDictModule, but the arguments to "
-        f"policy.forward are incompatible with entries in env.observation_spec (got incongruent signatures: the "
-        f"function signature is {names} but the specs have keys {spec_keys}). The arguments to policy.forward must "
-        "correspond to entries in env.observation_spec; for more control, write your own TensorDictModule.")
+        wrapped = TensorDictModule(policy, in_keys=[single_key], out_keys=out_keys)
+        wrapped._lr_batched = True  # the seed's tensor form: always called with a batch dim, even for one env
+        return wrapped
+    raise TypeError(  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
+        "This error is raised because TorchRL tried to automatically wrap your policy in\n"
+        "a TensorDictModule. If you're confident the policy can directly process environment outputs, set\n"
+        "the `trust_policy` argument to `True` in the constructor.\n\n"
+        "Arguments to policy.forward are incompatible with entries in\n"
+        f"env.observation_spec (got incongruent signatures:\nthe function signature is {names} but the specs have "
+        f"keys {spec_keys}).\nIf you want TorchRL to automatically wrap your policy with a TensorDictModule\n"
+        "then the arguments to policy.forward must correspond one-to-one with entries\n"
+        "in env.observation_spec.\nFor more complex behavior and more control you can consider writing your\n"
+        "own TensorDictModule.")
 
 
 class BatchedRandomPolicy(TensorDictModuleBase):
@@ -852,16 +941,38 @@ class BatchedRandomPolicy(TensorDictModuleBase):
     TensorDict's batch size (``RandomPolicy`` samples the spec's own shape, which is one env's here).
 
     Args:
-        action_spec: the env's (full) action spec, unbatched.
+        action_spec: the env's action spec (a composite, or the spec of ``action_key``); a spec with
+            batch dims (e.g. taken from a ``SerialEnv``) is reduced to one env's.
+        action_key: where a non-composite spec's sample is written.
     """
 
-    def __init__(self, action_spec: Any) -> None:
+    def __init__(self, action_spec: Any, *, action_key: NestedKey = "action") -> None:
         super().__init__()
         from torchrl.data import Composite
 
-        self.action_spec = action_spec if isinstance(action_spec, Composite) else Composite(action=action_spec)
+        spec = action_spec if isinstance(action_spec, Composite) else Composite({action_key: action_spec})
+        while tuple(spec.shape):  # one env's spec: the flush gives the batch size
+            spec = spec[0]
+        self.action_spec = spec
         self.in_keys = []
         self.out_keys = list(self.action_spec.keys(True, True))
+
+    @classmethod
+    def for_env(cls, policy: Any, env_action_spec: Any) -> BatchedRandomPolicy:
+        """From TorchRL's ``RandomPolicy``: its spec reduced to one env's (a spec taken from a batched env
+        has extra leading dims), or the env's own when it has none."""
+        spec = policy.action_spec if policy.action_spec is not None else env_action_spec
+        if spec is None:
+            raise TypeError("RandomPolicy() has no action_spec and no env spec was given to fill it")
+        if policy.action_spec is None:
+            policy.action_spec = spec.clone()  # as TorchRL's set_action_spec_from_env does
+        from torchrl.data import Composite
+
+        if not isinstance(spec, Composite) and env_action_spec is not None:
+            leaf = env_action_spec[policy.action_key]
+            for _ in range(len(spec.shape) - len(leaf.shape)):
+                spec = spec[0]
+        return cls(spec, action_key=policy.action_key)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return tensordict.update(self.action_spec.rand(tensordict.batch_size))
@@ -870,14 +981,37 @@ class BatchedRandomPolicy(TensorDictModuleBase):
 class _SpecView:
     """What TorchRL's ``_make_compatible_policy`` reads of an env: its specs and action keys."""
 
-    def __init__(self, observation_spec: Any, action_keys: list[NestedKey]) -> None:
+    def __init__(self, observation_spec: Any, action_keys: list[NestedKey], action_spec: Any = None) -> None:
         self.observation_spec = observation_spec
         self.action_keys = action_keys
+        if action_spec is not None:
+            self.full_action_spec = action_spec
+            self.action_spec = action_spec[action_keys[0]] if len(action_keys) == 1 else action_spec
+            self.action_spec_unbatched = self.action_spec
 
 
 def _first_env(request: _Request) -> int:
     ids = request.agent.env_ids
     return ids[0] if ids else -1
+
+
+def _fail_requests(requests: list[_Request], failure: PolicyError) -> None:
+    """Answer ``requests`` with a copy of ``failure`` (a failed policy); each names its own envs when the
+    failure names none."""
+    for request in requests:
+        error = PolicyError(failure.reason, env_ids=failure.env_ids or request.agent.env_ids)
+        error.__cause__ = failure.__cause__
+        request.agent._resolve(None, error)
+
+
+def _fail_updates(updates: list[tuple[Any, threading.Event]], failure: PolicyError) -> None:
+    """Fail weight updates waiting in :meth:`AutobatchPolicy.update` with ``failure``."""
+    for _, done in updates:
+        if not done.is_set():
+            error = PolicyError(failure.reason, env_ids=failure.env_ids)
+            error.__cause__ = failure.__cause__
+            done.error = error  # type: ignore[attr-defined]
+            done.set()
 
 
 def _as_key(key: Any) -> NestedKey:

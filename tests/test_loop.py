@@ -610,14 +610,13 @@ def test_env_raising_in_reset_raises_env_error_in_run_episodes(within):
     assert loop.closed
 
 
-def test_env_failing_in_its_first_reset_is_reported_by_the_first_call(within):
+def test_env_failing_in_its_first_reset_is_reported_by_the_constructor(within):
+    """Envs are reset at construction (as TorchRL's collector does, to probe the policy on real observations)."""
     factories = mock_envs(2)
     factories[1] = lambda: MockEnv(1, raise_on_reset=0)
-    loop = MultiEnvLoop(factories, CountingPolicy(), autobatch_size=2)
     with pytest.raises(EnvError, match="env 1 failed in reset") as info:
-        within(lambda: loop.run_steps(10))
-    assert info.value.phase == "reset"
-    assert loop.closed
+        within(lambda: MultiEnvLoop(factories, CountingPolicy(), autobatch_size=2))
+    assert info.value.phase == "reset" and info.value.step == 0
 
 
 class BrokenPolicy(CountingPolicy):

@@ -185,12 +185,12 @@ def test_policy_returning_action_and_log_prob_gets_torchrl_output_keys():
     def policy(observation):
         return torch.zeros(observation.shape[0], dtype=torch.long), torch.zeros(observation.shape[0])
 
-    collector = ThreadedCollector("CartPole-v1", policy, frames_per_batch=4, total_frames=4)
+    collector = ThreadedCollector("CartPole-v1", policy, frames_per_batch=4, total_frames=4, num_envs=2)
     try:
         batch = next(iter(collector))
     finally:
         collector.shutdown()
-    assert batch["action"].shape == (4,) and batch["output1"].shape == (4,)
+    assert batch["action"].shape == (2, 2) and batch["output1"].shape == (2, 2)
 
 
 @pytest.mark.parametrize("space", [gym.spaces.MultiDiscrete([3, 4]), gym.spaces.Discrete(1),

@@ -253,13 +253,13 @@ def test_discrete_one_random_actions_are_action_zero():
 def test_invalid_discrete_action_blames_the_policy(action):
     policy = lambda observation: torch.full((observation.shape[0],), action)  # noqa: E731
     with pytest.raises(PolicyError, match="invalid action"):
-        collect("CartPole-v1", policy, 4)
+        collect("CartPole-v1", policy, 4, num_envs=2)
 
 
 def test_out_of_bounds_box_action_blames_the_policy():
     policy = lambda observation: torch.full((observation.shape[0], 1), 5.0)  # noqa: E731
     with pytest.raises(PolicyError, match="out of the bounds"):
-        collect("Pendulum-v1", policy, 4)
+        collect("Pendulum-v1", policy, 4, num_envs=2)
 
 
 # -- determinism -----------------------------------------------------------------------------------------------
@@ -283,6 +283,19 @@ def test_seeded_runs_with_a_deterministic_policy_are_bit_identical_and_traj_ids_
 def test_single_env_batches_are_one_dimensional_like_torchrl():
     batch = collect([CountingEnv], None, 6)
     assert batch.batch_size == (6,) and batch.names == ["time"]
+
+
+def test_one_env_policy_is_called_unbatched_like_torchrl_but_a_tensor_function_gets_a_batch():
+    shapes = []
+
+    def td_policy(td: TensorDictBase) -> TensorDictBase:
+        shapes.append(tuple(td.batch_size))
+        return td.set("action", torch.zeros((), dtype=torch.long))
+
+    collect("CartPole-v1", td_policy, 4)
+    assert set(shapes) == {()}, "TorchRL calls a policy of an unbatched env on an unbatched TensorDict"
+    batch = collect("CartPole-v1", lambda obs: torch.zeros(obs.shape[0], dtype=torch.long), 4)  # the seed's form
+    assert batch["action"].shape == (4,)
 
 
 def test_loop_exposes_the_env_keys_and_what_the_policy_is_handed():

@@ -1,0 +1,74 @@
+"""Before/after: the same benchmark contenders, at a git revision and in the working tree, in interleaved rounds.
+
+``python -m benchmarks.ab --before da49b52 --scenario cheap --contender "threaded env_time*" --rounds 3``
+
+Each round runs ``python -m benchmarks`` once in a checkout of ``--before`` (a temporary ``git worktree``)
+and once in this tree, alternating which goes first, so drift of a noisy machine hits both sides alike.
+Every run measures itself with its own harness; the table gives, per contender, the median steps/s of
+each side over the rounds and their ratio (after / before). Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(root: Path, args: list[str], out: Path) -> dict[str, dict[str, float]]:
+    """One ``python -m benchmarks`` run in ``root``; ``{scenario: {contender: median steps/s}}``."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    subprocess.run([sys.executable, "-m", "benchmarks", *args, "--repeats", "1", "--out", str(out)], cwd=root,
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    data = json.loads((out / "results.json").read_text())
+    return {s["name"]: {name: statistics.median(r["steps_per_s"]) for name, r in s["results"].items()
+                        if r.get("steps_per_s")} for s in data["scenarios"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="git revision measured as 'before'")
+    parser.add_argument("--scenario", action="append", required=True)
+    parser.add_argument("--contender", action="append", default=[])
+    parser.add_argument("--frames-scale", default="0.3")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/ab.json")
+    args = parser.parse_args(argv)
+    bench_args = [a for s in args.scenario for a in ("--scenario", s)]
+    bench_args += [a for c in args.contender for a in ("--contender", c)]
+    bench_args += ["--frames-scale", args.frames_scale]
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="lr-ab-") as tmp:
+        before = Path(tmp) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for i in range(args.rounds):
+                order = [("before", before), ("after", ROOT)]
+                for side, root in (order if i % 2 == 0 else order[::-1]):
+                    runs[side].append(_run(root, bench_args, Path(tmp) / f"{side}{i}"))
+                    print(f"round {i + 1}/{args.rounds}: {side} done", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
+    table = {}
+    for scenario in args.scenario:
+        for name in sorted(runs["after"][0].get(scenario, {})):
+            b = statistics.median(r[scenario][name] for r in runs["before"] if name in r.get(scenario, {}))
+            a = statistics.median(r[scenario][name] for r in runs["after"])
+            table[f"{scenario} / {name}"] = {"before": b, "after": a, "ratio": a / b}
+            print(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "runs": runs, "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

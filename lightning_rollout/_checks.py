@@ -1,0 +1,63 @@
+"""Argument checks shared by the public constructors; every message says what to pass instead."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["check_device", "check_seconds"]
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
+    """``value`` as a float number of seconds, or ``None`` for ``None`` (no limit).
+
+    A timeout must be one a wait can take: a finite real number (numpy scalars
+    included, bools not), ``> 0`` (``>= 0`` with ``allow_zero``) and at most
+    :data:`threading.TIMEOUT_MAX`. Infinity, NaN and ``1e300`` are refused: a
+    ``Condition.wait`` given one raises ``OverflowError`` in the thread that waits.
+
+    Raises:
+        ValueError: naming ``name``, the accepted range and what was given.
+    """
+    if value is None:
+        return None
+    seconds = float(value) if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)) else math.nan
+    low_ok = seconds >= 0 if allow_zero else seconds > 0
+    if not (math.isfinite(seconds) and low_ok and seconds <= threading.TIMEOUT_MAX):
+        low = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {low} and at most {threading.TIMEOUT_MAX:.0f}, "
+                         f"or None for no limit; got {value!r}")
+    return seconds
+
+
+def check_device(name: str, device: Any) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays ``None``), refused at once when it cannot be used here.
+
+    Raises:
+        ValueError: not a device; a CUDA device while CUDA is not available (a CPU
+            build of torch, or no GPU) or whose index is past the GPUs present; an
+            MPS device while MPS is not available.
+    """
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name} must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible"
+            raise ValueError(f"{name}={str(resolved)!r} but CUDA is not available ({build}, torch "
+                             f"{torch.__version__}); pass 'cpu', or run on a machine with a GPU and a CUDA build")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"{name}={str(resolved)!r} but only {count} CUDA device(s) are visible "
+                             f"(cuda:0 .. cuda:{count - 1})")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}={str(resolved)!r} but MPS is not available on this machine; pass 'cpu'")
+    return resolved
