@@ -6,6 +6,9 @@
 * ``bench/Straggler-v0`` (:class:`StragglerEnv`): each step sleeps a time drawn
   from a Pareto distribution (shape 2, so infinite variance) with a mean of 1 ms,
   capped at 50 ms so one draw cannot stall a run.
+* ``bench/GilBound-v0`` (:class:`GilBoundEnv`): each step runs pure Python for
+  100 us, holding the GIL throughout, as a Python simulator or ALE does: threads
+  cannot overlap it, processes can.
 
 Both synthetic envs have CartPole's spaces (``Box(4)`` observations, ``Discrete(2)``
 actions) so the same policy serves every scenario, and episodes of 200 steps
@@ -24,12 +27,13 @@ from collections.abc import Callable
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["CARTPOLE", "SLEEP", "STRAGGLER", "SleepEnv", "StragglerEnv", "gym_factory", "measure_step_time",
-           "torchrl_factory"]
+__all__ = ["CARTPOLE", "GIL_BOUND", "SLEEP", "STRAGGLER", "GilBoundEnv", "SleepEnv", "StragglerEnv", "gym_factory",
+           "measure_step_time", "torchrl_factory"]
 
 CARTPOLE = "CartPole-v1"
 SLEEP = "bench/Sleep-v0"
 STRAGGLER = "bench/Straggler-v0"
+GIL_BOUND = "bench/GilBound-v0"
 EPISODE_STEPS = 200
 
 
@@ -70,7 +74,23 @@ class StragglerEnv(SleepEnv):
         return min(self.cap, (self.np_random.pareto(self.alpha) + 1.0) * self.scale)
 
 
+class GilBoundEnv(SleepEnv):
+    """Each step spins in Python for ``step_time`` seconds: the GIL is held for the whole step."""
+
+    def __init__(self, step_time: float = 100e-6) -> None:
+        super().__init__(step_time)
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        end = time.perf_counter() + self.step_time
+        x = 0
+        while time.perf_counter() < end:
+            x += 1
+        self._obs = np.clip(self._obs + (0.01 if int(action) else -0.01), -1.0, 1.0).astype(np.float32)
+        return self._obs.copy(), 1.0, False, False, {}
+
+
 gym.register(SLEEP, entry_point=SleepEnv, max_episode_steps=EPISODE_STEPS)
+gym.register(GIL_BOUND, entry_point=GilBoundEnv, max_episode_steps=EPISODE_STEPS)
 gym.register(STRAGGLER, entry_point=StragglerEnv, max_episode_steps=EPISODE_STEPS)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["check_device", "check_seconds"]
+__all__ = ["check_device", "check_int", "check_seconds"]
 
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
@@ -61,3 +61,15 @@ def check_device(name: str, device: Any) -> torch.device | None:
     elif resolved.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{name}={str(resolved)!r} but MPS is not available on this machine; pass 'cpu'")
     return resolved
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """An int (numpy ints included, bools not) ``>= minimum``.
+
+    Raises:
+        ValueError: naming ``name``, the minimum and what was given.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

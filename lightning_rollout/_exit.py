@@ -135,9 +135,10 @@ def _exit_now(stuck: list[threading.Thread]) -> None:
         except Exception:  # exiting: nothing to report to
             pass
     names = sorted(t.name for t in stuck)
+    how = "by SIGINT (KeyboardInterrupt)" if by_sigint and os.name == "posix" else f"with os._exit({code})"
     try:
         print(f"lightning_rollout: thread(s) {names} abandoned after a timeout are still running at interpreter "
-              f"exit; ending the process with os._exit({code}) so they cannot crash its finalization",
+              f"exit; ending the process {how} so they cannot crash its finalization",
               file=sys.stderr)
     except Exception:  # stderr closed
         pass

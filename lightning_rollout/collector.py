@@ -51,7 +51,9 @@ from ._checks import check_device
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
-from .loop import MultiEnvLoop, _check_int
+from ._checks import check_int
+from .loop import MultiEnvLoop
+from .loop.auto import LayoutChoice, auto_layout, is_auto
 
 __all__ = ["ThreadedCollector"]
 
@@ -117,7 +119,11 @@ class ThreadedCollector(BaseCollector):
         total_frames: stop after this many frames, rounded up to whole batches
             (with a warning); ``-1`` is endless.
         num_envs: number of envs (default: the length of a list of factories, else 1).
-        envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`).
+        envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`);
+            ``"auto"`` (default): chosen with ``num_workers`` from a few timed steps of one
+            env (``docs/tuning.rst``; the choice is logged at INFO and kept in ``layout_choice``).
+        num_workers: worker processes running the envs (1: threads of this process);
+            ``"auto"`` (default): more than one only when an env step holds the GIL.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"``: batch size ``[num_envs, frames_per_batch // num_envs]``,
             names ``[None, "time"]``, each row one env's consecutive steps (for
@@ -174,7 +180,8 @@ class ThreadedCollector(BaseCollector):
         frames_per_batch: int,
         total_frames: int = -1,
         num_envs: int | None = None,
-        envs_per_thread: int = 1,
+        envs_per_thread: int | str = "auto",
+        num_workers: int | str = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         layout: Layout = "env_time",
@@ -220,7 +227,7 @@ class ThreadedCollector(BaseCollector):
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
-        _check_int("frames_per_batch", frames_per_batch, 1)
+        check_int("frames_per_batch", frames_per_batch, 1)
         if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
             total_frames = -1
         if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
@@ -228,9 +235,9 @@ class ThreadedCollector(BaseCollector):
             raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
         if init_random_frames in (None, -1):
             init_random_frames = 0
-        _check_int("init_random_frames", init_random_frames, 0)
+        check_int("init_random_frames", init_random_frames, 0)
         if max_frames_per_traj is not None and max_frames_per_traj != -1:
-            _check_int("max_frames_per_traj", max_frames_per_traj, 1)
+            check_int("max_frames_per_traj", max_frames_per_traj, 1)
         else:
             max_frames_per_traj = None
         for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device),
@@ -244,7 +251,7 @@ class ThreadedCollector(BaseCollector):
         if split_trajs and replay_buffer is not None:
             raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
         if trajs_per_batch is not None:
-            _check_int("trajs_per_batch", trajs_per_batch, 1)
+            check_int("trajs_per_batch", trajs_per_batch, 1)
         from torchrl.collectors.utils import _validate_traj_format
 
         self.traj_format = _validate_traj_format(traj_format, trajs_per_batch,
@@ -258,6 +265,22 @@ class ThreadedCollector(BaseCollector):
             warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
                           f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=2)
             frames_per_batch = steps * num_envs
+        if is_auto(num_workers) or is_auto(envs_per_thread):
+            chosen_ept = is_auto(envs_per_thread)
+            if not is_auto(envs_per_thread):
+                check_int("envs_per_thread", envs_per_thread, 1)
+            if not is_auto(num_workers):
+                check_int("num_workers", num_workers, 1)
+            choice = (LayoutChoice(1, 1, "one env") if num_envs == 1 else auto_layout(
+                factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
+                max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
+                name=name, timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout))))
+            num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
+            if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
+                envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
+            self.layout_choice: LayoutChoice | None = choice
+        else:
+            self.layout_choice = None
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                              f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
@@ -322,7 +345,8 @@ class ThreadedCollector(BaseCollector):
         self._acting_policy = acting
         try:
             self._loop = MultiEnvLoop(
-                factories, acting, envs_per_thread=envs_per_thread, autobatch_size=autobatch_size,
+                factories, acting, envs_per_thread=envs_per_thread, num_workers=num_workers,
+                autobatch_size=autobatch_size,
                 max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
@@ -355,7 +379,7 @@ class ThreadedCollector(BaseCollector):
                 raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
             return [resolve_env_factory(f) for f in create_env_fn]
         n = 1 if num_envs is None else num_envs
-        _check_int("num_envs", n, 1)
+        check_int("num_envs", n, 1)
         return [resolve_env_factory(create_env_fn)] * n
 
     # -- properties TorchRL code reads ------------------------------------------------------------
@@ -690,7 +714,7 @@ class ThreadedCollector(BaseCollector):
         is reset with its new seed (a running episode is cut, marked truncated).
         ``static_seed`` is accepted for TorchRL compatibility (seeds are always per env).
         """
-        _check_int("seed", seed, 0)
+        check_int("seed", seed, 0)
         self._seed = seed
         if self._loop._started:
             self._loop.reset_envs(seeds=[seed + i for i in range(self.num_envs)])

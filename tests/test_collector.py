@@ -462,7 +462,8 @@ def test_endless_collector_has_no_len_and_runs_under_islice(make_collector):
 
 def test_shutdown_is_idempotent_and_leaves_no_thread_alive():
     before = set(threading.enumerate())
-    collector = ThreadedCollector(CARTPOLE, make_actor(), frames_per_batch=4, num_envs=2, name="idem")
+    collector = ThreadedCollector(CARTPOLE, make_actor(), frames_per_batch=4, num_envs=2, envs_per_thread=1,
+                                  name="idem")
     try:
         first_batch(collector)
         running = {t.name for t in rollout_threads() - before}

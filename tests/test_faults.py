@@ -348,7 +348,8 @@ def test_step_timeout_on_hung_env(release, mode):
 
 def test_step_timeout_in_collector(release):
     factories = [lambda i=i: HangingEnv(i, 2 if i == 0 else None, release) for i in range(2)]
-    collector = ThreadedCollector(factories, CountingPolicy(), frames_per_batch=4, step_timeout=0.5, name="hang")
+    collector = ThreadedCollector(factories, CountingPolicy(), frames_per_batch=4, step_timeout=0.5, name="hang",
+                                  envs_per_thread=1, num_workers=1)
     with pytest.warns(RuntimeWarning, match="abandoned"):
         with pytest.raises(StepTimeoutError, match="env 0"):
             bounded(lambda: [None for _ in collector], BOUND)

@@ -132,7 +132,7 @@ class Env(gym.Env):
         return np.zeros(1, np.float32), 1.0, False, False, {}
 
 collector = ThreadedCollector([Env] * 8, lambda observation: torch.zeros(observation.shape[0], dtype=torch.long),
-                              frames_per_batch=800)
+                              frames_per_batch=800, envs_per_thread=1, num_workers=1)
 try:
     for batch in collector:
         pass

@@ -1,4 +1,4 @@
-"""Threaded, request-driven env loops with double batching (the seed's env runner).
+"""The driver: :class:`MultiEnvLoop`, the request-driven env loop with double batching (the seed's runner).
 
 Threads and what they own
 -------------------------
@@ -7,7 +7,7 @@ Threads and what they own
   owns every piece of bookkeeping in :class:`MultiEnvLoop`: requests in flight,
   partially consumed blocks, counters. Only one thread may drive a loop at a time.
 * Each **env thread** (``lightning_rollout-<name>-env<i>``, a daemon) runs a
-  :class:`_Worker` that owns ``envs_per_thread`` envs, their adapters, their
+  :class:`~lightning_rollout.loop.worker.Worker` that owns ``envs_per_thread`` envs, their adapters, their
   running counters and two *staging slots* (preallocated numpy arrays of
   ``envs_per_thread`` rows per key).
 * The policy's inference thread (see :mod:`lightning_rollout.policy`).
@@ -65,97 +65,22 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
-from ._checks import check_device, check_seconds
-from ._exit import abandon, close_at_exit
-from .envs import ActionError, EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
-from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
-from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
-from .policy import Agent, AutobatchPolicy, _is_real, _Stopped, as_policy_module
-from .specs import ArraySpec, EnvKeys, NestedKey, next_key
+from .._checks import check_device, check_int, check_seconds
+from .._exit import abandon, close_at_exit
+from ..envs import EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
+from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
+from ..policy import AutobatchPolicy, _is_real, as_policy_module
+from ..specs import ArraySpec, EnvKeys, NestedKey
+from .auto import LayoutChoice, auto_layout, is_auto
+from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
+                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
+from .process import WorkerProcesses
+from .worker import Worker
 
 __all__ = ["EnvLoop", "MultiEnvLoop"]
 
 _POLL_S = 0.05
-
-# Entries the loop writes for every transition, beside the env's and the policy's.
-_TRAJ = ("collector", "traj_ids")
-_ENV_ID = ("collector", "env_id")
-_VERSION = "policy_version"
-# Per-row statistics the loop keeps for events and counts, one float64 column of 6 (one write a block;
-# never part of a returned batch): this step's reward (summed over reward leaves), the episode's return
-# and length up to and including this step, terminated, truncated, done (0 / 1).
-_STATS = "_stats"
-_S_REWARD, _S_RETURN, _S_LENGTH, _S_TERMINATED, _S_TRUNCATED, _S_DONE = range(6)
-# Entries a gymnasium env gets from the loop itself (TorchRL's StepCounter, RewardSum, InitTracker and
-# its done flags), written one vectorised assignment per block rather than per env.
-_GYM_LOOP_KEYS = ("is_init", "step_count", "episode_reward")
-
-
-class _Layout:
-    """Per-transition storage: one column per leaf of the env's specs and of the policy's outputs.
-
-    Attributes:
-        carried: root entries each env keeps between steps (``{key: ArraySpec}``): the env's
-            observations and state, what the policy wrote under ``"next"`` that the env does not
-            provide (recurrent state), and what it wrote at the root besides the action (kept as
-            TorchRL's ``step_mdp(keep_other=True)`` keeps it).
-        done_keys: done flags; all-false at the root (an env is reset as soon as it is done), so
-            they are no root columns: zeros are added when a batch is built.
-        advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
-        env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
-        specs: every column (root, ``"next"``, policy outputs, bookkeeping).
-    """
-
-    def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
-        env_root = keys.root
-        self.keys = keys
-        self.loop_keys = loop_keys
-        self.out_keys = list(outputs)
-        self.action_keys = [k for k in keys.action if k in outputs]
-        policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
-                       if isinstance(k, tuple) and k[0] == "next"}
-        fed_back = {k: spec for k, spec in policy_next.items() if k not in env_root and k not in keys.next}
-        kept = {k: spec for k, spec in outputs.items() if not (isinstance(k, tuple) and k[0] == "next")
-                and k not in keys.action and k not in env_root and k not in fed_back}
-        self.carried = {**env_root, **fed_back, **kept}
-        self.policy_carried = [*fed_back, *kept]  # zeroed at each reset (the env does not provide them)
-        self.done_keys = list(keys.done)
-        self.advance = ([(k, next_key(k)) for k in keys.observation] + [(k, next_key(k)) for k in fed_back]
-                        + [(k, k) for k in kept])
-        skip = set(_GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
-        self.env_next = [k for k in keys.next if k not in skip]
-        self.env_next_pairs = [(k, next_key(k)) for k in self.env_next]
-        self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
-        self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
-        self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
-        scalar_i = ArraySpec((), np.dtype(np.int64))
-        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
-        self.specs.update({next_key(k): v for k, v in keys.next.items()})
-        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
-                           _STATS: ArraySpec((6,), np.dtype(np.float64))})
-
-    def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
-        lead = (rows,) if isinstance(rows, int) else rows
-        return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in self.specs.items()}
-
-    def to_tensordict(self, columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
-                      names: Sequence[str | None] | None = None) -> TensorDict:
-        """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
-        td = TensorDict(batch_size=list(batch_size))
-        for key, value in columns.items():
-            if key != _STATS:
-                td.set(key, torch.from_numpy(value))
-        lead = list(batch_size)
-        for key in self.done_keys:  # root done flags: false, as TorchRL's collector writes them
-            td.set(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))
-        for prefix, dims in self.keys.sub_batch.items():
-            for root in (prefix, ("next", *prefix)):
-                sub = td.get(root, None)
-                if sub is not None:
-                    sub.batch_size = torch.Size([*lead, *dims])
-        if names is not None:
-            td.refine_names(*names)
-        return td
 
 
 def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -170,367 +95,6 @@ def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
                 self._release_all_holds()
 
     return wrapper
-
-
-class _Worker:
-    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
-
-    def __init__(self, loop: MultiEnvLoop, index: int, adapters: list[EnvAdapter], env_ids: list[int]) -> None:
-        self.loop = loop
-        self.index = index
-        self.adapters = adapters
-        self.env_ids = env_ids
-        self.env_id_array = np.asarray(env_ids, dtype=np.int64)
-        self.rows = len(adapters)
-        layout = loop._layout
-        self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
-        # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
-        self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
-        self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
-        self.step_count = np.zeros(self.rows, dtype=np.int64)
-        self.episode_reward = np.zeros(self.rows, dtype=np.float64)
-        self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env
-        self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
-        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
-        self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
-        self.busy_env = -1
-        self.busy_phase = "step"  # what busy_env is doing: "reset" or "step"
-        self.quota_end = 0  # after a quota request: the first time index it did not write
-        self.abandoned = False  # set by the driver when a call exceeded step_timeout
-        self.pending_error: EnvError | None = None  # a reset that failed after a delivered-to-be done step
-        # The agent counts as active while this thread works (``_working``) or while the driver
-        # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
-        # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
-        # every flush then has all envs (lock-step), instead of whichever thread woke first.
-        self._gate = threading.Lock()
-        self._working = True
-        self._held = False
-        self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
-                                       daemon=True)
-
-    # -- helpers ---------------------------------------------------------------------
-    def _env_error(self, exc: BaseException, j: int, phase: str) -> EnvError:
-        error = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j], step=int(self.steps_done[j]),
-                         phase=phase)
-        error.__cause__ = exc
-        return error
-
-    def _reset_env(self, j: int, seed: int | None = None) -> None:
-        first = self.loop._first_roots.pop(self.env_ids[j], None)  # the construction's reset, if still valid
-        if first is not None and first[0] == seed:
-            root = first[1]
-        else:
-            self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
-            try:
-                root = self.adapters[j].reset(seed)
-            except Exception as exc:
-                raise self._env_error(exc, j, "reset") from exc
-            finally:
-                self.busy_since = 0.0
-        layout = self.loop._layout
-        self._check(j, root, layout.checked_root)
-        for k in layout.keys.root:
-            self.cur[k][j] = root[k]
-        for k in layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
-            self.cur[k][j] = 0
-        self.step_count[j] = 0
-        self.episode_reward[j] = 0.0
-
-    def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
-        """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
-        if not self.loop.validate:
-            return
-        for k, spec in specs.items():
-            v = values.get(k)
-            problem = None
-            if v is None:
-                problem = f"entry {k!r} is missing"
-            elif not isinstance(v, np.ndarray):
-                continue  # a Python scalar the adapter computed
-            elif v.shape != spec.shape:
-                problem = f"entry {k!r} has shape {v.shape}, expected {spec.shape}"
-            elif v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
-                problem = f"entry {k!r} has dtype {v.dtype}, expected {spec.dtype}"
-            elif v.dtype.kind == "f" and np.isnan(v).any():
-                problem = f"entry {k!r} contains NaN"
-            if problem is not None:
-                raise EnvError(problem, env_id=self.env_ids[j], step=int(self.steps_done[j]), phase="check")
-
-    def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
-        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``."""
-        loop = self.loop
-        layout = loop._layout
-        if self.random_left[envs[0]] > 0:
-            for k in layout.out_keys:
-                cols[k][r0:r0 + rows] = 0
-            for r, j in zip(range(r0, r0 + rows), envs):
-                for k, v in self.adapters[j].random_action(loop._action_columns).items():
-                    cols[k][r] = v
-                self.random_left[j] -= 1
-            cols[_VERSION][r0:r0 + rows] = -1
-            return
-        agent = self.agent
-        inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
-        for k in loop._input_done:  # root done flags: false (no column)
-            inputs[k] = self.zero_done[k][:rows]
-        agent.submit(inputs, exploration_type=loop.exploration_type)
-        step = int(self.steps_done[envs[0]])
-        try:
-            answer = agent.result(loop._stop)
-        except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
-            raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
-                              step=step) from exc
-        outputs, a, b = answer.outputs, answer.start, answer.stop
-        for k in layout.out_keys:
-            value = outputs.get(k)
-            if value is None or value.shape[1:] != cols[k].shape[1:]:
-                got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
-                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape "
-                                  f"{tuple(cols[k].shape[1:])} per row when probed at construction",
-                                  env_ids=tuple(self.env_ids[j] for j in envs), step=step)
-            cols[k][r0:r0 + rows] = value[a:b]
-        cols[_VERSION][r0:r0 + rows] = answer.version
-
-    def _step_env(self, j: int, row: dict[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
-        """``env.step`` of env ``j``, timed for ``step_timeout``, errors named, observation checked."""
-        self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
-        try:
-            result = self.adapters[j].step(row)
-        except ActionError as exc:  # the policy's fault, not the env's
-            raise PolicyError(f"invalid action for env {self.env_ids[j]}: {exc}", env_ids=(self.env_ids[j],),
-                              step=int(self.steps_done[j])) from exc
-        except Exception as exc:
-            raise self._env_error(exc, j, "step") from exc
-        finally:
-            self.busy_since = 0.0
-        self._check(j, result[0], self.loop._layout.checked_next)
-        return result
-
-    def _step_block(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int]) -> np.ndarray:
-        """Step envs ``envs`` with the actions in rows ``r0:r0+len(envs)`` of ``cols``; write the
-        transitions there (counters and flags with one vectorised write per key, not one per env).
-        Leaves each env's next root entries in ``cur``; returns the rows' done flags."""
-        loop = self.loop
-        layout, n = loop._layout, len(envs)
-        rows = slice(r0, r0 + n)
-        sel: slice | list[int] = slice(None) if n == self.rows else list(envs)
-        cols[_ENV_ID][rows] = self.env_id_array[sel]
-        rewards = np.empty(n)
-        terminated = np.empty(n, dtype=bool)
-        truncated = np.empty(n, dtype=bool)
-        inputs, done_inputs = loop._env_inputs, loop._env_input_done
-        for i, j in enumerate(envs):
-            r = r0 + i
-            row = {k: cols[k][r] for k in inputs}
-            for k in done_inputs:
-                row[k] = self.zero_done[k][0]
-            nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, row)
-            for k, nk in layout.env_next_pairs:
-                cols[nk][r] = nxt[k]
-        self.steps_done[sel] += 1
-        self.step_count[sel] += 1
-        self.episode_reward[sel] += rewards
-        if layout.loop_keys:
-            if loop.max_episode_steps is not None:
-                truncated |= self.step_count[sel] >= loop.max_episode_steps
-            cols[("next", "reward")][rows, 0] = rewards
-            cols[("next", "terminated")][rows, 0] = terminated
-            cols[("next", "truncated")][rows, 0] = truncated
-            cols[("next", "done")][rows, 0] = terminated | truncated
-            cols[("next", "is_init")][rows] = False
-            cols[("next", "step_count")][rows, 0] = self.step_count[sel]
-            cols[("next", "episode_reward")][rows, 0] = self.episode_reward[sel]
-        done = terminated | truncated
-        stats = cols[_STATS][rows]
-        stats[:, _S_REWARD] = rewards
-        stats[:, _S_RETURN] = self.episode_reward[sel]
-        stats[:, _S_LENGTH] = self.step_count[sel]
-        stats[:, _S_TERMINATED] = terminated
-        stats[:, _S_TRUNCATED] = truncated
-        stats[:, _S_DONE] = done
-        for k, src in layout.advance:
-            self.cur[k][sel] = cols[src][rows]
-        return done
-
-    def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int) -> None:
-        """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols``."""
-        n = self.rows if isinstance(sel, slice) else (1 if isinstance(sel, int) else len(sel))
-        rows = slice(r0, r0 + n)
-        for k, v in self.cur.items():
-            cols[k][rows] = v[sel]
-
-    def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
-        """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch).
-
-        A reset that fails after a done step does not lose that step: the error is kept in
-        ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
-        self._load_root(cols, 0, slice(None))
-        self._act(cols, 0, self.rows, range(self.rows))
-        for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
-            try:
-                self._reset_env(int(j))
-            except EnvError as exc:
-                self.pending_error = exc
-                return  # the env has no next root: nothing more is stepped before the error is raised
-
-    def _raise_pending(self) -> None:
-        """Raise the error of a reset that failed in a block just delivered (see :meth:`_compute`)."""
-        error, self.pending_error = self.pending_error, None
-        if error is not None:
-            raise error
-
-    def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
-        """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
-        batch, which it does not read until this worker reports); stop early when the driver cuts.
-        Keeps ``quota_end`` at the first time index not written yet; returns the staged slot left (None)."""
-        w, t, end = self.index, start, start + count
-        cut, stop = self.loop._cut, self.loop._stop
-        self.quota_end = t
-        while t < end:
-            dest = {k: v[w, :, t] for k, v in out.items()}
-            if staged is not None:  # the lookahead step computed before the request: deliver it first
-                src = self.slots[staged]
-                for k, d in dest.items():
-                    d[...] = src[k]
-                staged = None
-            else:
-                self._compute(dest)
-            t += 1
-            self.quota_end = t  # read by the driver after a failure: steps before it are complete
-            self._raise_pending()
-            if cut.is_set():
-                break
-            if stop.is_set():  # the loop is closing (an error elsewhere, Ctrl-C): leave within one step
-                raise _Stopped()
-        return staged
-
-    def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
-        """Update the two reasons to count as active (any thread); the agent follows their ``or``."""
-        with self._gate:
-            if working is not None:
-                self._working = working
-            if held is not None:
-                self._held = held
-            if self._working or self._held:
-                self.agent.unpark()
-            else:
-                self.agent.park()
-
-    def _wait_request(self) -> tuple[Any, ...] | None:
-        self._set_activity(working=False)
-        try:
-            while True:
-                try:
-                    request = self.requests.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if self.loop._stop.is_set():
-                        return None
-                    continue
-                return None if request[0] == "stop" else request
-        finally:
-            self._set_activity(working=True)
-
-    def _cut(self, staged: int | None, j: int) -> None:
-        """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
-        if staged is not None:
-            cols = self.slots[staged]
-            if not cols[_STATS][j, _S_DONE]:
-                cols[_STATS][j, _S_TRUNCATED] = 1
-                cols[_STATS][j, _S_DONE] = 1
-                for k in self.loop._layout.done_keys:
-                    name = k[-1] if isinstance(k, tuple) else k
-                    if name in ("done", "truncated"):
-                        cols[next_key(k)][j] = True
-
-    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
-        """A fresh episode on env ``j`` alone; the others of this worker wait."""
-        loop = self.loop
-        self._cut(staged, j)
-        self.agent.set_rows(1)
-        try:
-            self._reset_env(j)
-            capacity = 64
-            cols = loop._layout.allocate(capacity)
-            t = 0
-            while True:
-                if t == capacity:
-                    grown = loop._layout.allocate(capacity * 2)
-                    for k, v in cols.items():
-                        grown[k][:capacity] = v
-                    cols, capacity = grown, capacity * 2
-                self._load_root(cols, t, [j])
-                self._act(cols, t, 1, (j,))
-                done = bool(self._step_block(cols, t, (j,))[0])
-                t += 1
-                if done:
-                    break
-                if loop._stop.is_set():
-                    raise _Stopped()
-            # With a staged step, that step (delivered later, done) ends the env's running trajectory;
-            # without one, the driver starts a new trajectory for the env's next steps.
-            loop._ready.put(("episode", self.index, request_index, cols, t, staged is None))
-            self._reset_env(j)
-        finally:
-            self.agent.set_rows(self.rows)
-
-    def _main(self) -> None:
-        loop = self.loop
-        try:
-            for j in range(self.rows):
-                seed = None if loop.seed is None else loop.seed + self.env_ids[j]
-                self._reset_env(j, seed)
-            slot = 0
-            staged: int | None = None
-            if loop.lookahead:
-                self._compute(self.slots[slot])
-                staged = slot
-            while True:
-                request = self._wait_request()
-                if request is None:
-                    return
-                if request[0] == "step":
-                    if staged is None:
-                        self._compute(self.slots[slot])
-                    loop._ready.put(("step", self.index, slot))
-                    self._raise_pending()
-                    slot ^= 1
-                    staged = None
-                    if loop.lookahead:
-                        self._compute(self.slots[slot])
-                        staged = slot
-                elif request[0] == "steps":
-                    staged = self._run_quota(request[1], request[2], request[3], staged)
-                    loop._ready.put(("steps", self.index, self.quota_end))
-                    if loop.lookahead and staged is None:
-                        self._compute(self.slots[slot])
-                        staged = slot
-                elif request[0] == "reset":
-                    for env_id, seed in request[1]:
-                        j = self.env_ids.index(env_id)
-                        self._cut(staged, j)
-                        self._reset_env(j, seed)
-                    loop._ready.put(("reset", self.index, staged is None))
-                else:
-                    self._run_episode(self.env_ids.index(request[1]), request[2], staged)
-        except _Stopped:
-            return
-        except BaseException as exc:  # forwarded to the driver, which re-raises it
-            if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
-                j = max(self.busy_env, 0)
-                wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
-                                   step=int(self.steps_done[j]), phase="step")
-                wrapped.__cause__ = exc
-                exc = wrapped
-            loop._ready.put(("error", self.index, exc))
-        finally:
-            self.agent.close()
-            for adapter in self.adapters:
-                try:
-                    adapter.close()
-                except Exception:  # closing must not mask the real error
-                    pass
-
 
 class MultiEnvLoop:
     """N envs in threads, one autobatched policy, request-driven collection.
@@ -600,7 +164,8 @@ class MultiEnvLoop:
         policy: AutobatchPolicy | Callable[..., Any] | None,
         *,
         num_envs: int | None = None,
-        envs_per_thread: int = 1,
+        envs_per_thread: int | str = 1,
+        num_workers: int | str = 1,
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         device: torch.device | str | None = None,
@@ -622,12 +187,19 @@ class MultiEnvLoop:
     ) -> None:
         factories = self._factories(env, num_envs)
         num_envs = len(factories)
-        _check_int("envs_per_thread", envs_per_thread, 1)
-        if num_envs % envs_per_thread:
-            raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+        if not is_auto(envs_per_thread):
+            check_int("envs_per_thread", envs_per_thread, 1)
+            if num_envs % envs_per_thread:
+                raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+        if not is_auto(num_workers):
+            check_int("num_workers", num_workers, 1)
+            blocks = num_envs // envs_per_thread if not is_auto(envs_per_thread) else num_envs
+            if num_workers > blocks:
+                raise ValueError(f"num_workers ({num_workers}) must be at most the number of env threads "
+                                 f"(num_envs / envs_per_thread = {blocks}): each process runs whole blocks of envs")
         if max_episode_steps is not None:
-            _check_int("max_episode_steps", max_episode_steps, 1)
-        _check_int("random_steps_per_env", random_steps_per_env, 0)
+            check_int("max_episode_steps", max_episode_steps, 1)
+        check_int("random_steps_per_env", random_steps_per_env, 0)
         if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
             raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
         join_timeout = check_seconds("join_timeout", join_timeout, allow_zero=True)  # a join cannot take inf
@@ -636,9 +208,9 @@ class MultiEnvLoop:
         check_seconds("max_wait", max_wait, allow_zero=True)  # refused before any env is built
         check_seconds("policy_timeout", policy_timeout, allow_zero=False)
         check_device("device", device)
-        _check_int("traj_id_start", traj_id_start, 0)
+        check_int("traj_id_start", traj_id_start, 0)
         if seed is not None:
-            _check_int("seed", seed, 0)
+            check_int("seed", seed, 0)
         if not isinstance(exploration_type, ExplorationType):
             raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
                              f"got {exploration_type!r}")
@@ -652,9 +224,22 @@ class MultiEnvLoop:
                 raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
                                  "you passed; set them there, not on the loop")
         elif autobatch_size is not None:
-            _check_int("autobatch_size", autobatch_size, 1)
+            check_int("autobatch_size", autobatch_size, 1)
+        if is_auto(num_workers) or is_auto(envs_per_thread):
+            if num_envs == 1:
+                choice = LayoutChoice(1, 1, "one env")
+            else:
+                choice = auto_layout(factories[0], num_envs, num_workers=num_workers,
+                                     envs_per_thread=envs_per_thread, max_episode_steps=max_episode_steps, name=name,
+                                     timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout)))
+            num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
+            self.layout_choice: LayoutChoice | None = choice
+        else:
+            self.layout_choice = None
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
+        self.num_workers = num_workers
+        self._torch_threads = torch.get_num_threads()  # carried into every thread that may run the policy
         self.exploration_type = exploration_type
         self.lookahead = lookahead
         self.eval = eval
@@ -678,16 +263,31 @@ class MultiEnvLoop:
         self.episodes = 0
 
         adapters: list[EnvAdapter] = []
+        self._pool: WorkerProcesses | None = None
         self._owns_policy = False
         self._first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]] = {}  # env -> (seed, root) of the probe
+        seeds = [None if seed is None else seed + i for i in range(num_envs)]
         try:
-            for factory in factories:
-                adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
-            keys = adapters[0].keys
-            for i, a in enumerate(adapters[1:], 1):
-                if not a.keys.same_layout(keys):
-                    raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must share "
-                                     "their keys, shapes and dtypes")
+            if num_workers > 1:  # envs in worker processes: they build, reset and describe them
+                self._pool = WorkerProcesses(
+                    factories, num_workers, envs_per_thread, seeds=seeds, max_episode_steps=max_episode_steps,
+                    validate=validate, name=name, on_error=_creation_error)
+                keys, observation_spec, action_spec = (self._pool.keys, self._pool.observation_spec,
+                                                       self._pool.action_spec)
+                loop_keys, roots = self._pool.loop_keys, self._pool.first_roots
+            else:
+                for factory in factories:
+                    adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
+                keys = adapters[0].keys
+                for i, a in enumerate(adapters[1:], 1):
+                    if not a.keys.same_layout(keys):
+                        raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must "
+                                         "share their keys, shapes and dtypes")
+                observation_spec, action_spec, loop_keys = (adapters[0].observation_spec, adapters[0].action_spec,
+                                                            adapters[0].loop_keys)
+                roots = [self._first_reset(i, adapter, seeds[i]) for i, adapter in enumerate(adapters)]
+            for i, root in enumerate(roots):
+                self._first_roots[i] = (seeds[i], root)
             if isinstance(policy, AutobatchPolicy):
                 self.policy = policy
             else:
@@ -696,19 +296,31 @@ class MultiEnvLoop:
 
                     policy = RandomPolicy()
                 data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS]
-                module = as_policy_module(policy, observation_spec=adapters[0].observation_spec,
-                                          action_keys=list(keys.action), action_spec=adapters[0].action_spec,
+                module = as_policy_module(policy, observation_spec=observation_spec, action_keys=list(keys.action),
+                                          action_spec=action_spec,
                                           single_key=data_keys[0] if len(data_keys) == 1 else None)
                 self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
                                               device=device, name=name, seed=seed, policy_timeout=policy_timeout)
                 self._owns_policy = True
-            self._layout = self._probe_layout(keys, adapters)
+            self._layout = self._probe_layout(keys, roots, loop_keys)
             g = envs_per_thread
-            self._workers = [_Worker(self, w, adapters[w * g:(w + 1) * g], list(range(w * g, (w + 1) * g)))
-                             for w in range(num_envs // g)]
+            if self._pool is not None:
+                layout = self._layout
+                self._pool.attach(layout.specs, inputs=self._env_inputs, nxt=layout.env_next,
+                                  checked_next=layout.checked_next if validate else {},
+                                  checked_root=layout.checked_root if validate else {},
+                                  zero_done={k: keys.done[k] for k in self._env_input_done})
+                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), remote=block,
+                                        process=self._pool.process_of[w])
+                                 for w, block in enumerate(self._pool.blocks)]
+            else:
+                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), adapters=adapters[w * g:(w + 1) * g])
+                                 for w in range(num_envs // g)]
         except BaseException:
             for a in adapters:
                 a.close()
+            if self._pool is not None:
+                self._pool.close(self.join_timeout)
             if self._owns_policy:
                 self.policy.close()
             raise
@@ -724,20 +336,17 @@ class MultiEnvLoop:
         if start:
             self.start()
 
-    def _probe_layout(self, keys: EnvKeys, adapters: list[EnvAdapter]) -> _Layout:
-        """Reset every env (as TorchRL's collector does at construction) and run the policy once on their
-        first root entries, all envs in one batch; lay out the columns from what it writes. The resets are
-        kept: each env thread starts from its env's, unless the env is reseeded before the threads start."""
-        loop_keys = adapters[0].loop_keys
-        roots = []
-        for i, adapter in enumerate(adapters):
-            seed = None if self.seed is None else self.seed + i
-            try:
-                root = adapter.reset(seed)
-            except Exception as exc:
-                raise EnvError(f"{type(exc).__name__}: {exc}", env_id=i, step=0, phase="reset") from exc
-            self._first_roots[i] = (seed, root)
-            roots.append(root)
+    @staticmethod
+    def _first_reset(i: int, adapter: EnvAdapter, seed: int | None) -> dict[NestedKey, Any]:
+        try:
+            return adapter.reset(seed)
+        except Exception as exc:
+            raise _creation_error(i, "reset", exc) from exc
+
+    def _probe_layout(self, keys: EnvKeys, roots: list[dict[NestedKey, Any]], loop_keys: bool) -> Layout:
+        """Run the policy once on every env's first root entries (the envs were reset at construction, as
+        TorchRL's collector resets them), all envs in one batch; lay out the columns from what it writes. The
+        resets are kept: each env thread starts from its env's, unless the env is reseeded before it starts."""
         probe = {k: np.stack([np.asarray(r[k], dtype=spec.dtype).reshape(spec.shape) for r in roots])
                  for k, spec in keys.root.items()}
         probe.update({k: np.zeros((len(roots), *spec.shape), spec.dtype) for k, spec in keys.done.items()})
@@ -749,7 +358,7 @@ class MultiEnvLoop:
         if missing:
             raise PolicyError(f"the policy wrote no {missing[0]!r} (the env's action key{'s' if len(keys.action) > 1 else ''}"
                               f": {list(keys.action)}); it wrote {list(outputs)}")
-        layout = _Layout(keys, outputs, loop_keys=loop_keys)
+        layout = Layout(keys, outputs, loop_keys=loop_keys)
         self._input_keys = self.policy.bind(layout.carried | {k: keys.done[k] for k in layout.done_keys},
                                             sub_batch=keys.sub_batch)
         self._input_cols = [k for k in self._input_keys if k in layout.specs]
@@ -779,7 +388,7 @@ class MultiEnvLoop:
                 raise ValueError(f"num_envs={num_envs} but {len(env)} env factories were given; drop num_envs")
             return [resolve_env_factory(e) for e in env]
         n = 1 if num_envs is None else num_envs
-        _check_int("num_envs", n, 1)
+        check_int("num_envs", n, 1)
         factory = resolve_env_factory(env)
         return [factory] * n
 
@@ -842,7 +451,7 @@ class MultiEnvLoop:
         """Continue trajectory ids from ``value`` (before the threads start, e.g. on resume)."""
         if self._started:
             raise CollectionError("set_traj_id_start must be called before the loop starts")
-        _check_int("traj_id_start", value, 0)
+        check_int("traj_id_start", value, 0)
         self._cur_traj = np.arange(value, value + self.num_envs, dtype=np.int64)
         self._next_traj = value + self.num_envs
 
@@ -1072,7 +681,7 @@ class MultiEnvLoop:
                 closing the loop: a call cut at an arbitrary point cannot be resumed.
                 Use an :class:`Interrupter` to stop early and keep the loop usable.
         """
-        _check_int("n", n, 0)
+        check_int("n", n, 0)
         self._driver_ready()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
@@ -1159,7 +768,7 @@ class MultiEnvLoop:
         Raises:
             See :meth:`run_steps`.
         """
-        _check_int("steps_per_env", steps_per_env, 0)
+        check_int("steps_per_env", steps_per_env, 0)
         self._driver_ready()
         if any(r0 for _, r0 in self._partials.values()):  # whole blocks (r0 == 0) are placed below
             raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
@@ -1282,7 +891,7 @@ class MultiEnvLoop:
             before the failure, concatenated in request order (batch size
             ``[sum of their lengths]``; ``None`` when none was complete).
         """
-        _check_int("k", k, 0)
+        check_int("k", k, 0)
         self._driver_ready()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
@@ -1360,6 +969,9 @@ class MultiEnvLoop:
             if worker.thread.is_alive():
                 stuck.append(worker.thread.name)
                 abandon(worker.thread)
+        pool = getattr(self, "_pool", None)
+        if pool is not None:  # after the env threads: none is still talking to a worker process
+            pool.close(self.join_timeout)
         if stuck:
             warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
                           f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",
@@ -1382,6 +994,13 @@ class MultiEnvLoop:
         return (w.thread for w in self._workers)
 
 
+def _creation_error(env_id: int, phase: str, exc: BaseException, process: int | None = None) -> EnvError:
+    """An env that failed while being built or first reset (in this process, or in worker process ``process``)."""
+    where = "" if process is None else f" (in worker process {process})"
+    message = str(exc) if process is not None else f"{type(exc).__name__}: {exc}"
+    return EnvError(message + where, env_id=env_id, step=0, phase="check" if phase == "check" else "reset")
+
+
 class EnvLoop(MultiEnvLoop):
     """One env in one thread: the seed's ``AgentEnvAsyncLoop``.
 
@@ -1395,10 +1014,3 @@ class EnvLoop(MultiEnvLoop):
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
         kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

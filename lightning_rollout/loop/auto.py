@@ -1,0 +1,221 @@
+"""``"auto"`` layout: how many worker processes and envs per thread, from a few timed steps of one env.
+
+At start-up :func:`measure_env` times ``steps`` random-action steps of one env
+(the step time) and runs them again in a helper thread while the calling thread
+counts in a tight Python loop: the share of its solo count rate it keeps while
+the env steps is the share of a step spent without the GIL. :func:`choose_layout`
+applies the rule documented in ``docs/tuning.rst``:
+
+* a cheap step (under ``cheap_s``, 100 us: CartPole, most classic control):
+  all envs in one thread of the main process; thread hand-offs would cost more
+  than the step;
+* a step that holds the GIL (under half of it released) and costs more than
+  that, with more than one core: worker processes, one per core (at most one per
+  env), each running its envs in one thread; unless the run is known to be too
+  short to repay their start-up (``expected_frames`` steps would save less than
+  ``startup_s``, 10 s: spawning a process that imports torch takes seconds);
+* a step that releases the GIL: threads of the main process; one env per thread
+  when a step takes ``thread_s`` (1 ms) or more, otherwise enough envs per thread
+  that a thread's block takes about that long.
+
+The measuring env is created and closed here, in the calling thread, and its random
+actions do not touch torch's global generator (it is forked around the measure).
+A measure that fails or takes over ``timeout`` seconds (an env that hangs) falls back
+to one env per thread in the main process, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._exit import abandon
+from ..envs import EnvFactory, make_adapter
+
+__all__ = ["EnvTiming", "LayoutChoice", "choose_layout", "measure_env", "usable_cores"]
+
+log = logging.getLogger("lightning_rollout")
+
+
+@dataclass(frozen=True)
+class EnvTiming:
+    """What a few timed steps of one env showed.
+
+    Attributes:
+        step_s: mean seconds of one ``reset``-free env step (adapter included).
+        gil_release: share of a step spent without the GIL, ``0.0`` (pure Python) to ``1.0``.
+    """
+
+    step_s: float
+    gil_release: float
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout chosen for a loop, and why.
+
+    Attributes:
+        num_workers: worker processes (1: envs in threads of the main process).
+        envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
+        reason: one sentence, logged at INFO.
+    """
+
+    num_workers: int
+    envs_per_thread: int
+    reason: str
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _count_for(seconds: float, stop: threading.Event | None = None) -> int:
+    """Increments done in ``seconds`` of a tight Python loop (stopped early by ``stop``)."""
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end and not (stop is not None and stop.is_set()):
+        for _ in range(200):
+            n += 1
+    return n
+
+
+def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int | None = None,
+                cheap_s: float = 100e-6) -> EnvTiming:
+    """Time ``steps`` random-action steps of one env built by ``factory``; see the module docs. A cheap env
+    (under ``cheap_s`` a step) is not measured for the GIL: its layout does not depend on it.
+
+    Raises:
+        Exception: whatever building or stepping the env raised.
+    """
+    adapter = make_adapter(factory(), max_episode_steps=max_episode_steps)
+    try:
+        columns = adapter.keys.action
+        root = adapter.reset(None)
+
+        def run(n: int) -> float:
+            nonlocal root
+            start = time.perf_counter()
+            for _ in range(n):
+                row = {**root, **adapter.random_action(columns)}
+                _, _, terminated, truncated = adapter.step(row)
+                if terminated or truncated:
+                    root = adapter.reset(None)
+            return time.perf_counter() - start
+
+        run(3)  # warm-up
+        step_s = run(steps) / steps
+        if step_s < cheap_s:
+            return EnvTiming(step_s=step_s, gil_release=float("nan"))
+        window = min(max(step_s * steps, 0.02), 0.5)
+        solo = _count_for(window) / window
+        done = threading.Event()
+        elapsed = [0.0]
+
+        def background() -> None:
+            elapsed[0] = run(max(steps, math.ceil(window / max(step_s, 1e-7))))
+            done.set()
+
+        thread = threading.Thread(target=background, name="lightning_rollout-auto-measure", daemon=True)
+        start = time.perf_counter()
+        thread.start()
+        count = _count_for(window * 4, stop=done)
+        shared = count / (time.perf_counter() - start)
+        thread.join(10.0)
+        release = max(0.0, min(1.0, shared / solo)) if solo > 0 else 0.0
+        return EnvTiming(step_s=step_s, gil_release=release)
+    finally:
+        adapter.close()
+
+
+def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
+                  thread_s: float = 1e-3, startup_s: float = 10.0, expected_frames: int | None = None,
+                  num_workers: int | str = "auto", envs_per_thread: int | str = "auto") -> LayoutChoice:
+    """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
+
+    A value other than ``"auto"`` for ``num_workers`` or ``envs_per_thread`` is kept, and the other
+    one is chosen around it.
+    """
+    cores = usable_cores() if cores is None else cores
+    step_us = timing.step_s * 1e6
+    if num_workers == "auto":
+        holds_gil = not timing.gil_release >= 0.5  # NaN (not measured: cheap) counts as holding it
+        saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / min(cores, num_envs))
+        if holds_gil and timing.step_s >= cheap_s and cores > 1 and num_envs > 1 and saved_s is not None \
+                and saved_s < startup_s:
+            num_workers = 1
+            why = (f"the env step takes {step_us:.0f} us and holds the GIL, but {expected_frames} frames are too few to "
+                   f"repay starting worker processes: threads of the main process")
+        elif holds_gil and timing.step_s >= cheap_s and cores > 1 and num_envs > 1:
+            num_workers = min(cores, num_envs)
+            while num_envs % num_workers:
+                num_workers -= 1
+            why = (f"the env step takes {step_us:.0f} us and holds the GIL ({timing.gil_release:.0%} released): "
+                   f"{num_workers} worker processes on {cores} cores")
+        else:
+            num_workers = 1
+            why = (f"the env step takes {step_us:.0f} us and {'holds' if holds_gil else 'releases'} the GIL "
+                   f"({timing.gil_release:.0%} released): threads of the main process")
+    else:
+        why = f"num_workers={num_workers} as given"
+    if envs_per_thread == "auto":
+        per_process = num_envs // int(num_workers)
+        if int(num_workers) > 1 or timing.step_s < cheap_s:
+            envs_per_thread = per_process  # one thread per process: hand-offs cost more than they overlap
+            why += f", all {per_process} envs of a process in one thread"
+        else:
+            want = max(1, min(per_process, math.ceil(thread_s / max(timing.step_s, 1e-9))))
+            while per_process % want:
+                want += 1
+            envs_per_thread = want
+            why += f", {want} env{'s' if want > 1 else ''} per thread"
+    else:
+        why += f", envs_per_thread={envs_per_thread} as given"
+    return LayoutChoice(int(num_workers), int(envs_per_thread), why)
+
+
+def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
+                max_episode_steps: int | None = None, expected_frames: int | None = None, name: str = "loop",
+                timeout: float = 10.0) -> LayoutChoice:
+    """Measure one env and choose; logs the choice at INFO on the ``lightning_rollout`` logger."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                box["timing"] = measure_env(factory, max_episode_steps=max_episode_steps)
+        except Exception as exc:  # reported by the loop itself when it builds the envs
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="lightning_rollout-auto-measure", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "timing" not in box:
+        if thread.is_alive():
+            abandon(thread)  # stuck in the env: a daemon that cannot crash the interpreter's exit (see _exit)
+        why = (f"measuring one env failed ({type(box['error']).__name__}: {box['error']})" if "error" in box
+               else f"measuring one env took over {timeout} s")
+        workers = 1 if is_auto(num_workers) else int(num_workers)
+        ept = 1 if is_auto(envs_per_thread) else int(envs_per_thread)
+        choice = LayoutChoice(workers, ept, f"{why}: num_workers={workers}, envs_per_thread={ept}")
+        log.info("%s: %s", name, choice.reason)
+        return choice
+    choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, envs_per_thread=envs_per_thread,
+                           expected_frames=expected_frames)
+    log.info("%s: num_workers=%d, envs_per_thread=%d (%s)", name, choice.num_workers, choice.envs_per_thread,
+             choice.reason)
+    return choice
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"

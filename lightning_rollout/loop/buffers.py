@@ -1,0 +1,122 @@
+"""The column layout of a transition, and the checks of what an env returns.
+
+One column (a preallocated numpy array) per leaf of the env's TorchRL specs, of
+the policy's outputs, and of the loop's own bookkeeping: trajectory ids, env
+ids, policy versions and one float64 column of per-step statistics. A batch is a
+TensorDict built over these columns once, never per step. Nothing here holds
+threads or state beyond the layout itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
+
+__all__ = ["Layout", "check_entries"]
+
+
+# Entries the loop writes for every transition, beside the env's and the policy's.
+_TRAJ = ("collector", "traj_ids")
+_ENV_ID = ("collector", "env_id")
+_VERSION = "policy_version"
+# Per-row statistics the loop keeps for events and counts, one float64 column of 6 (one write a block;
+# never part of a returned batch): this step's reward (summed over reward leaves), the episode's return
+# and length up to and including this step, terminated, truncated, done (0 / 1).
+_STATS = "_stats"
+_S_REWARD, _S_RETURN, _S_LENGTH, _S_TERMINATED, _S_TRUNCATED, _S_DONE = range(6)
+# Entries a gymnasium env gets from the loop itself (TorchRL's StepCounter, RewardSum, InitTracker and
+# its done flags), written one vectorised assignment per block rather than per env.
+_GYM_LOOP_KEYS = ("is_init", "step_count", "episode_reward")
+
+
+class Layout:
+    """Per-transition storage: one column per leaf of the env's specs and of the policy's outputs.
+
+    Attributes:
+        carried: root entries each env keeps between steps (``{key: ArraySpec}``): the env's
+            observations and state, what the policy wrote under ``"next"`` that the env does not
+            provide (recurrent state), and what it wrote at the root besides the action (kept as
+            TorchRL's ``step_mdp(keep_other=True)`` keeps it).
+        done_keys: done flags; all-false at the root (an env is reset as soon as it is done), so
+            they are no root columns: zeros are added when a batch is built.
+        advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
+        env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
+        specs: every column (root, ``"next"``, policy outputs, bookkeeping).
+    """
+
+    def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
+        env_root = keys.root
+        self.keys = keys
+        self.loop_keys = loop_keys
+        self.out_keys = list(outputs)
+        self.action_keys = [k for k in keys.action if k in outputs]
+        policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
+                       if isinstance(k, tuple) and k[0] == "next"}
+        fed_back = {k: spec for k, spec in policy_next.items() if k not in env_root and k not in keys.next}
+        kept = {k: spec for k, spec in outputs.items() if not (isinstance(k, tuple) and k[0] == "next")
+                and k not in keys.action and k not in env_root and k not in fed_back}
+        self.carried = {**env_root, **fed_back, **kept}
+        self.policy_carried = [*fed_back, *kept]  # zeroed at each reset (the env does not provide them)
+        self.done_keys = list(keys.done)
+        self.advance = ([(k, next_key(k)) for k in keys.observation] + [(k, next_key(k)) for k in fed_back]
+                        + [(k, k) for k in kept])
+        skip = set(_GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
+        self.env_next = [k for k in keys.next if k not in skip]
+        self.env_next_pairs = [(k, next_key(k)) for k in self.env_next]
+        self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
+        self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
+        self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
+        scalar_i = ArraySpec((), np.dtype(np.int64))
+        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
+        self.specs.update({next_key(k): v for k, v in keys.next.items()})
+        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
+                           _STATS: ArraySpec((6,), np.dtype(np.float64))})
+
+    def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+        lead = (rows,) if isinstance(rows, int) else rows
+        return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in self.specs.items()}
+
+    def to_tensordict(self, columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
+                      names: Sequence[str | None] | None = None) -> TensorDict:
+        """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
+        td = TensorDict(batch_size=list(batch_size))
+        for key, value in columns.items():
+            if key != _STATS:
+                td.set(key, torch.from_numpy(value))
+        lead = list(batch_size)
+        for key in self.done_keys:  # root done flags: false, as TorchRL's collector writes them
+            td.set(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))
+        for prefix, dims in self.keys.sub_batch.items():
+            for root in (prefix, ("next", *prefix)):
+                sub = td.get(root, None)
+                if sub is not None:
+                    sub.batch_size = torch.Size([*lead, *dims])
+        if names is not None:
+            td.refine_names(*names)
+        return td
+
+
+def check_entries(values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> str | None:
+    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
+
+    Python scalars (the adapter's own counters) pass unchecked.
+    """
+    for k, spec in specs.items():
+        v = values.get(k)
+        if v is None:
+            return f"entry {k!r} is missing"
+        if not isinstance(v, np.ndarray):
+            continue
+        if v.shape != spec.shape:
+            return f"entry {k!r} has shape {v.shape}, expected {spec.shape}"
+        if v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
+            return f"entry {k!r} has dtype {v.dtype}, expected {spec.dtype}"
+        if v.dtype.kind == "f" and np.isnan(v).any():
+            return f"entry {k!r} contains NaN"
+    return None

@@ -1,0 +1,434 @@
+"""Worker processes: env blocks stepped in child processes, crossing in shared memory.
+
+With ``num_workers > 1`` a :class:`~lightning_rollout.MultiEnvLoop` splits its envs
+across that many child processes. Everything but the env calls stays in the main
+process: the env threads (one per block of ``envs_per_thread`` envs), their
+bookkeeping and double batching, the one :class:`~lightning_rollout.AutobatchPolicy`,
+events and errors. An env thread hands its block's step to the block's server
+thread in a child and waits for it without holding the GIL, so envs whose step
+holds the GIL (pure Python, ALE) run on every core.
+
+Protocol (one duplex ``Pipe`` per block; a block server thread in the child owns
+the child end, the env thread in the parent owns the other):
+
+* start-up, child -> parent: ``("ready", keys, observation_spec, action_spec,
+  loop_keys, roots)`` once the block's envs are built and reset (``roots``: each
+  env's first root entries, reset with its seed), or ``("error", ...)``;
+  parent -> child: ``("buffers", inputs, next, root, stats)``: the block's shared
+  tensors, allocated by the parent from the loop's column layout.
+* then, parent -> child: ``("step", envs)`` (``None``: the whole block),
+  ``("reset", j, seed)``, ``("random", j, columns)``, ``("close",)``;
+  child -> parent: ``("ok", payload)`` or ``("error", j, phase, kind, message,
+  traceback)``.
+
+Shared buffers are torch tensors in shared memory (``share_memory_()``), viewed as
+numpy on both sides and written once per step by one side: ``inputs[key]
+[rows, ...]`` (what the adapter reads: the action, or every root entry of a TorchRL
+env) by the parent; ``next[key]`` (what the adapter returns), ``root[key]`` (a
+reset's entries) and ``stats`` (reward, terminated, truncated per env) by the
+child. A message orders every write before the other side reads.
+
+Lifetime: children start with the ``spawn`` method (safe with CUDA in the parent),
+ignore SIGINT (Ctrl-C is the parent's to handle), run torch with one thread, and
+exit when the parent closes their blocks or when the parent dies (a watchdog
+thread waits on the parent's sentinel). :meth:`WorkerProcesses.close` asks every
+block to close, joins each process within a bound, then terminates and kills.
+Every parent-side wait polls the loop's stop flag and the child's liveness.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..envs import ActionError, EnvFactory, make_adapter
+from ..specs import ArraySpec, EnvKeys, NestedKey
+from .buffers import check_entries
+
+__all__ = ["EnvFailure", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses"]
+
+_POLL_S = 0.05
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (chained as the cause of the error)."""
+
+
+class EnvFailure(Exception):
+    """An env call of a block failed (internal: the env thread names the env and step).
+
+    Attributes:
+        j: the env's index in its block.
+        phase: ``"reset"``, ``"step"``, ``"check"`` or ``"create"``.
+        kind: ``"env"``, or ``"action"`` when the policy's action was invalid.
+        cause: the exception (or its remote traceback).
+    """
+
+    def __init__(self, j: int, phase: str, kind: str, cause: BaseException) -> None:
+        remote = isinstance(cause, RemoteTraceback)  # its text starts with the remote "Type: message" line
+        super().__init__(str(cause).split("\n", 1)[0] if remote else f"{type(cause).__name__}: {cause}")
+        self.j, self.phase, self.kind, self.cause = j, phase, kind, cause
+
+
+@dataclass(frozen=True)
+class _BlockPlan:
+    env_ids: tuple[int, ...]
+    factories: tuple[EnvFactory, ...]
+    seeds: tuple[int | None, ...]
+
+
+def _to_shared(spec: ArraySpec, rows: int) -> torch.Tensor:
+    dtype = torch.from_numpy(np.empty(0, dtype=spec.dtype)).dtype
+    return torch.zeros((rows, *spec.shape), dtype=dtype).share_memory_()
+
+
+def _numpy(tensors: dict[NestedKey, torch.Tensor]) -> dict[NestedKey, np.ndarray]:
+    return {k: t.numpy() for k, t in tensors.items()}
+
+
+# -- child side ------------------------------------------------------------------------------------
+def _error_reply(j: int, phase: str, exc: BaseException) -> tuple[Any, ...]:
+    kind = "action" if isinstance(exc, ActionError) else "env"
+    return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+class _BlockServer:
+    """Serves one block's commands in the child (its own thread)."""
+
+    def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool) -> None:
+        self.plan, self.conn, self.validate = plan, conn, validate
+        self.adapters = []
+        for j, factory in enumerate(plan.factories):
+            try:
+                self.adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
+            except BaseException as exc:
+                conn.send(_error_reply(j, "create", exc))
+                raise
+        keys = self.adapters[0].keys
+        roots = []
+        for j, (adapter, seed) in enumerate(zip(self.adapters, plan.seeds)):
+            try:
+                roots.append(adapter.reset(seed))
+            except BaseException as exc:
+                conn.send(_error_reply(j, "reset", exc))
+                raise
+        first = self.adapters[0]
+        conn.send(("ready", keys, first.observation_spec, first.action_spec, first.loop_keys,
+                   [{k: np.asarray(v) for k, v in r.items()} for r in roots]))
+        self.keys: EnvKeys = keys
+
+    def attach(self, message: tuple[Any, ...]) -> None:
+        _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
+        self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
+        self.zero_done = {k: np.zeros(spec.shape, bool) for k, spec in zero_done.items()}  # root done flags
+        self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
+        self.checked_next, self.checked_root = checked_next, checked_root
+
+    def serve(self) -> None:
+        conn = self.conn
+        while True:
+            message = conn.recv()
+            op = message[0]
+            if op == "close":
+                for adapter in self.adapters:
+                    try:
+                        adapter.close()
+                    except Exception:  # closing must not hide the reply
+                        pass
+                conn.send(("ok", None))
+                return
+            try:
+                reply = getattr(self, f"_{op}")(*message[1:])
+            except _Failed as failed:
+                reply = failed.reply
+            conn.send(reply)
+
+    def _step(self, envs: Sequence[int] | None) -> tuple[Any, ...]:
+        inputs, nxt = self.inputs, self.next
+        for j in range(len(self.adapters)) if envs is None else envs:
+            row = {k: v[j] for k, v in inputs.items()}
+            row.update(self.zero_done)
+            try:
+                out, self.reward[j], self.terminated[j], self.truncated[j] = self.adapters[j].step(row)
+            except BaseException as exc:
+                raise _Failed(_error_reply(j, "step", exc)) from exc
+            if self.validate:
+                problem = check_entries(out, self.checked_next)
+                if problem is not None:
+                    raise _Failed(("error", j, "check", "env", problem, ""))
+            for k, buf in nxt.items():
+                buf[j] = out[k]
+        return ("ok", None)
+
+    def _reset(self, j: int, seed: int | None) -> tuple[Any, ...]:
+        try:
+            root = self.adapters[j].reset(seed)
+        except BaseException as exc:
+            raise _Failed(_error_reply(j, "reset", exc)) from exc
+        if self.validate:
+            problem = check_entries(root, self.checked_root)
+            if problem is not None:
+                raise _Failed(("error", j, "check", "env", problem, ""))
+        for k, buf in self.root.items():
+            buf[j] = root[k]
+        return ("ok", None)
+
+    def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> tuple[Any, ...]:
+        return ("ok", self.adapters[j].random_action(columns))
+
+
+class _Failed(Exception):
+    def __init__(self, reply: tuple[Any, ...]) -> None:
+        super().__init__(reply[4])
+        self.reply = reply
+
+
+def _watch_parent() -> None:
+    """Exit this process as soon as the parent dies (no orphans)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    from multiprocessing.connection import wait
+
+    wait([parent.sentinel])
+    os._exit(0)
+
+
+def _child_main(plans: list[_BlockPlan], conns: list[Any], max_episode_steps: int | None, validate: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes us
+    torch.set_num_threads(1)
+    threading.Thread(target=_watch_parent, name="lightning_rollout-worker-watchdog", daemon=True).start()
+    servers: list[_BlockServer] = []
+    try:
+        for plan, conn in zip(plans, conns):
+            servers.append(_BlockServer(plan, conn, max_episode_steps, validate))
+        for server in servers:
+            server.attach(server.conn.recv())
+    except BaseException:
+        return  # the error was sent; the parent closes everything
+    threads = [threading.Thread(target=s.serve, name=f"lightning_rollout-block{s.plan.env_ids[0]}", daemon=True)
+               for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the parent owns every resource; skip finalization (the watchdog thread is still waiting)
+
+
+# -- parent side -------------------------------------------------------------------------------------
+def check_picklable(factories: Sequence[EnvFactory]) -> None:
+    """Raise a ``ValueError`` saying what to do when an env factory cannot be sent to a worker process."""
+    for i, factory in enumerate(factories):
+        try:
+            pickle.dumps(factory)
+        except Exception as exc:
+            raise ValueError(
+                f"num_workers > 1 runs envs in worker processes, which need the env factory to be picklable; env "
+                f"{i}'s factory {factory!r} is not ({type(exc).__name__}: {exc}). Define it at module level (not a "
+                "lambda or a local function), or pass a gymnasium id or a functools.partial of a module-level "
+                "function") from exc
+
+
+def _receive(conn: Any, process: Any) -> tuple[Any, ...]:
+    """The next message from a child; a closed pipe (the child died) becomes an :class:`EnvFailure`."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError) as exc:
+        process.join(1.0)
+        raise EnvFailure(0, "step", "env", RuntimeError(
+            f"worker process {process.name!r} died (exit code {process.exitcode})")) from exc
+
+
+class RemoteEnvs:
+    """A block of envs in a worker process, as its env thread in the parent sees it.
+
+    Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
+    """
+
+    def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int) -> None:
+        self.pool, self.process, self.conn, self.rows = pool, process, conn, rows
+        self.inputs: dict[NestedKey, np.ndarray] = {}
+        self.next: dict[NestedKey, np.ndarray] = {}
+        self.root: dict[NestedKey, np.ndarray] = {}
+
+    def _call(self, message: tuple[Any, ...], stop: threading.Event | None) -> Any:
+        self.conn.send(message)
+        return self._reply(stop)
+
+    def _reply(self, stop: threading.Event | None) -> Any:
+        from ..policy import _Stopped
+
+        conn = self.conn
+        while not conn.poll(_POLL_S):
+            if stop is not None and stop.is_set():
+                raise _Stopped()
+            if not self.process.is_alive():
+                raise EnvFailure(0, "step", "env", RuntimeError(
+                    f"worker process {self.process.name!r} died (exit code {self.process.exitcode})"))
+        reply = _receive(conn, self.process)
+        if reply[0] == "error":
+            _, j, phase, kind, message, remote_tb = reply
+            raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
+        return reply[1]
+
+    def step(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int],
+             next_pairs: Sequence[tuple[NestedKey, NestedKey]], rewards: np.ndarray, terminated: np.ndarray,
+             truncated: np.ndarray, stop: threading.Event) -> None:
+        """Step ``envs`` with the inputs in rows ``r0:`` of ``cols``; their next entries go to those rows."""
+        n = len(envs)
+        whole = n == self.rows
+        sel: slice | list[int] = slice(None) if whole else list(envs)
+        rows = slice(r0, r0 + n)
+        for k, buf in self.inputs.items():
+            buf[sel] = cols[k][rows]
+        self._call(("step", None if whole else tuple(envs)), stop)
+        for k, nk in next_pairs:
+            cols[nk][rows] = self.next[k][sel]
+        rewards[:] = self.reward[sel]
+        terminated[:] = self.terminated[sel]
+        truncated[:] = self.truncated[sel]
+
+    def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
+        self._call(("reset", j, seed), stop)
+        return {k: v[j].copy() for k, v in self.root.items()}
+
+    def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
+        return self._call(("random", j, columns), stop)
+
+
+class WorkerProcesses:
+    """The worker processes of one loop: build them, attach their shared buffers, close them.
+
+    Args:
+        factories: one env factory per env (picklable).
+        num_workers: processes (``2 <= num_workers <= number of blocks``).
+        envs_per_thread: envs per block (one env thread in the parent, one server thread in a child).
+        seeds: the seed of each env's first reset (``None``: unseeded).
+        max_episode_steps, validate: as the loop's.
+        name: used in process names.
+        start_method: ``"spawn"`` (default) or ``"forkserver"``; both are safe with CUDA.
+        timeout: seconds to wait for the processes to build and reset their envs.
+
+    Raises:
+        ValueError: an unpicklable factory, or envs whose specs differ.
+        EnvError: an env failed to build or reset (named by its global id and its process).
+    """
+
+    def __init__(self, factories: Sequence[EnvFactory], num_workers: int, envs_per_thread: int, *,
+                 seeds: Sequence[int | None], max_episode_steps: int | None, validate: bool, name: str,
+                 start_method: str = "spawn", timeout: float = 120.0,
+                 on_error: Callable[[int, str, EnvFailure, int], BaseException]) -> None:
+        check_picklable(factories)
+        ctx = torch.multiprocessing.get_context(start_method)
+        g = envs_per_thread
+        num_blocks = len(factories) // g
+        plans = [_BlockPlan(tuple(range(b * g, (b + 1) * g)), tuple(factories[b * g:(b + 1) * g]),
+                            tuple(seeds[b * g:(b + 1) * g])) for b in range(num_blocks)]
+        self.blocks: list[RemoteEnvs] = []
+        self.processes: list[Any] = []
+        self.process_of: list[int] = []  # block -> process index
+        self._closed = False
+        bounds = np.linspace(0, num_blocks, num_workers + 1).round().astype(int)
+        try:
+            for p in range(num_workers):
+                mine = plans[bounds[p]:bounds[p + 1]]
+                pairs = [ctx.Pipe(duplex=True) for _ in mine]
+                process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
+                                                                 validate),
+                                      name=f"lightning_rollout-{name}-worker{p}", daemon=True)
+                process.start()
+                for parent_end, child_end in pairs:
+                    child_end.close()
+                    self.blocks.append(RemoteEnvs(self, process, parent_end, g))
+                    self.process_of.append(p)
+                self.processes.append(process)
+            self.first_roots: list[dict[NestedKey, np.ndarray]] = []
+            ready = []
+            for b, block in enumerate(self.blocks):
+                try:
+                    reply = self._wait_ready(block, timeout)
+                except EnvFailure as failure:
+                    raise on_error(plans[b].env_ids[failure.j], failure.phase, failure,
+                                   self.process_of[b]) from failure.cause
+                ready.append(reply)
+                self.first_roots.extend(reply[5])
+            _, self.keys, self.observation_spec, self.action_spec, self.loop_keys, _ = ready[0]
+            for b, reply in enumerate(ready[1:], 1):
+                if not reply[1].same_layout(self.keys):
+                    raise ValueError(f"the envs of block {b} have specs {reply[1]}, env 0 has {self.keys}; all envs "
+                                     "of a loop must share their keys, shapes and dtypes")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _wait_ready(block: RemoteEnvs, timeout: float) -> tuple[Any, ...]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not block.conn.poll(_POLL_S):
+            if not block.process.is_alive():
+                raise EnvFailure(0, "create", "env", RuntimeError(
+                    f"worker process {block.process.name!r} exited while building its envs (exit code "
+                    f"{block.process.exitcode})"))
+            if time.monotonic() > deadline:
+                raise EnvFailure(0, "create", "env", TimeoutError(
+                    f"worker process {block.process.name!r} did not build its envs within {timeout} s"))
+        reply = _receive(block.conn, block.process)
+        if reply[0] == "error":
+            _, j, phase, kind, message, remote_tb = reply
+            raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
+        return reply
+
+    def attach(self, specs: dict[NestedKey, ArraySpec], *, inputs: Sequence[NestedKey], nxt: Sequence[NestedKey],
+               checked_next: dict[NestedKey, ArraySpec], checked_root: dict[NestedKey, ArraySpec],
+               zero_done: dict[NestedKey, ArraySpec]) -> None:
+        """Allocate each block's shared buffers from the loop's column layout and hand them to its child."""
+        keys = self.keys
+        for block in self.blocks:
+            g = block.rows
+            shared_in = {k: _to_shared(specs[k], g) for k in inputs}
+            shared_next = {k: _to_shared(keys.next[k], g) for k in nxt}
+            shared_root = {k: _to_shared(keys.root[k], g) for k in keys.root}
+            stats = (torch.zeros(g, dtype=torch.float64).share_memory_(),
+                     torch.zeros(g, dtype=torch.bool).share_memory_(), torch.zeros(g, dtype=torch.bool).share_memory_())
+            block.conn.send(("buffers", shared_in, shared_next, shared_root, stats, checked_next, checked_root,
+                             zero_done))
+            block.inputs, block.next, block.root = _numpy(shared_in), _numpy(shared_next), _numpy(shared_root)
+            block.reward, block.terminated, block.truncated = (t.numpy() for t in stats)
+            block._keep = (shared_in, shared_next, shared_root, stats)  # the parent's references
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close every block, join every process within ``timeout`` s, then terminate / kill. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for block in self.blocks:
+            try:
+                if block.process.is_alive():
+                    block.conn.send(("close",))
+            except (OSError, ValueError):  # the pipe is already gone
+                pass
+        for process in self.processes:
+            process.join(timeout)
+            if process.is_alive():
+                process.terminate()
+                process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join(1.0)
+        for block in self.blocks:
+            block.conn.close()

@@ -1,0 +1,423 @@
+"""The env-side loop: one thread per block of ``envs_per_thread`` envs.
+
+An env thread (``lightning_rollout-<name>-env<i>``, a daemon) runs a :class:`Worker`
+that owns its envs' running state: each env's current root entries (``cur``,
+TorchRL's carrier as one row per env), counters, two staging slots, and either
+the envs' adapters (in-process) or a :class:`~lightning_rollout.loop.process.RemoteEnvs`
+block in a worker process. It answers the driver's requests (see
+:mod:`lightning_rollout.loop.driver` for the messages): a step of the whole block
+into a slot, a quota of steps straight into the driver's batch, a reset, or one
+fresh episode of one env. Each step asks the autobatching policy for the block's
+rows, steps the envs, writes the transition into its columns with one vectorised
+write per key, and advances ``cur`` as TorchRL's ``step_mdp`` does.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..envs import ActionError, EnvAdapter
+from ..errors import CollectionError, EnvError, PolicyError
+from ..policy import Agent, _Stopped
+from ..specs import ArraySpec, NestedKey, next_key
+from .buffers import (_ENV_ID, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED, _S_TRUNCATED, _STATS,
+                      _VERSION, check_entries)
+from .process import EnvFailure
+
+if TYPE_CHECKING:
+    from .driver import MultiEnvLoop
+    from .process import RemoteEnvs
+
+__all__ = ["Worker"]
+
+_POLL_S = 0.05
+
+
+class Worker:
+    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
+
+    def __init__(self, loop: MultiEnvLoop, index: int, env_ids: list[int], *, adapters: list[EnvAdapter] | None = None,
+                 remote: RemoteEnvs | None = None, process: int | None = None) -> None:
+        self.loop = loop
+        self.index = index
+        self.adapters = adapters or []  # in-process envs, stepped by this thread
+        self.remote = remote  # or a block of envs in worker process ``process``
+        self.process = process
+        self.env_ids = env_ids
+        self.env_id_array = np.asarray(env_ids, dtype=np.int64)
+        self.rows = len(env_ids)
+        layout = loop._layout
+        self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
+        # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
+        self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
+        self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
+        self.step_count = np.zeros(self.rows, dtype=np.int64)
+        self.episode_reward = np.zeros(self.rows, dtype=np.float64)
+        self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env
+        self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
+        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
+        self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
+        self.busy_env = -1
+        self.busy_phase = "step"  # what busy_env is doing: "reset" or "step"
+        self.quota_end = 0  # after a quota request: the first time index it did not write
+        self.abandoned = False  # set by the driver when a call exceeded step_timeout
+        self.pending_error: EnvError | None = None  # a reset that failed after a delivered-to-be done step
+        # The agent counts as active while this thread works (``_working``) or while the driver
+        # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
+        # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
+        # every flush then has all envs (lock-step), instead of whichever thread woke first.
+        self._gate = threading.Lock()
+        self._working = True
+        self._held = False
+        self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
+                                       daemon=True)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _env_error(self, exc: BaseException, j: int, phase: str) -> EnvError:
+        error = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j], step=int(self.steps_done[j]),
+                         phase=phase)
+        error.__cause__ = exc
+        return error
+
+    def _reset_env(self, j: int, seed: int | None = None) -> None:
+        first = self.loop._first_roots.pop(self.env_ids[j], None)  # the construction's reset, if still valid
+        if first is not None and first[0] == seed:
+            root = first[1]
+        else:
+            self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
+            try:
+                root = self.remote.reset(j, seed, self.loop._stop) if self.remote else self.adapters[j].reset(seed)
+            except EnvFailure as failure:
+                raise self._remote_error(failure) from failure.cause
+            except _Stopped:
+                raise
+            except Exception as exc:
+                raise self._env_error(exc, j, "reset") from exc
+            finally:
+                self.busy_since = 0.0
+        layout = self.loop._layout
+        self._check(j, root, layout.checked_root)
+        for k in layout.keys.root:
+            self.cur[k][j] = root[k]
+        for k in layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
+            self.cur[k][j] = 0
+        self.step_count[j] = 0
+        self.episode_reward[j] = 0.0
+
+    def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
+        """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
+        if self.loop.validate:
+            problem = check_entries(values, specs)
+            if problem is not None:
+                raise EnvError(problem, env_id=self.env_ids[j], step=int(self.steps_done[j]), phase="check")
+
+    def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
+        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``."""
+        loop = self.loop
+        layout = loop._layout
+        if self.random_left[envs[0]] > 0:
+            for k in layout.out_keys:
+                cols[k][r0:r0 + rows] = 0
+            for r, j in zip(range(r0, r0 + rows), envs):
+                columns = loop._action_columns
+                sample = (self.remote.random_action(j, columns, loop._stop) if self.remote
+                          else self.adapters[j].random_action(columns))
+                for k, v in sample.items():
+                    cols[k][r] = v
+                self.random_left[j] -= 1
+            cols[_VERSION][r0:r0 + rows] = -1
+            return
+        agent = self.agent
+        inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
+        for k in loop._input_done:  # root done flags: false (no column)
+            inputs[k] = self.zero_done[k][:rows]
+        agent.submit(inputs, exploration_type=loop.exploration_type)
+        step = int(self.steps_done[envs[0]])
+        try:
+            answer = agent.result(loop._stop)
+        except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
+            raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
+                              step=step) from exc
+        outputs, a, b = answer.outputs, answer.start, answer.stop
+        for k in layout.out_keys:
+            value = outputs.get(k)
+            if value is None or value.shape[1:] != cols[k].shape[1:]:
+                got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
+                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape "
+                                  f"{tuple(cols[k].shape[1:])} per row when probed at construction",
+                                  env_ids=tuple(self.env_ids[j] for j in envs), step=step)
+            cols[k][r0:r0 + rows] = value[a:b]
+        cols[_VERSION][r0:r0 + rows] = answer.version
+
+    def _step_env(self, j: int, row: dict[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
+        """``env.step`` of env ``j``, timed for ``step_timeout``, errors named, observation checked."""
+        self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
+        try:
+            result = self.adapters[j].step(row)
+        except ActionError as exc:  # the policy's fault, not the env's
+            raise PolicyError(f"invalid action for env {self.env_ids[j]}: {exc}", env_ids=(self.env_ids[j],),
+                              step=int(self.steps_done[j])) from exc
+        except Exception as exc:
+            raise self._env_error(exc, j, "step") from exc
+        finally:
+            self.busy_since = 0.0
+        self._check(j, result[0], self.loop._layout.checked_next)
+        return result
+
+    def _step_remote(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int], rewards: np.ndarray,
+                     terminated: np.ndarray, truncated: np.ndarray) -> None:
+        """Step this block's envs in their worker process (one round trip for the block)."""
+        assert self.remote is not None
+        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
+        try:
+            self.remote.step(cols, r0, envs, self.loop._layout.env_next_pairs, rewards, terminated, truncated,
+                             self.loop._stop)
+        except EnvFailure as failure:
+            raise self._remote_error(failure) from failure.cause
+        finally:
+            self.busy_since = 0.0
+
+    def _remote_error(self, failure: EnvFailure) -> CollectionError:
+        """The error of a worker process's env call, named by the env's global id and the process."""
+        j = failure.j
+        env_id, step = self.env_ids[j], int(self.steps_done[j])
+        if failure.kind == "action":
+            return PolicyError(f"invalid action for env {env_id}: {failure}", env_ids=(env_id,), step=step)
+        return EnvError(f"{failure} (in worker process {self.process})", env_id=env_id, step=step,
+                        phase=failure.phase)
+
+    def _step_block(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int]) -> np.ndarray:
+        """Step envs ``envs`` with the actions in rows ``r0:r0+len(envs)`` of ``cols``; write the
+        transitions there (counters and flags with one vectorised write per key, not one per env).
+        Leaves each env's next root entries in ``cur``; returns the rows' done flags."""
+        loop = self.loop
+        layout, n = loop._layout, len(envs)
+        rows = slice(r0, r0 + n)
+        sel: slice | list[int] = slice(None) if n == self.rows else list(envs)
+        cols[_ENV_ID][rows] = self.env_id_array[sel]
+        rewards = np.empty(n)
+        terminated = np.empty(n, dtype=bool)
+        truncated = np.empty(n, dtype=bool)
+        if self.remote is not None:
+            self._step_remote(cols, r0, envs, rewards, terminated, truncated)
+        else:
+            inputs, done_inputs = loop._env_inputs, loop._env_input_done
+            for i, j in enumerate(envs):
+                r = r0 + i
+                row = {k: cols[k][r] for k in inputs}
+                for k in done_inputs:
+                    row[k] = self.zero_done[k][0]
+                nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, row)
+                for k, nk in layout.env_next_pairs:
+                    cols[nk][r] = nxt[k]
+        self.steps_done[sel] += 1
+        self.step_count[sel] += 1
+        self.episode_reward[sel] += rewards
+        if layout.loop_keys:
+            if loop.max_episode_steps is not None:
+                truncated |= self.step_count[sel] >= loop.max_episode_steps
+            cols[("next", "reward")][rows, 0] = rewards
+            cols[("next", "terminated")][rows, 0] = terminated
+            cols[("next", "truncated")][rows, 0] = truncated
+            cols[("next", "done")][rows, 0] = terminated | truncated
+            cols[("next", "is_init")][rows] = False
+            cols[("next", "step_count")][rows, 0] = self.step_count[sel]
+            cols[("next", "episode_reward")][rows, 0] = self.episode_reward[sel]
+        done = terminated | truncated
+        stats = cols[_STATS][rows]
+        stats[:, _S_REWARD] = rewards
+        stats[:, _S_RETURN] = self.episode_reward[sel]
+        stats[:, _S_LENGTH] = self.step_count[sel]
+        stats[:, _S_TERMINATED] = terminated
+        stats[:, _S_TRUNCATED] = truncated
+        stats[:, _S_DONE] = done
+        for k, src in layout.advance:
+            self.cur[k][sel] = cols[src][rows]
+        return done
+
+    def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int) -> None:
+        """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols``."""
+        n = self.rows if isinstance(sel, slice) else (1 if isinstance(sel, int) else len(sel))
+        rows = slice(r0, r0 + n)
+        for k, v in self.cur.items():
+            cols[k][rows] = v[sel]
+
+    def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
+        """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch).
+
+        A reset that fails after a done step does not lose that step: the error is kept in
+        ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
+        self._load_root(cols, 0, slice(None))
+        self._act(cols, 0, self.rows, range(self.rows))
+        for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
+            try:
+                self._reset_env(int(j))
+            except EnvError as exc:
+                self.pending_error = exc
+                return  # the env has no next root: nothing more is stepped before the error is raised
+
+    def _raise_pending(self) -> None:
+        """Raise the error of a reset that failed in a block just delivered (see :meth:`_compute`)."""
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
+
+    def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
+        """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
+        batch, which it does not read until this worker reports); stop early when the driver cuts.
+        Keeps ``quota_end`` at the first time index not written yet; returns the staged slot left (None)."""
+        w, t, end = self.index, start, start + count
+        cut, stop = self.loop._cut, self.loop._stop
+        self.quota_end = t
+        while t < end:
+            dest = {k: v[w, :, t] for k, v in out.items()}
+            if staged is not None:  # the lookahead step computed before the request: deliver it first
+                src = self.slots[staged]
+                for k, d in dest.items():
+                    d[...] = src[k]
+                staged = None
+            else:
+                self._compute(dest)
+            t += 1
+            self.quota_end = t  # read by the driver after a failure: steps before it are complete
+            self._raise_pending()
+            if cut.is_set():
+                break
+            if stop.is_set():  # the loop is closing (an error elsewhere, Ctrl-C): leave within one step
+                raise _Stopped()
+        return staged
+
+    def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
+        """Update the two reasons to count as active (any thread); the agent follows their ``or``."""
+        with self._gate:
+            if working is not None:
+                self._working = working
+            if held is not None:
+                self._held = held
+            if self._working or self._held:
+                self.agent.unpark()
+            else:
+                self.agent.park()
+
+    def _wait_request(self) -> tuple[Any, ...] | None:
+        self._set_activity(working=False)
+        try:
+            while True:
+                try:
+                    request = self.requests.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self.loop._stop.is_set():
+                        return None
+                    continue
+                return None if request[0] == "stop" else request
+        finally:
+            self._set_activity(working=True)
+
+    def _cut(self, staged: int | None, j: int) -> None:
+        """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
+        if staged is not None:
+            cols = self.slots[staged]
+            if not cols[_STATS][j, _S_DONE]:
+                cols[_STATS][j, _S_TRUNCATED] = 1
+                cols[_STATS][j, _S_DONE] = 1
+                for k in self.loop._layout.done_keys:
+                    name = k[-1] if isinstance(k, tuple) else k
+                    if name in ("done", "truncated"):
+                        cols[next_key(k)][j] = True
+
+    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
+        """A fresh episode on env ``j`` alone; the others of this worker wait."""
+        loop = self.loop
+        self._cut(staged, j)
+        self.agent.set_rows(1)
+        try:
+            self._reset_env(j)
+            capacity = 64
+            cols = loop._layout.allocate(capacity)
+            t = 0
+            while True:
+                if t == capacity:
+                    grown = loop._layout.allocate(capacity * 2)
+                    for k, v in cols.items():
+                        grown[k][:capacity] = v
+                    cols, capacity = grown, capacity * 2
+                self._load_root(cols, t, [j])
+                self._act(cols, t, 1, (j,))
+                done = bool(self._step_block(cols, t, (j,))[0])
+                t += 1
+                if done:
+                    break
+                if loop._stop.is_set():
+                    raise _Stopped()
+            # With a staged step, that step (delivered later, done) ends the env's running trajectory;
+            # without one, the driver starts a new trajectory for the env's next steps.
+            loop._ready.put(("episode", self.index, request_index, cols, t, staged is None))
+            self._reset_env(j)
+        finally:
+            self.agent.set_rows(self.rows)
+
+    def _main(self) -> None:
+        loop = self.loop
+        torch.set_num_threads(loop._torch_threads)  # the creating thread's setting (a forward may run here)
+        try:
+            for j in range(self.rows):
+                seed = None if loop.seed is None else loop.seed + self.env_ids[j]
+                self._reset_env(j, seed)
+            slot = 0
+            staged: int | None = None
+            if loop.lookahead:
+                self._compute(self.slots[slot])
+                staged = slot
+            while True:
+                request = self._wait_request()
+                if request is None:
+                    return
+                if request[0] == "step":
+                    if staged is None:
+                        self._compute(self.slots[slot])
+                    loop._ready.put(("step", self.index, slot))
+                    self._raise_pending()
+                    slot ^= 1
+                    staged = None
+                    if loop.lookahead:
+                        self._compute(self.slots[slot])
+                        staged = slot
+                elif request[0] == "steps":
+                    staged = self._run_quota(request[1], request[2], request[3], staged)
+                    loop._ready.put(("steps", self.index, self.quota_end))
+                    if loop.lookahead and staged is None:
+                        self._compute(self.slots[slot])
+                        staged = slot
+                elif request[0] == "reset":
+                    for env_id, seed in request[1]:
+                        j = self.env_ids.index(env_id)
+                        self._cut(staged, j)
+                        self._reset_env(j, seed)
+                    loop._ready.put(("reset", self.index, staged is None))
+                else:
+                    self._run_episode(self.env_ids.index(request[1]), request[2], staged)
+        except _Stopped:
+            return
+        except BaseException as exc:  # forwarded to the driver, which re-raises it
+            if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
+                j = max(self.busy_env, 0)
+                wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
+                                   step=int(self.steps_done[j]), phase="step")
+                wrapped.__cause__ = exc
+                exc = wrapped
+            loop._ready.put(("error", self.index, exc))
+        finally:
+            self.agent.close()
+            for adapter in self.adapters:
+                try:
+                    adapter.close()
+                except Exception:  # closing must not mask the real error
+                    pass

@@ -1,0 +1,67 @@
+"""Module-level envs and factories for the worker-process tests (a spawned child imports them by name)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+
+
+class CountEnv(gym.Env):
+    """Observation ``[env_id, episode, t]``; episodes of ``length`` steps; step ``fail_at`` (0-based, over the
+    env's life) raises; reset number ``fail_reset`` raises; step ``hang_at`` sleeps ``hang_s`` seconds."""
+
+    observation_space = gym.spaces.Box(-1e6, 1e6, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, env_id: int = 0, length: int = 5, fail_at: int | None = None, fail_reset: int | None = None,
+                 hang_at: int | None = None, hang_s: float = 60.0) -> None:
+        self.env_id, self.length, self.fail_at, self.fail_reset = env_id, length, fail_at, fail_reset
+        self.hang_at, self.hang_s = hang_at, hang_s
+        self.steps = self.resets = self.episode = self.t = 0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.env_id, self.episode, self.t], np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.fail_reset is not None and self.resets == self.fail_reset:
+            raise RuntimeError(f"env {self.env_id} reset {self.resets} broke")
+        if self.resets:
+            self.episode += 1
+        self.resets += 1
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        if self.fail_at is not None and self.steps == self.fail_at:
+            raise RuntimeError(f"env {self.env_id} step {self.steps} broke in process {os.getpid()}")
+        if self.hang_at is not None and self.steps == self.hang_at:
+            time.sleep(self.hang_s)
+        self.steps += 1
+        self.t += 1
+        return self._obs(), 1.0, self.t >= self.length, False, {}
+
+
+def count_envs(n: int, **kwargs) -> list:
+    """``n`` picklable factories of :class:`CountEnv` (env ``i`` gets ``env_id=i``; ``kwargs`` may be
+    ``{"fail_at": {2: 3}}``-style dicts keyed by env id)."""
+    factories = []
+    for i in range(n):
+        own = {k: (v.get(i) if isinstance(v, dict) else v) for k, v in kwargs.items()}
+        factories.append(functools.partial(CountEnv, i, **own))
+    return factories
+
+
+def zero_policy(obs):
+    import torch
+
+    return torch.zeros(obs.shape[0], dtype=torch.long)
+
+
+def balance_policy(obs):
+    """CartPole: push toward the side the pole leans to."""
+    return (obs[:, 2] > 0).long()

@@ -1,0 +1,164 @@
+"""Worker processes (``num_workers > 1``): same batches as threads, errors named, nothing left behind.
+
+Children are spawned (a few seconds each to import torch), so the tests share few loops and keep
+frame counts small.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
+from lightning_rollout.envs import GymMaker
+from lightning_rollout.loop.auto import EnvTiming, choose_layout
+from process_helpers import balance_policy, count_envs, zero_policy
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
+
+
+def _children() -> set[int]:
+    """Pids of this process's live worker processes (not multiprocessing's resource tracker)."""
+    import psutil
+
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def test_worker_processes_give_the_same_batches_as_threads_value_for_value():
+    kwargs = dict(num_envs=4, envs_per_thread=2, seed=3, lookahead=False)
+    before = _children()
+    with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_workers=2, **kwargs) as remote:
+        assert remote.num_workers == 2 and len(_children() - before) >= 2
+        ours = [remote.run_env_steps(30), remote.run_env_steps(30)]
+        episodes = remote.run_episodes(2)
+    with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **kwargs) as local:
+        reference = [local.run_env_steps(30), local.run_env_steps(30)]
+    for a, b in zip(ours, reference):
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in b.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
+    assert ours[0]["next", "done"].any() or ours[1]["next", "done"].any()
+    assert all(e["next", "done"][-1].item() for e in episodes)
+    assert not (_children() - before), "close() joins every worker process"
+
+
+def test_env_error_in_a_worker_process_names_the_env_and_the_process_and_keeps_what_was_collected():
+    factories = count_envs(4, fail_at={3: 7})
+    with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=2, lookahead=False) as loop:
+        with pytest.raises(EnvError, match=r"env 3 failed in step at step 7: RuntimeError: env 3 step 7 broke") as info:
+            loop.run_env_steps(50)
+    error = info.value
+    assert "(in worker process 1)" in str(error)
+    assert "Traceback" in str(error.__cause__) and "process_helpers.py" in str(error.__cause__)  # the child's
+    assert error.partial is not None and error.partial.shape == (4, 7)
+
+
+def test_env_failing_its_first_reset_in_a_worker_process_is_reported_by_the_constructor():
+    with pytest.raises(EnvError, match=r"env 2 failed in reset at step 0: RuntimeError: env 2 reset 0 broke"):
+        MultiEnvLoop(count_envs(4, fail_reset={2: 0}), zero_policy, num_workers=2, envs_per_thread=2)
+
+
+def test_unpicklable_factory_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="picklable.*module level"):
+        MultiEnvLoop([lambda: GymMaker("CartPole-v1")()] * 2, zero_policy, num_workers=2)
+
+
+def test_hung_env_in_a_worker_process_times_out_and_its_process_is_ended():
+    before = _children()
+    loop = MultiEnvLoop(count_envs(2, hang_at={1: 4}), zero_policy, num_workers=2, step_timeout=1.0,
+                        lookahead=False)
+    try:
+        with pytest.raises(StepTimeoutError, match="env 1"):
+            loop.run_env_steps(20)
+    finally:
+        loop.close()
+    assert not (_children() - before), "the stuck process is terminated, not left running"
+
+
+def test_collector_with_worker_processes_yields_torchrl_batches():
+    collector = ThreadedCollector(GymMaker("CartPole-v1"), None, frames_per_batch=32, total_frames=64, num_envs=4,
+                                  num_workers=2, envs_per_thread=2)
+    try:
+        batches = list(collector)
+    finally:
+        collector.shutdown()
+    assert [tuple(b.shape) for b in batches] == [(4, 8), (4, 8)]
+    assert torch.equal(batches[0]["collector", "traj_ids"][:, 0], torch.arange(4))
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from lightning_rollout import MultiEnvLoop
+from process_helpers import count_envs, zero_policy
+
+if __name__ == "__main__":
+    loop = MultiEnvLoop(count_envs(2), zero_policy, num_workers=2)
+    loop.run_env_steps(3)
+    print(" ".join(str(p.pid) for p in loop._pool.processes), flush=True)
+    time.sleep(60)  # killed here
+"""
+
+
+def test_worker_processes_exit_when_the_main_process_is_killed():
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = textwrap.dedent(_ORPHAN_SCRIPT).format(tests=str(root / "tests"))
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"lr_orphan_{os.getpid()}.py"
+    script.write_text(code)  # spawn re-imports the main module from a file
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=root, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)
+        assert not alive, f"orphaned worker processes: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        script.unlink(missing_ok=True)
+
+
+def test_auto_layout_rule():
+    cheap = EnvTiming(step_s=10e-6, gil_release=0.0)
+    gil_bound = EnvTiming(step_s=100e-6, gil_release=0.05)
+    releasing_slow = EnvTiming(step_s=2e-3, gil_release=0.98)
+    releasing_fast = EnvTiming(step_s=200e-6, gil_release=0.9)
+    assert (choose_layout(16, cheap, cores=2).num_workers, choose_layout(16, cheap, cores=2).envs_per_thread) == (1, 16)
+    choice = choose_layout(16, gil_bound, cores=2)
+    assert (choice.num_workers, choice.envs_per_thread) == (2, 8) and "holds the GIL" in choice.reason
+    assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
+    assert (choose_layout(16, releasing_slow, cores=2).envs_per_thread) == 1
+    assert (choose_layout(16, releasing_fast, cores=2).envs_per_thread) == 8  # ~1 ms of env time per thread
+    kept = choose_layout(16, gil_bound, cores=2, envs_per_thread=4)
+    assert (kept.num_workers, kept.envs_per_thread) == (2, 4)
+
+
+def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        collector = ThreadedCollector("CartPole-v1", None, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert choice is not None and (choice.num_workers, choice.envs_per_thread) == (1, 4)  # cheap: one thread
+        assert "num_workers=1, envs_per_thread=4" in caplog.text
+    finally:
+        collector.shutdown()
