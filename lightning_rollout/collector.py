@@ -47,11 +47,10 @@ from torchrl.collectors.utils import split_trajectories
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
-from ._checks import check_device
+from ._checks import check_device, check_int, check_seconds
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
-from ._checks import check_int
 from .loop import MultiEnvLoop
 from .loop.auto import LayoutChoice, auto_layout, is_auto
 
@@ -653,7 +652,9 @@ class ThreadedCollector(BaseCollector):
 
         Raises:
             Exception: the error that ended background collection, if any and ``raise_on_error``.
+            ValueError: ``timeout`` is not a finite number of seconds (or ``None``).
         """
+        timeout = check_seconds("timeout", timeout, allow_zero=True)
         if self._shut:
             return
         self._shut = True
@@ -742,6 +743,7 @@ class ThreadedCollector(BaseCollector):
             seed=-1 if self._seed is None else self._seed,
             policy_state_dict=(self._autobatch.state()
                                if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}),
+            traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)},  # TorchRL's entry for the same counter
         )
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:

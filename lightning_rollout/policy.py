@@ -529,8 +529,10 @@ class AutobatchPolicy:
         Raises:
             CollectionError: closed, or not applied within ``timeout``.
             ValueError: the policy rejected ``state`` (wrong keys or shapes); the
-                version is unchanged and collection goes on with the old weights.
+                version is unchanged and collection goes on with the old weights;
+                or ``timeout`` is not a finite number of seconds.
         """
+        timeout = check_seconds("timeout", timeout, allow_zero=True)
         if state is self.policy or state is self.weights:
             state = _SAME_WEIGHTS  # the acting policy itself: weights are shared, only the version moves
         elif isinstance(state, torch.nn.Module):

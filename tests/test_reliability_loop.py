@@ -215,3 +215,16 @@ def test_random_actions_are_valid_samples_of_any_action_space_whatever_the_obser
             assert len(list(collector)) == 2
         finally:
             collector.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_update_and_shutdown_refuse_timeouts_that_cannot_work():
+    collector = ThreadedCollector("CartPole-v1", None, frames_per_batch=4, total_frames=4)
+    try:
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            collector.autobatch_policy.update({}, timeout=float("nan"))
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            collector.shutdown(timeout=float("inf"))
+        assert not collector.is_shut_down  # refused before anything changed
+    finally:
+        collector.shutdown()
