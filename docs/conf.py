@@ -33,7 +33,12 @@ version = release
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",  # ``testsetup`` / ``testcode`` blocks (tests/test_docs.py runs them with the rest)
 ]
+
+# ``::`` literal blocks are not Python: the Python of these pages is in ``code-block:: python`` (or
+# ``testcode``) blocks, which tests/test_docs.py runs; console sessions and output listings say so.
+highlight_language = "text"
 
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 templates_path: list[str] = []
@@ -115,6 +120,12 @@ class IfImportable(SphinxDirective):
 
 
 _CODE = re.compile(r"(?<!`)`([^`]+)`(?!`)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def _inline(text: str) -> str:
+    """Markdown inline text as reST: backslashes kept, ```code``` as a literal."""
+    return _CODE.sub(r"``\1``", text.replace("\\", "\\\\"))
 
 
 def _markdown_table_to_rst(text: str) -> list[str] | None:
@@ -125,7 +136,7 @@ def _markdown_table_to_rst(text: str) -> list[str] | None:
 
     def cells(line: str) -> list[str]:
         parts = [c.strip() for c in line.strip().strip("|").split("|")]
-        return [_CODE.sub(r"``\1``", c) or "—" for c in parts]
+        return [_inline(c) if c not in ("", "-") else "—" for c in parts]  # a lone "-" would be a bullet
 
     header, body = cells(rows[0]), [cells(r) for r in rows[2:]]
     if any(len(r) != len(header) for r in body):
@@ -137,12 +148,54 @@ def _markdown_table_to_rst(text: str) -> list[str] | None:
     return out
 
 
-class BenchResults(SphinxDirective):
-    """``.. bench-results:: ../benchmarks/results``: the table and plots written by ``make bench``.
+def _markdown_to_rst(text: str) -> list[str] | None:
+    """The Markdown that ``make bench`` writes (headings, paragraphs, pipe tables) as reST lines.
 
-    Renders ``table.md`` (a markdown pipe table, or verbatim if it is not one) and every
-    ``*.png`` / ``*.svg`` of that folder, when present. When the folder holds no results,
-    the directive's content (how to produce them) is rendered instead. The build never
+    ``##`` headings and below become rubrics (the page's own sections stay the only
+    sections; the ``#`` title is left out), each run of ``|`` lines a ``list-table`` (an
+    empty or ``-`` cell shows as a dash), other lines paragraphs. None when a table does not
+    parse (the caller then shows the text verbatim).
+    """
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if not line:
+            i += 1
+            continue
+        if line.startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].strip().startswith("|"):
+                j += 1
+            table = _markdown_table_to_rst("\n".join(lines[i:j]))
+            if table is None:
+                return None
+            out += table + [""]
+            i = j
+            continue
+        heading = _HEADING.match(line)
+        if heading:
+            if len(heading.group(1)) > 1:  # the file's own title (#) is the page's section title
+                out += [f".. rubric:: {_inline(heading.group(2))}", ""]
+            i += 1
+            continue
+        j = i
+        while j < len(lines) and lines[j].strip() and not lines[j].strip().startswith(("|", "#")):
+            out.append(_inline(lines[j].strip()))
+            j += 1
+        out.append("")
+        i = j
+    return out
+
+
+class BenchResults(SphinxDirective):
+    """``.. bench-results:: ../benchmarks/results``: the tables and plots written by ``make bench``.
+
+    Renders ``table.md`` (Markdown headings, paragraphs and pipe tables, as rubrics,
+    paragraphs and tables; verbatim if a table does not parse) and every ``*.png`` /
+    ``*.svg`` of that folder, when present. When the folder holds no results, the
+    directive's content (how to produce them) is rendered instead. The build never
     fails because the benchmarks were not run.
     """
 
@@ -152,26 +205,23 @@ class BenchResults(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         rel = self.arguments[0]
         folder = os.path.normpath(os.path.join(self.env.srcdir, rel))
+        shown = os.path.relpath(folder, os.path.dirname(self.env.srcdir))
         table = os.path.join(folder, "table.md")
         lines: list[str] = []
         if os.path.isfile(table):
             self.env.note_dependency(table)
             with open(table, encoding="utf-8") as f:
                 text = f.read()
-            converted = _markdown_table_to_rst(text)
+            converted = _markdown_to_rst(text)
             if converted is None:
                 lines += ["::", ""] + ["   " + ln for ln in text.splitlines()] + [""]
             else:
-                notes = [ln.strip() for ln in text.splitlines()
-                         if ln.strip() and not ln.strip().startswith(("|", "#"))]
-                for note in notes:  # free text around the table (machine, date...), one paragraph each
-                    lines += [_CODE.sub(r"``\1``", note), ""]
-                lines += converted + [""]
+                lines += converted
         if os.path.isdir(folder):
             for name in sorted(os.listdir(folder)):
                 if name.endswith((".png", ".svg")):
                     lines += [f".. figure:: {rel}/{name}", "   :width: 100%", "",
-                              f"   ``benchmarks/results/{name}``", ""]
+                              f"   ``{shown}/{name}``", ""]
         container = nodes.container()
         if lines:
             self.state.nested_parse(StringList(lines, source=self.env.docname), self.content_offset, container)

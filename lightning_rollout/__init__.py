@@ -14,7 +14,7 @@ from .loop import EnvLoop, MultiEnvLoop
 from .policy import Agent, AutobatchPolicy, PolicyAnswer
 
 _LIGHTNING_NAMES = ("EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutDataModule", "RolloutEvaluation",
-                    "RolloutProgressBar")
+                    "RolloutProgressBar", "VideoRecording")
 
 
 def __getattr__(name: str) -> object:
@@ -53,4 +53,5 @@ __all__ = [
     "TimeStep",
     "ThreadedCollector",
     "TorchRLAdapter",
+    "VideoRecording",
 ]

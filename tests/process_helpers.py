@@ -65,3 +65,17 @@ def zero_policy(obs):
 def balance_policy(obs):
     """CartPole: push toward the side the pole leans to."""
     return (obs[:, 2] > 0).long()
+
+
+class BusyEnv(CountEnv):
+    """A :class:`CountEnv` whose step spins in Python for ``busy_s`` seconds (the GIL held throughout)."""
+
+    def __init__(self, env_id: int = 0, busy_s: float = 300e-6, **kwargs) -> None:
+        super().__init__(env_id, **kwargs)
+        self.busy_s = busy_s
+
+    def step(self, action):
+        end = time.perf_counter() + self.busy_s
+        while time.perf_counter() < end:
+            pass
+        return super().step(action)

@@ -20,6 +20,7 @@ import torch
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop.auto import EnvTiming, choose_layout
+from process_helpers import CountEnv as CountEnvFactory
 from process_helpers import balance_policy, count_envs, zero_policy
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
@@ -162,3 +163,28 @@ def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
         assert "num_workers=1, envs_per_thread=4" in caplog.text
     finally:
         collector.shutdown()
+
+
+def test_auto_keeps_envs_of_an_unpicklable_factory_in_threads(monkeypatch):
+    import lightning_rollout.loop.auto as auto
+
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))  # GIL-bound
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    collector = ThreadedCollector([lambda: CountEnvFactory()] * 4, zero_policy, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert (choice.num_workers, collector.loop.num_workers) == (1, 1)
+        assert "cannot be pickled" in choice.reason
+    finally:
+        collector.shutdown()
+
+
+def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factory(monkeypatch):
+    import lightning_rollout.loop.auto as auto
+
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    choice = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto")
+    assert (choice.num_workers, choice.envs_per_thread) == (2, 2) and "worker processes" in choice.reason
+    short = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto", expected_frames=1000)
+    assert short.num_workers == 1 and "too few" in short.reason

@@ -8,7 +8,8 @@
   policy lag after every training batch, against frames by default.
 * :class:`RolloutEvaluation` logs each evaluation round of the validation loop as
   ``eval/...`` (so ``ModelCheckpoint(monitor="eval/episode_reward")`` and
-  ``EarlyStopping`` act on it at validation end).
+  ``EarlyStopping`` act on it at validation end) and, with ``record_video=``, writes a
+  video of one evaluation episode every N rounds (:class:`~lightning_rollout.lightning.VideoRecording`).
 * :class:`RolloutProgressBar` shows frames, frames/s and returns within 80 columns.
 * :class:`EvalRound` is what the DataModule's ``val_dataloader()`` yields.
 
@@ -33,7 +34,9 @@ own step (``"batches"``).
 from __future__ import annotations
 
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -43,6 +46,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from tensordict import TensorDictBase
 
 from ..events import EpisodeEnd, TimeStep
+from .video import VideoRecorder, VideoRecording, as_video_recording
 
 __all__ = ["EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutEvaluation", "RolloutProgressBar"]
 
@@ -99,6 +103,9 @@ class RolloutCallback(pl.Callback):
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         """A training episode finished (terminated or truncated)."""
+
+    def on_eval_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An evaluation round is about to run its episodes (its envs exist; none was reset for it yet)."""
 
     def on_eval_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         """An evaluation episode finished."""
@@ -273,7 +280,7 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Log each evaluation round of the validation loop as ``eval/...`` metrics.
+    """Log each evaluation round of the validation loop as ``eval/...`` metrics, and record videos.
 
     The rounds themselves are run by :class:`~lightning_rollout.lightning.RolloutDataModule`
     when Lightning validates (see its ``eval_every_n_frames`` and the Trainer's
@@ -286,31 +293,77 @@ class RolloutEvaluation(RolloutCallback):
     at validation end, and written to every logger once per round, at the step
     ``step`` names. The DataModule adds one unless the trainer has one.
 
+    With ``record_video``, one episode of the evaluation rounds ``0, N, 2N, ...`` is
+    rendered (``render_mode="rgb_array"``, in the evaluation env's thread, global rank
+    zero only) and written, by a background thread while training goes on, as
+    ``videos/<prefix>-<step axis>-<step>.mp4`` in the trainer's ``log_dir`` and as the
+    video summary ``<prefix>/video`` of every ``TensorBoardLogger``. The DataModule
+    then builds its evaluation envs with ``render_mode="rgb_array"`` from a gymnasium
+    id; an env factory must return a ``gymnasium.Env`` made with
+    ``render_mode="rgb_array"`` itself. ``fit`` waits for the last clip at its end.
+
     Args:
         prefix: metric name prefix.
         prog_bar: show the mean evaluation return in the progress bar.
         step: x-axis of what is written to the loggers: ``"frames"`` (total frames
             collected by all ranks when the round ran) or ``"batches"`` (Lightning's step).
+        record_video: ``None`` (default): no video; an int ``N``: one episode every ``N``
+            evaluation rounds; a :class:`~lightning_rollout.lightning.VideoRecording` for
+            the frame rate, frame cap, outputs and folder.
 
     Raises:
-        ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``.
+        ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``; a bad ``record_video``.
+        ImportError: ``record_video`` without the packages of the ``video`` extra.
+        RuntimeError: at the next recorded round or at the end of ``fit``, when writing a clip failed
+            (the error chained).
+
+    Attributes:
+        last_round: the last :class:`EvalRound` logged (``None`` before the first).
+        evaluations: evaluation rounds logged so far (saved in checkpoints, so a resumed run keeps
+            its recording schedule).
+        last_video: path of the last MP4 file handed to the writer (``None`` before the first, or
+            with ``mp4=False``); it exists once the writer is done (at the latest when ``fit`` returns).
     """
 
-    def __init__(self, *, prefix: str = "eval", prog_bar: bool = True, step: StepAxis = "frames") -> None:
+    def __init__(self, *, prefix: str = "eval", prog_bar: bool = True, step: StepAxis = "frames",
+                 record_video: int | VideoRecording | None = None) -> None:
         _check_step(step)
         self.prefix = prefix
         self.prog_bar = prog_bar
         self.step = step
+        self.record_video = as_video_recording(record_video)
+        self.video_recorder = VideoRecorder(self.record_video) if self.record_video is not None else None
         self.last_round: EvalRound | None = None
+        self.evaluations = 0
+        self.last_video: str | None = None
+        self._video_dir: str | None = None
+        self._recording = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.record_video is not None and stage == "fit":
+            # trainer.log_dir is a collective (every rank must ask): resolved once, here
+            self._video_dir = self.record_video.dirpath or os.path.join(
+                trainer.log_dir or trainer.default_root_dir, "videos")
+
+    def on_eval_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._recording = (self.video_recorder is not None and trainer.is_global_zero
+                           and self.evaluations % self.record_video.every_n_evals == 0)
+        if self._recording:
+            self.video_recorder.arm()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not isinstance(batch, EvalRound) or trainer.sanity_checking:
             return
         self.last_round = batch
+        self.evaluations += 1
         episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
                                   [float(e.length) for e in batch.episodes])
         (frames, seconds), _ = _reduce(trainer, [float(batch.frames), batch.seconds])
+        step = int(frames) if self.step == "frames" else _logger_step(trainer)
+        if self._recording:
+            self._recording = False
+            self._write_video(trainer, step)
         if not episodes["count"]:
             return
         p = self.prefix
@@ -320,7 +373,58 @@ class RolloutEvaluation(RolloutCallback):
         for name, value in metrics.items():  # the same value on every rank: sync_dist only averages equals
             pl_module.log(name, value, prog_bar=self.prog_bar and name == f"{p}/episode_reward", on_step=False,
                           on_epoch=True, batch_size=1, logger=False, sync_dist=trainer.world_size > 1)
-        _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
+        _write_to_loggers(trainer, metrics, step)
+
+    def _write_video(self, trainer: pl.Trainer, step: int) -> None:
+        assert self.video_recorder is not None and self.record_video is not None
+        frames = self.video_recorder.take()
+        if frames is None:
+            return
+        config = self.record_video
+        mp4_path = None
+        if config.mp4:
+            mp4_path = os.path.join(self._video_dir or os.path.join(trainer.default_root_dir, "videos"),
+                                    f"{self.prefix}-{self.step}-{step:010d}.mp4")
+        writers = _summary_writers(trainer) if config.tensorboard else []
+        self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{self.prefix}/video",
+                                  step=step)
+        self.last_video = mp4_path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.video_recorder is not None:
+            self.video_recorder.wait()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.video_recorder is not None:
+            self.video_recorder.wait(raise_errors=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.video_recorder is not None:
+            self.video_recorder.wait(raise_errors=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"evaluations": self.evaluations}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.evaluations = int(state_dict.get("evaluations", 0))
+
+
+def _summary_writers(trainer: pl.Trainer) -> list[Any]:
+    """The ``torch.utils.tensorboard.SummaryWriter`` of every TensorBoard logger of the trainer."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch.utils.tensorboard import SummaryWriter
+
+    writers = []
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            experiment = logger.experiment
+            if isinstance(experiment, SummaryWriter):
+                writers.append(experiment)
+            else:
+                warnings.warn(f"record_video: the TensorBoard logger writes with {type(experiment).__name__}, not "
+                              "torch.utils.tensorboard.SummaryWriter; its video summary is skipped (the MP4 is written)",
+                              RuntimeWarning, stacklevel=2)
+    return writers
 
 
 def _figure(value: float) -> str:

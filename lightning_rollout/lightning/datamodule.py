@@ -17,6 +17,9 @@ What it does for you:
 * dispatches collection events to every :class:`RolloutCallback` in
   ``trainer.callbacks`` and adds :class:`EpisodeStatsLogger`,
   :class:`RolloutEvaluation` and :class:`RolloutProgressBar` unless told not to;
+* when a ``RolloutEvaluation(record_video=...)`` is among the callbacks, builds the
+  evaluation envs (global rank zero) so that they render ``rgb_array`` frames and can be
+  recorded (see :mod:`lightning_rollout.lightning.video`);
 * saves its counters (frames, episodes, trajectory ids, seed, policy version)
   in Lightning checkpoints, once, through ``state_dict``; resumes them, mid-epoch
   included;
@@ -48,6 +51,7 @@ from ..envs import EnvFactory, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
 from .callbacks import EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar, overrides
+from .video import VideoRecorder
 
 __all__ = ["RolloutDataModule"]
 
@@ -81,6 +85,10 @@ class _Dispatcher(EventProcessor):
     def on_eval_episode_end(self, episode: EpisodeEnd) -> None:
         for c in self.callbacks:
             c.on_eval_episode_end(self.trainer, self.trainer.lightning_module, episode)
+
+    def on_eval_start(self) -> None:
+        for c in self.callbacks:
+            c.on_eval_start(self.trainer, self.trainer.lightning_module)
 
     def on_eval_end(self, episodes: list[EpisodeEnd]) -> None:
         for c in self.callbacks:
@@ -474,11 +482,22 @@ class RolloutDataModule(pl.LightningDataModule):
         """The evaluation loop, built on first use (envs created, policy probed), closed on teardown."""
         if self._eval_loop is None:
             n = self.eval_num_envs or max(1, min(self.eval_episodes, self.num_envs))
+            recorder = self._video_recorder()
+            factory = self.env_factory if recorder is None else recorder.wrap_factory(self.env_factory)
             self._eval_loop = MultiEnvLoop(
-                [self.env_factory] * n, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
+                [factory] * n, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
                 lookahead=False, eval=True, max_episode_steps=self.eval_max_episode_steps,
                 seed=self.seed + _EVAL_SEED_OFFSET + self._rank * _RANK_SEED_STRIDE, name=f"rank{self._rank}-eval")
         return self._eval_loop
+
+    def _video_recorder(self) -> VideoRecorder | None:
+        """The recorder of a ``RolloutEvaluation(record_video=...)`` among the trainer's callbacks, on global
+        rank zero (other ranks record nothing), else ``None``."""
+        trainer = self.trainer
+        if trainer is None or not trainer.is_global_zero:
+            return None
+        return next((c.video_recorder for c in trainer.callbacks
+                     if isinstance(c, RolloutEvaluation) and c.video_recorder is not None), None)
 
     def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
         """Run ``episodes`` fresh deterministic episodes with the module's current weights, now.
@@ -505,9 +524,12 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _eval_round(self) -> EvalRound:
         start = time.perf_counter()
+        self._eval_envs()  # built (its envs reset) before on_eval_start: a video starts at the round's own reset
+        events = self._events()
+        if events is not None:
+            events.on_eval_start()
         episodes = self.run_eval_episodes(self.eval_episodes)
         seconds = time.perf_counter() - start
-        events = self._events()
         if events is not None:
             events.on_eval_end(episodes)
         frames = self.collector.frames if self.collector is not None else 0

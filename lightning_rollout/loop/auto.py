@@ -9,11 +9,12 @@ applies the rule documented in ``docs/tuning.rst``:
 * a cheap step (under ``cheap_s``, 100 us: CartPole, most classic control):
   all envs in one thread of the main process; thread hand-offs would cost more
   than the step;
-* a step that holds the GIL (under half of it released) and costs more than
-  that, with more than one core: worker processes, one per core (at most one per
-  env), each running its envs in one thread; unless the run is known to be too
-  short to repay their start-up (``expected_frames`` steps would save less than
-  ``startup_s``, 10 s: spawning a process that imports torch takes seconds);
+* a step that clearly holds the GIL (under 30% of it released) and costs more
+  than that, with more than one core: worker processes, one per core (at most one
+  per env), each running its envs in one thread; unless the run is known to be
+  too short to repay their start-up (``expected_frames`` steps would save less
+  than ``startup_s``, 10 s: spawning a process that imports torch takes seconds),
+  or the env factory cannot be pickled (then threads, and the log says why);
 * a step that releases the GIL: threads of the main process; one env per thread
   when a step takes ``thread_s`` (1 ms) or more, otherwise enough envs per thread
   that a thread's block takes about that long.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -144,12 +146,12 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
 
     A value other than ``"auto"`` for ``num_workers`` or ``envs_per_thread`` is kept, and the other
-    one is chosen around it.
+    one is chosen around it (``num_workers="threads"``: auto, but no worker processes).
     """
     cores = usable_cores() if cores is None else cores
     step_us = timing.step_s * 1e6
     if num_workers == "auto":
-        holds_gil = not timing.gil_release >= 0.5  # NaN (not measured: cheap) counts as holding it
+        holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / min(cores, num_envs))
         if holds_gil and timing.step_s >= cheap_s and cores > 1 and num_envs > 1 and saved_s is not None \
                 and saved_s < startup_s:
@@ -166,6 +168,9 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
             num_workers = 1
             why = (f"the env step takes {step_us:.0f} us and {'holds' if holds_gil else 'releases'} the GIL "
                    f"({timing.gil_release:.0%} released): threads of the main process")
+    elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
+        num_workers = 1
+        why = "the env factory cannot be pickled for worker processes: threads of the main process"
     else:
         why = f"num_workers={num_workers} as given"
     if envs_per_thread == "auto":
@@ -212,9 +217,19 @@ def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, e
         return choice
     choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, envs_per_thread=envs_per_thread,
                            expected_frames=expected_frames)
+    if is_auto(num_workers) and choice.num_workers > 1 and not _picklable(factory):
+        choice = choose_layout(num_envs, box["timing"], num_workers="threads", envs_per_thread=envs_per_thread)
     log.info("%s: num_workers=%d, envs_per_thread=%d (%s)", name, choice.num_workers, choice.envs_per_thread,
              choice.reason)
     return choice
+
+
+def _picklable(factory: EnvFactory) -> bool:
+    try:
+        pickle.dumps(factory)
+        return True
+    except Exception:
+        return False
 
 
 def is_auto(value: Any) -> bool:

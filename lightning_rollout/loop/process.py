@@ -383,11 +383,18 @@ class WorkerProcesses:
             if not block.process.is_alive():
                 raise EnvFailure(0, "create", "env", RuntimeError(
                     f"worker process {block.process.name!r} exited while building its envs (exit code "
-                    f"{block.process.exitcode})"))
+                    f"{block.process.exitcode}). Worker processes start with 'spawn', which imports your main "
+                    "script again: guard its top level with `if __name__ == \"__main__\":`, or pass "
+                    "num_workers=1 to keep the envs in threads"))
             if time.monotonic() > deadline:
                 raise EnvFailure(0, "create", "env", TimeoutError(
                     f"worker process {block.process.name!r} did not build its envs within {timeout} s"))
-        reply = _receive(block.conn, block.process)
+        try:
+            reply = _receive(block.conn, block.process)
+        except EnvFailure as failure:
+            raise EnvFailure(0, "create", "env", RuntimeError(
+                f"{failure}; worker processes start with 'spawn', which imports your main script again: guard its "
+                "top level with `if __name__ == \"__main__\":`, or pass num_workers=1")) from failure
         if reply[0] == "error":
             _, j, phase, kind, message, remote_tb = reply
             raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))

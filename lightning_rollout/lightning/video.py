@@ -1,0 +1,363 @@
+"""Video of evaluation episodes: :class:`VideoRecording` and the machinery behind
+``RolloutEvaluation(record_video=...)``.
+
+How a clip is made:
+
+* when recording is on, :class:`~lightning_rollout.lightning.RolloutDataModule` builds
+  its evaluation envs (global rank zero only) with ``render_mode="rgb_array"`` (for a
+  gymnasium id; a factory must produce such envs itself) and wraps each in a
+  gymnasium wrapper that can capture frames;
+* before an evaluation round that is to be recorded, the callback *arms* the
+  :class:`VideoRecorder`: the first evaluation env reset after that claims the
+  recording and renders its first frame, then one frame after every step, **in that
+  env's own thread**, until the episode ends (terminated, truncated, or cut by the
+  loop) or ``max_frames`` frames are held;
+* after the round (main thread) the callback takes the frames and hands them to one
+  background writer thread, which writes the MP4 file (``imageio-ffmpeg``, H.264)
+  and the TensorBoard summary (an animated GIF, the summary ``SummaryWriter.add_video``
+  writes), so training goes on while the clip is encoded. At most one clip is being
+  written at a time: a new one waits for the previous write.
+
+Frames are held in memory (``H x W x 3`` bytes each: 0.7 MB for CartPole's 600 x 400)
+until written. The optional dependencies are in the ``video`` extra
+(``pip install 'lightning_rollout[video]'``: ``imageio-ffmpeg`` for the MP4 file,
+Pillow for the GIF, and ``pygame`` for gymnasium's classic-control rendering).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ..envs import GymMaker
+
+__all__ = ["VideoRecording"]
+
+_DEFAULT_FPS = 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoRecording:
+    """What ``RolloutEvaluation(record_video=...)`` records; ``record_video=N`` means
+    ``VideoRecording(every_n_evals=N)``.
+
+    One evaluation episode is rendered in the evaluation rounds ``0, N, 2N, ...``
+    (counted from the first round of ``fit``, sanity check excluded), on global rank
+    zero only.
+
+    Attributes:
+        every_n_evals: record one episode every this many evaluation rounds (``1``: every round).
+        fps: frames per second of the clip; ``None`` (default): the env's
+            ``metadata["render_fps"]`` (50 for CartPole), else 30.
+        max_frames: frames kept per clip (the first ones of the episode, the reset frame
+            included); bounds the memory a clip holds until it is written.
+        mp4: write ``<dirpath>/<prefix>-<step axis>-<step>.mp4`` (H.264, needs ``imageio-ffmpeg``).
+        tensorboard: write the clip to every ``TensorBoardLogger`` as the video summary
+            ``<prefix>/video`` (an animated GIF, shown in TensorBoard's Images tab; needs Pillow).
+        dirpath: folder of the MP4 files; ``None`` (default): ``videos/`` in the trainer's
+            ``log_dir`` (next to the TensorBoard event files).
+
+    Raises:
+        ValueError: a count or rate below 1, or both outputs turned off.
+    """
+
+    every_n_evals: int = 1
+    fps: int | None = None
+    max_frames: int = 1000
+    mp4: bool = True
+    tensorboard: bool = True
+    dirpath: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_evals", "max_frames") + (("fps",) if self.fps is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"VideoRecording.{name} must be an int >= 1, got {value!r}")
+        if not (self.mp4 or self.tensorboard):
+            raise ValueError("VideoRecording with mp4=False and tensorboard=False writes nothing; "
+                             "turn one on, or drop record_video")
+
+
+def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecording | None:
+    """``record_video`` as :class:`VideoRecording` (an int ``N`` is ``every_n_evals=N``; ``None``: off).
+
+    Raises:
+        ValueError: neither ``None``, an int ``>= 1`` nor a :class:`VideoRecording`.
+        ImportError: an output's package is missing (names the extra to install).
+    """
+    if record_video is None:
+        return None
+    if isinstance(record_video, int) and not isinstance(record_video, bool) and record_video >= 1:
+        config = VideoRecording(every_n_evals=record_video)
+    elif isinstance(record_video, VideoRecording):
+        config = record_video
+    else:
+        raise ValueError(f"record_video must be None, an int N >= 1 (one episode every N evaluations) or a "
+                         f"VideoRecording, got {record_video!r}")
+    missing = [pkg for pkg, needed in (("imageio_ffmpeg", config.mp4), ("PIL", config.tensorboard))
+               if needed and importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise ImportError(f"record_video needs {', '.join(missing)}: pip install 'lightning_rollout[video]' "
+                          "(imageio-ffmpeg for the MP4 file, Pillow for the TensorBoard clip)")
+    return config
+
+
+# -- capture (env threads) -------------------------------------------------------------------------------------------
+
+
+class VideoRecorder:
+    """Captures one evaluation episode's frames and writes them out (internal to the Lightning layer).
+
+    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` are called from
+    the training process's main thread; the wrapped envs call ``_on_reset`` / ``_on_step``
+    from their own threads. A lock guards the shared state; only the env that claimed the
+    recording renders.
+
+    Args:
+        config: what to record and where to write it.
+    """
+
+    def __init__(self, config: VideoRecording) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._armed = False
+        self._owner: _RecordingEnv | None = None
+        self._frames: list[np.ndarray] = []
+        self._steps = 0
+        self._fps = config.fps or _DEFAULT_FPS
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the trainer's callbacks
+        self.wait(raise_errors=False)
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    # -- evaluation envs ------------------------------------------------------------------------------------------
+    def wrap_factory(self, factory: Callable[[], Any]) -> Callable[[], gym.Env]:
+        """A factory of evaluation envs that render ``rgb_array`` frames and can be recorded.
+
+        A :class:`~lightning_rollout.envs.GymMaker` (what a gymnasium id becomes) is rebuilt
+        with ``render_mode="rgb_array"``; any other factory must return a ``gymnasium.Env``
+        made with ``render_mode="rgb_array"`` (checked when it is called: ``ValueError``).
+        """
+        if isinstance(factory, GymMaker):
+            factory = GymMaker(factory.env_id, **{**factory.kwargs, "render_mode": "rgb_array"})
+        return _RecordingFactory(factory, self)
+
+    def arm(self) -> None:
+        """Record the next episode that starts (the next reset of any wrapped env)."""
+        with self._lock:
+            self._armed, self._owner, self._frames, self._steps = True, None, [], 0
+
+    def take(self) -> list[np.ndarray] | None:
+        """The recorded frames (``[H, W, 3]`` uint8 each), or ``None`` when no episode started since :meth:`arm`.
+
+        An episode still being captured (cut by the loop's ``max_episode_steps``, which the env does
+        not see) ends here. Disarms the recorder.
+        """
+        with self._lock:
+            frames = self._frames
+            self._armed, self._owner, self._frames, self._steps = False, None, [], 0
+        return frames or None
+
+    @property
+    def fps(self) -> int:
+        """Frames per second of the clips (the env's ``render_fps`` unless the config sets one)."""
+        return self._fps
+
+    def _on_reset(self, env: _RecordingEnv) -> None:
+        with self._lock:
+            if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
+                self._owner = None
+                return
+            if self._owner is env or (self._armed and self._owner is None):  # a reset before any step: restart
+                self._owner, self._armed, self._frames, self._steps = env, False, [], 0
+                if self.config.fps is None:
+                    self._fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
+            else:
+                return
+        self._add(env, env.render())
+
+    def _on_step(self, env: _RecordingEnv, done: bool) -> None:
+        if self._owner is not env:  # unlocked read: only ``env``'s thread sets the owner to env
+            return
+        self._add(env, env.render() if len(self._frames) < self.config.max_frames else None, step=True)
+        if done:
+            with self._lock:
+                if self._owner is env:
+                    self._owner = None
+
+    def _add(self, env: _RecordingEnv, frame: Any, *, step: bool = False) -> None:
+        if frame is not None:
+            frame = np.array(frame, dtype=np.uint8)  # a copy: a renderer may reuse its buffer
+            if frame.ndim != 3 or frame.shape[-1] != 3:
+                raise ValueError(f"record_video: the env's render() returned shape {frame.shape}; expected "
+                                 "[height, width, 3] (render_mode='rgb_array')")
+        with self._lock:
+            if self._owner is not env:
+                return
+            self._steps += step
+            if frame is not None and len(self._frames) < self.config.max_frames:
+                self._frames.append(frame)
+
+    # -- writing (background thread) --------------------------------------------------------------------------------
+    def write(self, frames: list[np.ndarray], *, mp4_path: str | None, summary_writers: list[Any], tag: str,
+              step: int) -> None:
+        """Write ``frames`` in a background thread: the MP4 file at ``mp4_path`` (``None``: none) and the
+        video summary ``tag`` at ``step`` to each TensorBoard ``SummaryWriter``.
+
+        Waits for the previous write first (one clip is encoded at a time).
+
+        Raises:
+            RuntimeError: the previous write failed (its exception chained).
+        """
+        self.wait()
+        fps = self.fps
+
+        def run() -> None:
+            try:
+                if mp4_path is not None:
+                    write_mp4(mp4_path, frames, fps=fps)
+                if summary_writers:
+                    summary = video_summary(tag, frames, fps=fps)
+                    for writer in summary_writers:
+                        writer._get_file_writer().add_summary(summary, step)  # what SummaryWriter.add_video does
+                        writer.flush()
+            except BaseException as exc:  # reported in the main thread by wait()
+                self._error = exc
+
+        self._writer = threading.Thread(target=run, name="rollout-video-writer", daemon=False)
+        self._writer.start()
+
+    def wait(self, *, raise_errors: bool = True) -> None:
+        """Wait for the clip being written, if any.
+
+        Raises:
+            RuntimeError: that write failed and ``raise_errors`` (else a warning says so).
+        """
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._error = self._error, None
+        if error is not None:
+            message = f"record_video: writing an evaluation clip failed: {type(error).__name__}: {error}"
+            if raise_errors:
+                raise RuntimeError(message) from error
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+class _RecordingFactory:
+    """Calls ``factory`` and wraps the env it returns for :class:`VideoRecorder`."""
+
+    def __init__(self, factory: Callable[[], Any], recorder: VideoRecorder) -> None:
+        self.factory = factory
+        self.recorder = recorder
+
+    def __call__(self) -> gym.Env:
+        env = self.factory()
+        if not isinstance(env, gym.Env):
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+            raise ValueError(
+                f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
+                f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
+                "render_mode='rgb_array'")
+        if env.render_mode != "rgb_array":
+            env.close()
+            raise ValueError(
+                f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
+                f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
+                "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
+        return _RecordingEnv(env, self.recorder)
+
+    def __repr__(self) -> str:
+        return f"_RecordingFactory({self.factory!r})"
+
+
+class _RecordingEnv(gym.Wrapper):
+    """Renders one frame after each reset and step while its :class:`VideoRecorder` records this env."""
+
+    def __init__(self, env: gym.Env, recorder: VideoRecorder) -> None:
+        super().__init__(env)
+        self._recorder = recorder
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        result = self.env.reset(**kwargs)
+        self._recorder._on_reset(self)
+        return result
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._recorder._on_step(self, bool(terminated) or bool(truncated))
+        return obs, reward, terminated, truncated, info
+
+
+# -- encoders -------------------------------------------------------------------------------------------------------
+
+
+def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
+    """Write ``frames`` (``[H, W, 3]`` uint8) as an H.264 MP4 (yuv420p, plays everywhere).
+
+    Odd heights or widths are padded by one edge pixel (yuv420p needs even sizes). The
+    folder is created. Runs ``imageio-ffmpeg``'s bundled ffmpeg in a subprocess.
+
+    Raises:
+        ImportError: ``imageio-ffmpeg`` is not installed.
+        ValueError: no frames.
+    """
+    import imageio_ffmpeg
+
+    if not frames:
+        raise ValueError("no frames to write")
+    height, width = frames[0].shape[:2]
+    pad_h, pad_w = height % 2, width % 2
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    writer = imageio_ffmpeg.write_frames(path, (width + pad_w, height + pad_h), fps=fps, codec="libx264",
+                                         pix_fmt_out="yuv420p", macro_block_size=1, quality=None,
+                                         output_params=["-crf", "23"], ffmpeg_log_level="error")
+    writer.send(None)  # start ffmpeg
+    try:
+        for frame in frames:
+            if pad_h or pad_w:
+                frame = np.pad(frame, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+            writer.send(np.ascontiguousarray(frame))
+    finally:
+        writer.close()
+
+
+def encode_gif(frames: list[np.ndarray], *, fps: int) -> bytes:
+    """``frames`` as an animated GIF (looping; one adaptive palette per frame, fast octree).
+
+    GIF delays are whole centiseconds, so the clip plays at ``100 / round(100 / fps)`` fps;
+    consecutive identical frames are merged into one longer frame (the total duration stays).
+    """
+    from PIL import Image
+
+    images = [Image.fromarray(f).quantize(method=Image.Quantize.FASTOCTREE) for f in frames]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=1000 / fps, loop=0)
+    return buffer.getvalue()
+
+
+def video_summary(tag: str, frames: list[np.ndarray], *, fps: int) -> Any:
+    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes (an image whose encoded string is an
+    animated GIF), encoded with Pillow instead of ``moviepy.editor`` (which moviepy 2 removed)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    height, width, channels = frames[0].shape
+    image = Summary.Image(height=height, width=width, colorspace=channels,
+                          encoded_image_string=encode_gif(frames, fps=fps))
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
