@@ -177,8 +177,10 @@ class RolloutDataModule(pl.LightningDataModule):
             (default ``"actor"``), or a callable ``module -> policy``.
         layout: ``"env_time"`` (``[num_envs, T]``, for on-policy losses) or ``"flat"``.
         on_policy: see :class:`ThreadedCollector`; use ``False`` with a replay buffer.
-        envs_per_thread, autobatch_size, max_wait, max_episode_steps, init_random_frames,
-            exploration_type, step_timeout: passed to the collector.
+        envs_per_thread, num_workers, autobatch_size, max_wait, max_episode_steps, init_random_frames,
+            exploration_type, step_timeout: passed to the collector (``envs_per_thread`` and
+            ``num_workers`` default to ``"auto"``: chosen from a few timed steps of one env, see
+            ``docs/tuning.rst``; worker processes need a picklable env factory, which a gym id is).
         batches_per_epoch: batches per Lightning epoch for an endless collector
             (default 1000); a finite one is a single epoch.
         eval_every_n_frames: evaluate each time this rank has collected this many
@@ -214,7 +216,8 @@ class RolloutDataModule(pl.LightningDataModule):
         policy: str | Callable[[pl.LightningModule], Any] = "actor",
         layout: Literal["env_time", "flat"] = "env_time",
         on_policy: bool = True,
-        envs_per_thread: int = 1,
+        envs_per_thread: int | str = "auto",
+        num_workers: int | str = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         max_episode_steps: int | None = None,
@@ -272,7 +275,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self.policy = policy
         self.layout = layout
         self.on_policy = on_policy
-        self.collector_kwargs = dict(envs_per_thread=envs_per_thread, autobatch_size=autobatch_size,
+        for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
+            if value != "auto":
+                _check_int(name, value, 1)
+        self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
+                                     autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
                                      init_random_frames=init_random_frames, exploration_type=exploration_type,
                                      step_timeout=step_timeout)
