@@ -7,7 +7,7 @@ CONSTRAINTS ?= .ci/constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install test test-slow demo docs bench bench-quick clean
+.PHONY: help install test test-slow demo docs bench bench-quick bench-real clean
 
 help:
 	@echo "make demo       train PPO on CartPole for a short budget, TensorBoard logs + learning curve"
@@ -15,6 +15,7 @@ help:
 	@echo "make test-slow  end-to-end learning runs (PPO to the 475 bar); minutes"
 	@echo "make docs       build the Sphinx docs (warnings are errors) into docs/_build/html"
 	@echo "make bench      benchmarks against the peers; writes benchmarks/results/"
+	@echo "make bench-real the same on real envs (MuJoCo HalfCheetah, ALE Pong, envpool); installs the bench-real extra"
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,10 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --out benchmarks/results
+
+bench-real: $(STAMP)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[bench-real]'
+	$(PY) -m benchmarks --group real --out benchmarks/results/real
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick --out benchmarks/results/quick

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny frame counts: a smoke run of seconds per scenario")
+    parser.add_argument("--group", choices=("core", "real", "all"), default="core",
+                        help="which scenarios run by default: core (synthetic envs, CartPole; default), real "
+                             "(MuJoCo, ALE, envpool: the bench-real extra) or all")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), metavar="NAME",
                         help=f"run only these (repeatable; default all: {', '.join(SCENARIOS)})")
     parser.add_argument("--contender", action="append", metavar="GLOB",
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(args.torch_threads)
-    names = args.scenario or list(SCENARIOS)
+    names = args.scenario or [n for n, s in SCENARIOS.items() if args.group in ("all", s.group)]
     report: dict[str, Any] = {"command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "quick": args.quick, "machine": machine(), "scenarios": []}
     for name in names:

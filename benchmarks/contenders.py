@@ -14,6 +14,7 @@ batched callable returning action indices.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -43,18 +44,40 @@ def make_mlp(hidden: tuple[int, ...] = (64, 64), obs_dim: int = 4, n_actions: in
 
 
 class GreedyActor(torch.nn.Module):
-    """``obs -> argmax(net(obs))``, as an index or one-hot (module-level: picklable for worker processes)."""
+    """``obs -> argmax(net(obs))``, as an index or one-hot; ``tanh(net(obs))`` for a continuous action space.
+    Pixel observations are reduced to two features (mean and std of the pixels) first, whatever their layout
+    (HWC from gymnasium, CHW from envpool). Module-level: picklable for worker processes."""
 
-    def __init__(self, net: torch.nn.Module, one_hot: bool) -> None:
+    def __init__(self, net: torch.nn.Module, one_hot: bool, continuous: bool = False, pixels: bool = False) -> None:
         super().__init__()
         self.net = net
         self.one_hot = one_hot
+        self.continuous = continuous
+        self.pixels = pixels
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        index = self.net(obs).argmax(-1)
+        if self.pixels:
+            flat = obs.reshape(obs.shape[0], -1).float() / 255.0
+            obs = torch.stack([flat.mean(-1), flat.std(-1)], -1)
+        out = self.net(obs.float())
+        if self.continuous:
+            return torch.tanh(out)
+        index = out.argmax(-1)
         if self.one_hot:
             return torch.nn.functional.one_hot(index, self.net[-1].out_features).to(torch.int64)
         return index
+
+
+@functools.lru_cache(maxsize=None)
+def env_shape(env_id: str) -> tuple[int, int, bool, bool]:
+    """``(policy input dim, action dim, continuous, pixels)`` of an env, read once from its spaces."""
+    env = bench_envs.gym_factory(env_id)()
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    pixels = len(obs_space.shape) == 3
+    continuous = isinstance(act_space, gym.spaces.Box)
+    n_actions = int(act_space.shape[0]) if continuous else int(act_space.n)
+    return (2 if pixels else int(np.prod(obs_space.shape))), n_actions, continuous, pixels
 
 
 @dataclass
@@ -68,19 +91,23 @@ class Workload:
     net: torch.nn.Module = field(init=False)
 
     def __post_init__(self) -> None:
-        self.net = make_mlp(self.hidden)
+        obs_dim, n_actions, self.continuous, self.pixels = env_shape(self.env_id)
+        self.net = make_mlp(self.hidden, obs_dim=obs_dim, n_actions=n_actions)
 
-    def actor(self) -> TensorDictModule:
-        """The TorchRL actor (one-hot ``action``)."""
-        return TensorDictModule(GreedyActor(self.net, one_hot=True), in_keys=["observation"], out_keys=["action"])
+    def actor(self, *, torchrl_env: bool = False) -> TensorDictModule:
+        """The TorchRL actor (one-hot ``action``, or a continuous one). It reads ``"observation"``, or
+        ``"pixels"`` for a pixel env stepped through TorchRL's ``GymEnv`` (which names it so)."""
+        key = "pixels" if torchrl_env and self.pixels else "observation"
+        return TensorDictModule(GreedyActor(self.net, one_hot=True, continuous=self.continuous, pixels=self.pixels),
+                                in_keys=[key], out_keys=["action"])
 
     def callable_policy(self) -> Callable[[np.ndarray], np.ndarray]:
-        """The same weights as a plain batched callable ``obs[N, 4] -> action indices[N]``."""
-        actor = GreedyActor(self.net, one_hot=False)
+        """The same weights as a plain batched callable ``obs[N, ...] -> actions[N, ...]`` (indices if discrete)."""
+        actor = GreedyActor(self.net, one_hot=False, continuous=self.continuous, pixels=self.pixels)
 
         def act(obs: np.ndarray) -> np.ndarray:
             with torch.no_grad():
-                return actor(torch.from_numpy(obs)).numpy()
+                return actor(torch.from_numpy(np.asarray(obs))).numpy()
 
         return act
 
@@ -114,16 +141,19 @@ def _collector_session(collector: Any, stats: Callable[[], dict[str, float]] = d
 
 
 # -- ours ---------------------------------------------------------------------------------------------------
-def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int = 1, autobatch_size: int | None = None,
-             max_wait: float | None = None, on_policy: bool = True) -> Session:
-    """``lightning_rollout.ThreadedCollector`` over gymnasium envs, one-hot actor."""
+def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int | str = 1, num_workers: int | str = 1,
+             autobatch_size: int | None = None, max_wait: float | None = None, on_policy: bool = True) -> Session:
+    """``lightning_rollout.ThreadedCollector`` over gymnasium envs (``"auto"`` for its default layout)."""
     from lightning_rollout import ThreadedCollector
 
     collector = ThreadedCollector(w.gym_envs(), w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1,
-                                  envs_per_thread=envs_per_thread, autobatch_size=autobatch_size, max_wait=max_wait,
-                                  layout=layout, on_policy=on_policy, name="bench")
-    policy = collector.autobatch_policy
-    return _collector_session(collector, lambda: {"mean_flush_batch": policy.mean_batch_size})
+                                  envs_per_thread=envs_per_thread, num_workers=num_workers,
+                                  autobatch_size=autobatch_size, max_wait=max_wait, layout=layout,
+                                  on_policy=on_policy, name="bench")
+    policy, loop = collector.autobatch_policy, collector.loop
+    return _collector_session(collector, lambda: {"mean_flush_batch": policy.mean_batch_size,
+                                                  "num_workers": loop.num_workers,
+                                                  "envs_per_thread": loop.envs_per_thread})
 
 
 # -- torchrl --------------------------------------------------------------------------------------------------
@@ -133,7 +163,7 @@ def torchrl_serial(w: Workload) -> Session:
     from torchrl.envs import SerialEnv
 
     env = SerialEnv(w.num_envs, w.torchrl_envs(1)[0])
-    return _collector_session(Collector(env, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1))
+    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1))
 
 
 def torchrl_parallel(w: Workload) -> Session:
@@ -142,7 +172,7 @@ def torchrl_parallel(w: Workload) -> Session:
     from torchrl.envs import ParallelEnv
 
     env = ParallelEnv(w.num_envs, w.torchrl_envs(1)[0])
-    return _collector_session(Collector(env, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1))
+    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1))
 
 
 def torchrl_multisync(w: Workload) -> Session:
@@ -153,7 +183,7 @@ def torchrl_multisync(w: Workload) -> Session:
     while w.num_envs % workers:
         workers -= 1
     make = [_SerialFactory(w.num_envs // workers, w.env_id)] * workers
-    collector = MultiSyncCollector(make, w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1)
+    collector = MultiSyncCollector(make, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1)
     return _collector_session(collector)
 
 
@@ -173,16 +203,41 @@ def torchrl_async_batched(w: Workload) -> Session:
     """torchrl ``AsyncBatchedCollector(backend="threading")``: its own threaded autobatcher."""
     from torchrl.collectors import AsyncBatchedCollector
 
-    collector = AsyncBatchedCollector(w.torchrl_envs(), policy=w.actor(), frames_per_batch=w.frames_per_batch,
+    collector = AsyncBatchedCollector(w.torchrl_envs(), policy=w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch,
                                       total_frames=-1, max_batch_size=w.num_envs, backend="threading")
     return _collector_session(collector)
 
 
+# -- envpool (C++ thread pool, same policy in a plain loop) ------------------------------------------------------
+def envpool_sync(w: Workload) -> Session:
+    """``envpool`` in sync mode (every env each step) + the batched policy in a plain loop."""
+    env = bench_envs.envpool_make(w.env_id, w.num_envs)
+    return _vector_loop(env, w.callable_policy(), seed=False)
+
+
+def envpool_async(w: Workload, batch: int | None = None) -> Session:
+    """``envpool`` in async mode: act on the first ``batch`` envs done (default half), ``send`` / ``recv``."""
+    batch = batch or max(1, w.num_envs // 2)
+    env = bench_envs.envpool_make(w.env_id, w.num_envs, batch_size=batch)
+    policy = w.callable_policy()
+    env.async_reset()
+
+    def run(frames: int) -> int:
+        done = 0
+        while done < frames:
+            obs, _, _, _, info = env.recv()
+            env.send(policy(obs), info["env_id"])
+            done += len(info["env_id"])
+        return done
+
+    return Session(run, env.close)
+
+
 # -- gymnasium + plain loop (the no-collector limit) ------------------------------------------------------------
-def _vector_loop(vec: gym.vector.VectorEnv, policy: Callable[[np.ndarray], np.ndarray]) -> Session:
-    obs, _ = vec.reset(seed=0)
+def _vector_loop(vec: Any, policy: Callable[[np.ndarray], np.ndarray], seed: bool = True) -> Session:
+    obs, _ = vec.reset(seed=0) if seed else vec.reset()
     state = {"obs": obs}
-    n = vec.num_envs
+    n = getattr(vec, "num_envs", None) or len(obs)
 
     def run(frames: int) -> int:
         o = state["obs"]

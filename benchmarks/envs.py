@@ -23,12 +23,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["CARTPOLE", "GIL_BOUND", "SLEEP", "STRAGGLER", "GilBoundEnv", "SleepEnv", "StragglerEnv", "gym_factory",
-           "measure_step_time", "torchrl_factory"]
+__all__ = ["CARTPOLE", "GIL_BOUND", "SLEEP", "STRAGGLER", "GilBoundEnv", "SleepEnv", "StragglerEnv", "envpool_make",
+           "gym_factory", "measure_step_time", "torchrl_factory"]
 
 CARTPOLE = "CartPole-v1"
 SLEEP = "bench/Sleep-v0"
@@ -95,7 +96,25 @@ gym.register(STRAGGLER, entry_point=StragglerEnv, max_episode_steps=EPISODE_STEP
 
 
 def _make_gym(env_id: str) -> gym.Env:
+    if env_id.startswith("ALE/"):
+        import ale_py  # registers the ALE ids (the bench-real extra)
+
+        gym.register_envs(ale_py)
     return gym.make(env_id)
+
+
+def envpool_make(env_id: str, num_envs: int, batch_size: int | None = None) -> Any:
+    """The envpool twin of a gymnasium id, configured like gymnasium's (an Atari env: raw 210x160 RGB frames,
+    frameskip 4, sticky actions 0.25, no episodic life, no reward clipping, no noop starts)."""
+    import envpool
+
+    kwargs: dict[str, Any] = {"env_type": "gymnasium", "num_envs": num_envs, "batch_size": batch_size or num_envs}
+    task = env_id
+    if env_id.startswith("ALE/"):
+        task = env_id.split("/", 1)[1]
+        kwargs.update(img_height=210, img_width=160, gray_scale=False, stack_num=1, frame_skip=4, noop_max=1,
+                      repeat_action_probability=0.25, episodic_life=False, reward_clip=False, use_fire_reset=False)
+    return envpool.make(task, **kwargs)
 
 
 def _make_torchrl(env_id: str):  # -> torchrl GymEnv (imported lazily: workers of gym contenders skip torchrl)
@@ -116,7 +135,7 @@ def torchrl_factory(env_id: str) -> Callable[[], object]:
 
 def measure_step_time(env_id: str, steps: int = 200) -> float:
     """Mean seconds per ``step`` of one env in this thread (resets excluded)."""
-    env = gym.make(env_id)
+    env = _make_gym(env_id)
     env.reset(seed=0)
     total = 0.0
     for _ in range(steps):

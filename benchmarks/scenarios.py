@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import contenders as c
-from .envs import CARTPOLE, SLEEP, STRAGGLER, measure_step_time
+from .envs import CARTPOLE, GIL_BOUND, SLEEP, STRAGGLER, measure_step_time
 
 __all__ = ["SCENARIOS", "Scenario", "Target", "lightning_available"]
 
@@ -69,6 +69,7 @@ class Scenario:
     ideal_from_step_time: bool = False
     requires: Callable[[], str | None] = lambda: None  # a reason to skip, or None
     note: str = ""
+    group: str = "core"  # "core": `make bench`; "real": `make bench-real` (the bench-real extra)
 
     def workload(self, quick: bool) -> c.Workload:
         per_env = 2 if quick else self.steps_per_env_per_batch
@@ -96,13 +97,27 @@ def lightning_available() -> str | None:
     return None
 
 
+def real_envs_available() -> str | None:
+    """None when the bench-real extra (MuJoCo, ALE, envpool) is installed, else what is missing."""
+    missing = []
+    for module in ("mujoco", "ale_py", "envpool"):
+        try:
+            __import__(module)
+        except Exception:
+            missing.append(module)
+    return f"not installed: {', '.join(missing)} (pip install -e '.[bench-real]')" if missing else None
+
+
+AUTO = "threaded auto (defaults)"
 _ALL_OURS_CHEAP = {
+    AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
     "threaded env_time": _threaded(),
     "threaded flat": _threaded(layout="flat"),
     "threaded env_time ept=4": _threaded(envs_per_thread=4),
     "threaded env_time ept=8": _threaded(envs_per_thread=8),
     "threaded flat ept=8 off-policy": _threaded(layout="flat", envs_per_thread=8, on_policy=False),
 }
+_REAL_OURS = (AUTO, "threaded ept=16", "threaded ept=1", "threaded num_workers=2")
 _OURS_GIL = {
     "threaded env_time": _threaded(),
     "threaded flat": _threaded(layout="flat"),
@@ -118,7 +133,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         [Target(">= 10x AsyncBatchedCollector(threading)", tuple(_ALL_OURS_CHEAP),
                 "torchrl AsyncBatchedCollector(threading)", 10.0),
          Target(">= 5x Collector(SerialEnv)", tuple(_ALL_OURS_CHEAP), "torchrl Collector(SerialEnv)", 5.0),
-         Target(">= 0.5x SyncVectorEnv loop (aim 0.8x)", tuple(_ALL_OURS_CHEAP), "gym SyncVectorEnv loop", 0.5)]),
+         Target(">= 0.5x SyncVectorEnv loop (aim 0.8x)", tuple(_ALL_OURS_CHEAP), "gym SyncVectorEnv loop", 0.5),
+         Target("defaults >= 0.8x SyncVectorEnv loop", (AUTO,), "gym SyncVectorEnv loop", 0.8)]),
     Scenario(
         "gil", "GIL-releasing env: step sleeps 2 ms, 16 envs", SLEEP, 16, 16_000, 64,
         {**_OURS_GIL, **PEERS},
@@ -141,6 +157,30 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
          Target("mean flush batch >= 0.8 x num_envs", ("threaded env_time",), "num_envs", 0.8,
                 metric="mean_flush_batch")],
         hidden=(1024, 1024, 1024)),
+    Scenario(
+        "gil_bound", "GIL-bound env: each step runs 100 us of pure Python, 16 envs", GIL_BOUND, 16, 16_000, 32,
+        {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
+         "threaded ept=16": _threaded(envs_per_thread=16),
+         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread=8),
+         **{k: PEERS[k] for k in ("gym SyncVectorEnv loop", "gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
+        [Target(">= 1.6x one process (best threads config)", ("threaded num_workers=2",), "threaded ept=16", 1.6),
+         Target(">= 1.5x AsyncVectorEnv loop", ("threaded num_workers=2",), "gym AsyncVectorEnv loop", 1.5),
+         Target("defaults >= 0.9x best", (AUTO,), "threaded num_workers=2", 0.9)]),
+    *[Scenario(
+        name, f"{env_id}, 16 envs, small MLP (real env; bench-real extra)", env_id, 16, frames, 32,
+        {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
+         "threaded ept=16": _threaded(envs_per_thread=16),
+         "threaded ept=1": _threaded(envs_per_thread=1),
+         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread=8),
+         "envpool sync": c.envpool_sync,
+         "envpool async (batch 8)": c.envpool_async,
+         **{k: PEERS[k] for k in ("gym SyncVectorEnv loop", "gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
+        [Target(f">= {a:g}x envpool async", tuple(_REAL_OURS), "envpool async (batch 8)", a),
+         Target(f">= {b:g}x SyncVectorEnv loop", tuple(_REAL_OURS), "gym SyncVectorEnv loop", b),
+         Target("defaults >= 0.9x our best", (AUTO,), "threaded num_workers=2", 0.9)],
+        requires=real_envs_available, group="real")
+      for name, env_id, frames, a, b in (("halfcheetah", "HalfCheetah-v5", 32_000, 0.8, 1.2),
+                                         ("pong", "ALE/Pong-v5", 16_000, 1.0, 1.3))],
     Scenario(
         "lightning", "Lightning overhead: Trainer.fit + RolloutDataModule vs plain loop, CartPole, 8 envs",
         CARTPOLE, 8, 51_200, 128,
