@@ -34,7 +34,8 @@ PEERS: dict[str, Builder] = {
     "gym AsyncVectorEnv loop": c.gym_async,
 }
 # Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
-PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv loop"}
+PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv loop",
+                      "threaded num_workers=2"}
 LOCK_STEP = ["gym SyncVectorEnv loop", "torchrl Collector(SerialEnv)", "torchrl Collector(ParallelEnv)"]
 
 
