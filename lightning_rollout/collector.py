@@ -48,7 +48,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds
-from .envs import EnvFactory, resolve_env_factory
+from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
@@ -161,6 +161,11 @@ class ThreadedCollector(BaseCollector):
         step_timeout: seconds before a hung env step raises ``StepTimeoutError``.
         policy_timeout: seconds one policy call may take before it raises ``PolicyError``
             (``None``: no limit; see :class:`AutobatchPolicy`).
+        info_keys: entries of a gymnasium env's ``info`` dict read into every batch as
+            observation entries (root and ``("next", ...)``): a list of keys, their specs
+            inferred from the first reset's ``info``, or ``{key: TorchRL spec}``; also in
+            each ``EpisodeEnd.info`` (see :class:`MultiEnvLoop`). A TorchRL env reads its
+            info with ``env.set_info_dict_reader``; a list then names those entries.
         processor: an :class:`EventProcessor` receiving timestep / episode events.
         interrupter: an :class:`Interrupter`; when it fires, the current batch ends early.
         name: used in thread names.
@@ -213,6 +218,7 @@ class ThreadedCollector(BaseCollector):
         seed: int | None = None,
         step_timeout: float | None = None,
         policy_timeout: float | None = None,
+        info_keys: InfoKeys | None = None,
         processor: EventProcessor | None = None,
         interrupter: Interrupter | None = None,
         name: str = "collector",
@@ -264,6 +270,7 @@ class ThreadedCollector(BaseCollector):
             warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
                           f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=2)
             frames_per_batch = steps * num_envs
+        step_timeout = check_seconds("step_timeout", step_timeout, allow_zero=False)  # before the auto measure uses it
         if is_auto(num_workers) or is_auto(envs_per_thread):
             chosen_ept = is_auto(envs_per_thread)
             if not is_auto(envs_per_thread):
@@ -349,7 +356,8 @@ class ThreadedCollector(BaseCollector):
                 max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
-                policy_timeout=policy_timeout, processor=processor, interrupter=interrupter, name=name, start=False)
+                policy_timeout=policy_timeout, info_keys=info_keys, processor=processor, interrupter=interrupter,
+                name=name, start=False)
         except PolicyError as exc:
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
@@ -437,8 +445,9 @@ class ThreadedCollector(BaseCollector):
             CollectionError: another live thread holds it (an iterator of its own started
                 and neither exhausted nor closed). Nothing waits: the caller is refused at once.
         """
+        lock = type(self)._ITERATION_LOCK  # held here: at interpreter exit the class may be gone before ``finally``
         me = threading.current_thread()
-        with ThreadedCollector._ITERATION_LOCK:
+        with lock:
             owner = self._iteration_owner
             if owner is not None and owner is not me and owner.is_alive():
                 raise CollectionError(
@@ -451,7 +460,7 @@ class ThreadedCollector(BaseCollector):
         try:
             yield
         finally:
-            with ThreadedCollector._ITERATION_LOCK:
+            with lock:
                 if self._iteration_owner is me:
                     self._iteration_depth -= 1
                     if self._iteration_depth == 0:

@@ -13,7 +13,8 @@ column per leaf, nested keys included.
   ``StepCounter`` and ``RewardSum`` transforms would add: ``is_init``,
   ``step_count`` and ``episode_reward``. Discrete actions are accepted as an
   index or one-hot, as the policy gives them, and are checked against the
-  action space (:class:`ActionError` names what is wrong).
+  action space (:class:`ActionError` names what is wrong). ``info_keys`` adds
+  entries of the env's ``info`` dict as observation entries (see :class:`GymAdapter`).
 * :class:`TorchRLAdapter` wraps an unbatched torchrl ``EnvBase`` (transforms
   included): its keys are the leaves of its ``full_*_spec``; a step is
   ``env.step`` on a tensordict holding the root entries handed to it.
@@ -25,22 +26,25 @@ unsupported space fails at the boundary with a ``ValueError``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torchrl.data import Composite
+from torchrl.data import Composite, TensorSpec
 from torchrl.envs import EnvBase
 
 from .specs import ArraySpec, EnvKeys, NestedKey, leaves
 
-__all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "TorchRLAdapter",
-           "make_adapter", "resolve_env_factory"]
+__all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "InfoKeys",
+           "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
 
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
+#: Entries of a gymnasium env's ``info`` read into batches (``info_keys=``): a list of keys (their specs
+#: inferred from the first reset's ``info``) or ``{key: TorchRL spec}``. A tuple key reads nested dicts.
+InfoKeys = Sequence[NestedKey] | Mapping[NestedKey, TensorSpec]
 
 _FLAG = ArraySpec((1,), np.dtype(bool))
 _COUNT = ArraySpec((1,), np.dtype(np.int64))
@@ -111,6 +115,53 @@ def _gym_spec(space: gym.Space, *, categorical: bool) -> Any:
     return _gym_to_torchrl_spec_transform(space, categorical_action_encoding=categorical)
 
 
+_MISSING = object()
+
+
+def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
+    """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples.
+
+    Raises:
+        ValueError: ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings.
+    """
+    if info_keys is None:
+        return []
+    if isinstance(info_keys, str):
+        raise ValueError(f"info_keys must be a list of keys or a dict {{key: TorchRL spec}}, got the string "
+                         f"{info_keys!r}; write info_keys=[{info_keys!r}]")
+    keys: list[NestedKey] = []
+    for k in info_keys:
+        if isinstance(k, tuple) and len(k) == 1:
+            k = k[0]
+        if not (isinstance(k, str) or (isinstance(k, tuple) and k and all(isinstance(p, str) for p in k))):
+            raise ValueError(f"info key {k!r} must be a string or a tuple of strings (a nested key)")
+        keys.append(k)
+    return keys
+
+
+def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
+    """``info[key]`` (``info[a][b]`` for a nested key ``(a, b)``), or ``_MISSING``."""
+    value: Any = info
+    for part in key if isinstance(key, tuple) else (key,):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _infer_info_spec(key: NestedKey, value: Any) -> TensorSpec:
+    """An ``Unbounded`` spec of ``value``'s shape and dtype, as TorchRL's ``default_info_dict_reader`` infers
+    it (a Python float is float32, an int int64, a bool bool, a numpy value keeps its dtype)."""
+    from torchrl.data import Unbounded
+
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"info entry {key!r} of the first reset is {value!r}, not a number or a numeric array; "
+                         "pass info_keys={key: spec} for entries that are not numeric at reset") from exc
+    return Unbounded(tuple(tensor.shape), dtype=tensor.dtype)
+
+
 def _leaf_values(value: Any, path: tuple[str, ...], out: dict[NestedKey, Any], keys: set[tuple[str, ...]]) -> None:
     if path in keys:
         out[path[0] if len(path) == 1 else path] = value
@@ -130,17 +181,30 @@ class GymAdapter:
     envs, and ends episodes at its ``max_episode_steps``: :meth:`step` returns the
     observation entries only.
 
+    ``info_keys`` reads entries of the ``info`` dict that ``reset`` and ``step`` return
+    into observation entries: at the root (from ``reset``, or the step before) and
+    under ``"next"`` (from ``step``), one column each, like the other observation
+    entries. Their specs are given (``{key: TorchRL spec}``; values are cast to the
+    spec's dtype) or, for a list of keys, inferred from the info of one reset done
+    here (an ``Unbounded`` spec of the value's shape and dtype, as TorchRL's
+    ``default_info_dict_reader`` infers it). An entry missing from a later ``info``
+    is stored as zeros, as TorchRL's reader fills it.
+
     Args:
         env: the env; its spaces are read once here.
         validate: check every action against the action space (a few microseconds a step).
+        info_keys: entries of ``info`` to add: a list of keys (specs inferred) or a
+            dict ``{key: TorchRL spec}`` (unbatched specs); a tuple key reads nested dicts.
 
     Raises:
-        ValueError: the observation or action space is not supported.
+        ValueError: the observation or action space is not supported; an info key
+            clashes with an observation entry, is missing from the first reset's
+            ``info`` without a spec, or is not numeric there.
     """
 
     loop_keys = True
 
-    def __init__(self, env: gym.Env, *, validate: bool = True) -> None:
+    def __init__(self, env: gym.Env, *, validate: bool = True, info_keys: InfoKeys | None = None) -> None:
         self.env = env
         self.validate = validate
         obs_space = env.observation_space
@@ -155,6 +219,9 @@ class GymAdapter:
         self.observation_spec["is_init"] = _bool_spec()
         self.observation_spec["step_count"] = _count_spec()
         self.observation_spec["episode_reward"] = _return_spec()
+        self._info = self._info_columns(env, info_keys)
+        for k, (spec, _) in self._info.items():
+            self.observation_spec[k] = spec
         action_space = env.action_space
         if not isinstance(action_space, _SUPPORTED):
             raise ValueError(f"unsupported action space {action_space!r}: use Box, Discrete, MultiBinary or "
@@ -168,21 +235,60 @@ class GymAdapter:
             observation=observation, state={}, reward={"reward": _RETURN},
             done={"done": _FLAG, "terminated": _FLAG, "truncated": _FLAG},
             action=columns_of(self.action_spec, where="action space"))
-        self._obs_keys = [k for k in observation if k not in ("is_init", "step_count", "episode_reward")]
         self._discrete_n = int(action_space.n) if isinstance(action_space, gym.spaces.Discrete) else 0
         self._start = int(getattr(action_space, "start", 0)) if self._discrete_n else 0
         self._nvec = np.asarray(action_space.nvec) if isinstance(action_space, gym.spaces.MultiDiscrete) else None
+        self._box_bounds: tuple[float, float] | None = None  # (low, high) when every dim has the same bounds
+        if isinstance(action_space, gym.spaces.Box) and action_space.shape:
+            low, high = np.unique(action_space.low), np.unique(action_space.high)
+            if low.size == 1 and high.size == 1:
+                self._box_bounds = (float(low[0]), float(high[0]))
 
-    def _obs(self, obs: Any) -> dict[NestedKey, Any]:
+    def _info_columns(self, env: gym.Env, info_keys: InfoKeys | None) -> dict[NestedKey, tuple[TensorSpec, Any]]:
+        """``{key: (spec, numpy dtype)}`` of the info entries (one reset of ``env`` when a spec is inferred)."""
+        keys = info_key_list(info_keys)
+        if not keys:
+            return {}
+        given = dict(zip(keys, info_keys.values())) if isinstance(info_keys, Mapping) else {}
+        taken = set(self.observation_spec.keys(True, True))
+        first_info: Mapping[str, Any] | None = None
+        out: dict[NestedKey, tuple[TensorSpec, Any]] = {}
+        for k in keys:
+            if k in taken or (isinstance(k, tuple) and k[0] in self.observation_spec.keys()):
+                raise ValueError(f"info key {k!r} clashes with an observation entry of the env (or the loop's "
+                                 "is_init / step_count / episode_reward)")
+            spec = given.get(k)
+            if spec is None:
+                if given:
+                    raise ValueError(f"info_keys as a dict maps every key to a TorchRL spec; {k!r} has None")
+                if first_info is None:
+                    _, first_info = env.reset()
+                value = _info_value(first_info, k)
+                if value is _MISSING:
+                    raise ValueError(f"info key {k!r} is not in the info of the env's first reset (it has "
+                                     f"{sorted(first_info)}); pass info_keys={{{k!r}: spec}} to give its spec, "
+                                     "e.g. Unbounded((), dtype=torch.bool) for an 'is_success' set at the end")
+                spec = _infer_info_spec(k, value)
+            elif not isinstance(spec, TensorSpec):
+                raise ValueError(f"the spec of info key {k!r} must be a TorchRL TensorSpec, got {type(spec).__name__}")
+            out[k] = (spec, torch.empty((), dtype=spec.dtype).numpy().dtype)
+        return out
+
+    def _obs(self, obs: Any, info: Mapping[str, Any]) -> dict[NestedKey, Any]:
         if not self._dict_obs:
-            return {"observation": np.asarray(obs)}
-        out: dict[NestedKey, Any] = {}
-        _leaf_values(obs, (), out, self._obs_paths)
-        return {k: np.asarray(v) for k, v in out.items()}
+            out: dict[NestedKey, Any] = {"observation": np.asarray(obs)}
+        else:
+            out = {}
+            _leaf_values(obs, (), out, self._obs_paths)
+            out = {k: np.asarray(v) for k, v in out.items()}
+        for k, (spec, dtype) in self._info.items():
+            value = _info_value(info, k)
+            out[k] = np.zeros(spec.shape, dtype) if value is _MISSING else np.asarray(value, dtype=dtype)
+        return out
 
     def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
-        obs, _ = self.env.reset(seed=seed)
-        out = self._obs(obs)
+        obs, info = self.env.reset(seed=seed)
+        out = self._obs(obs, info)
         out["is_init"] = True
         out["step_count"] = 0
         out["episode_reward"] = 0.0
@@ -218,16 +324,24 @@ class GymAdapter:
             return indices.astype(space.dtype)
         if action.shape != space.shape:
             raise ActionError(f"action of shape {action.shape} for {space!r} (expected {space.shape})")
-        if self.validate and isinstance(space, gym.spaces.Box):
-            if action.dtype.kind == "f" and np.isnan(action).any():
-                raise ActionError(f"action {action!r} contains NaN")
-            if np.any(action < space.low) or np.any(action > space.high):
-                raise ActionError(f"action {action!r} is out of the bounds of {space!r} (clip or squash it)")
+        if self.validate and self._box_bounds is not None:
+            # One min and one max per step when the bounds are uniform (NaN fails both comparisons).
+            low, high = self._box_bounds
+            if not (low <= action.min() and action.max() <= high):
+                self._refuse_box(action)
+        elif self.validate and isinstance(space, gym.spaces.Box):
+            if not (np.all(action >= space.low) and np.all(action <= space.high)):
+                self._refuse_box(action)
         return action.astype(space.dtype, copy=False)
 
+    def _refuse_box(self, action: np.ndarray) -> None:
+        if action.dtype.kind == "f" and np.isnan(action).any():
+            raise ActionError(f"action {action!r} contains NaN")
+        raise ActionError(f"action {action!r} is out of the bounds of {self.action_space!r} (clip or squash it)")
+
     def step(self, root: Mapping[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
-        obs, reward, terminated, truncated, _ = self.env.step(self._action(root["action"]))
-        return self._obs(obs), float(reward), bool(terminated), bool(truncated)
+        obs, reward, terminated, truncated, info = self.env.step(self._action(root["action"]))
+        return self._obs(obs, info), float(reward), bool(terminated), bool(truncated)
 
     def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
         template = columns["action"]
@@ -386,17 +500,30 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
     return env
 
 
-def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True) -> EnvAdapter:
+def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True,
+                 info_keys: InfoKeys | None = None) -> EnvAdapter:
     """Wrap an env instance in the matching adapter (``max_episode_steps`` goes to a TorchRL env as a
     ``StepCounter``; the loop applies it to gymnasium envs).
 
+    ``info_keys`` go to a :class:`GymAdapter`. A TorchRL env reads its ``info`` with its own
+    ``set_info_dict_reader``; its ``info_keys`` must then be a list of entries of its observation
+    spec (they are only named, for :class:`~lightning_rollout.events.EpisodeEnd` ``.info``).
+
     Raises:
-        ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``.
+        ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``; ``info_keys``
+            that a TorchRL env does not have.
     """
     if isinstance(env, EnvBase):
-        return TorchRLAdapter(env, max_episode_steps=max_episode_steps)
+        adapter = TorchRLAdapter(env, max_episode_steps=max_episode_steps)
+        missing = [k for k in info_key_list(info_keys) if k not in adapter.keys.observation]
+        if missing or isinstance(info_keys, Mapping):
+            adapter.close()
+            raise ValueError(f"info_keys {missing or list(info_keys)} for a TorchRL env: a TorchRL env reads its "
+                             "info itself, with env.set_info_dict_reader(default_info_dict_reader(keys, spec=...)); "
+                             "then name those observation entries in a list")
+        return adapter
     if isinstance(env, gym.Env):
-        return GymAdapter(env, validate=validate)
+        return GymAdapter(env, validate=validate, info_keys=info_keys)
     closer = getattr(env, "close", None)
     if callable(closer):
         closer()

@@ -88,6 +88,9 @@ class EpisodeEnd:
         progress: frames delivered so far (training) or episodes finished so far
             in this call (evaluation).
         eval: True for evaluation episodes.
+        info: the loop's ``info_keys`` entries at the episode's last step (its
+            ``("next", key)`` values: what the final ``step`` put in ``info``), one
+            numpy array of the entry's spec shape each; empty without ``info_keys``.
     """
 
     env_id: int
@@ -98,6 +101,7 @@ class EpisodeEnd:
     policy_version: int
     progress: Progress
     eval: bool = False
+    info: dict[Any, Any] = field(default_factory=dict)
 
 
 class EventProcessor:

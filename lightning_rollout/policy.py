@@ -322,6 +322,9 @@ class AutobatchPolicy:
         self._unbatched = False
         # A seeded policy samples from its own CPU random stream (swapped in around each forward pass,
         # which run one at a time), so its draws do not depend on who else uses torch's global generator.
+        # torch.set_num_threads is per thread: the inference thread runs forward passes with the setting of the
+        # thread that built the policy (an OpenMP team of torch's default size would spin on every core).
+        self._torch_threads = torch.get_num_threads()
         self._rng_state: torch.Tensor | None = None
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
@@ -662,6 +665,7 @@ class AutobatchPolicy:
         later, and every weight update, with :class:`PolicyError`, until
         :meth:`close`.
         """
+        torch.set_num_threads(self._torch_threads)  # the constructing thread's setting, not torch's default
         cond = self._cond
         batches: list[list[_Request]] = []  # taken from the queue, not answered yet
         updates: list[tuple[Any, threading.Event]] = []  # taken, not applied yet

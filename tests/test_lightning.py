@@ -183,15 +183,16 @@ def test_keyboard_interrupt_during_collection_joins_every_thread():
             if trainer.global_step == 1:
                 raise KeyboardInterrupt
 
-    dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32)
     handler = signal.getsignal(signal.SIGINT)
-    try:
-        with pytest.raises(SystemExit):  # Lightning turns KeyboardInterrupt into sys.exit(1)
-            make_trainer(max_steps=10, callbacks=[Interrupt()]).fit(Agent(), datamodule=dm)
-    finally:
-        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after an interrupt
-    assert dm.collector is not None and dm.collector.frames == 2 * 32
-    assert rollout_threads() == []
+    for reraise, expected in ((True, KeyboardInterrupt), (False, SystemExit)):  # False: Lightning's sys.exit(1)
+        dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32, reraise_interrupt=reraise)
+        try:
+            with pytest.raises(expected):
+                make_trainer(max_steps=10, callbacks=[Interrupt()]).fit(Agent(), datamodule=dm)
+        finally:
+            signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT after an interrupt
+        assert dm.collector is not None and dm.collector.frames == 2 * 32
+        assert rollout_threads() == []
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------

@@ -286,3 +286,62 @@ def test_ledger_catches_a_duplicate():
 
 
 _ = np  # numpy is used through rows_of's .numpy() arrays
+
+
+class _StopAfter:
+    """An :class:`~lightning_rollout.Interrupter`-like flag that fires once ``n`` env steps were taken in all."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.steps = n, 0
+
+    def should_stop(self) -> bool:
+        return self.steps >= self.n
+
+
+@SETTINGS
+@given(num_envs=st.integers(1, 4), epts=st.sampled_from([1, 2]), lookahead=st.booleans(),
+       steps_per_env=st.integers(2, 12), stop_after=st.integers(0, 30), fail_env=st.integers(0, 3),
+       fail_at=st.integers(0, 20), mode=st.sampled_from(["interrupt", "env_error"]),
+       length_seed=st.integers(0, 10_000), max_len=st.integers(1, 6))
+def test_env_time_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
+        num_envs, epts, lookahead, steps_per_env, stop_after, fail_env, fail_at, mode, length_seed, max_len):
+    """Mid-quota interrupts resume without losing or duplicating a step; mid-quota env errors arrive within the
+    bound with ``exc.partial`` holding only complete, continuous steps, and leave no thread behind."""
+    from lightning_rollout import EnvError, Interrupter
+
+    if num_envs % epts:
+        epts = 1
+    fail_env %= num_envs
+    length = length_fn_for(length_seed, max_len)
+    interrupter = Interrupter()
+    counter = _StopAfter(stop_after)
+
+    class Counting(MockEnv):
+        def step(self, action):
+            counter.steps += 1
+            if counter.should_stop() and mode == "interrupt":
+                interrupter.stop()
+            return super().step(action)
+
+    raise_on = {fail_env: fail_at} if mode == "env_error" else {}
+    factories = [lambda i=i: Counting(i, length_fn=length, raise_on_step=raise_on.get(i)) for i in range(num_envs)]
+    ledger = Ledger(num_envs)
+    loop = MultiEnvLoop(factories, ArgmaxNet(), envs_per_thread=epts, lookahead=lookahead)
+    try:
+        for _ in range(3):
+            try:
+                td = bounded(lambda: loop.run_env_steps(steps_per_env, interrupter=interrupter), BOUND, "quota")
+            except EnvError as exc:
+                assert mode == "env_error" and exc.env_id == fail_env
+                if exc.partial is not None:  # complete steps only: a rectangle every env delivered
+                    assert exc.partial.batch_dims == 2 and exc.partial.shape[0] == num_envs
+                    ledger.step_rows(rows_of(exc.partial.transpose(0, 1).reshape(-1)))
+                assert loop.closed
+                break
+            assert td.batch_size[0] == num_envs and td.batch_size[1] <= steps_per_env
+            ledger.step_rows(rows_of(td.transpose(0, 1).reshape(-1)))
+            interrupter.reset()
+            counter.n = counter.steps + stop_after  # the next interrupt, further on
+    finally:
+        bounded(loop.close, BOUND, "close")
+    assert_no_rollout_threads()

@@ -228,3 +228,66 @@ def test_update_and_shutdown_refuse_timeouts_that_cannot_work():
         assert not collector.is_shut_down  # refused before anything changed
     finally:
         collector.shutdown()
+
+
+_FIT_SIGINT_SCRIPT = """
+import sys, time, numpy as np, gymnasium as gym, torch
+import lightning.pytorch as pl
+from lightning_rollout.lightning import RolloutDataModule
+
+class Env(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    steps = 0
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(4, np.float32), {}
+    def step(self, action):
+        Env.steps += 1
+        if Env.steps == 400:
+            print("READY", flush=True)  # inside a batch (8 envs x 100 steps of 20 ms)
+        time.sleep(0.02)
+        return np.zeros(4, np.float32), 1.0, False, False, {}
+
+class Agent(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.actor = torch.nn.Linear(4, 2)
+    def training_step(self, batch, batch_idx):
+        return self.actor(batch["observation"]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+if __name__ == "__main__":
+    dm = RolloutDataModule(Env, num_envs=8, frames_per_batch=800, envs_per_thread=1, num_workers=1,
+                           policy=lambda m: (lambda obs: m.actor(obs).argmax(-1)), eval_episodes=0)
+    trainer = pl.Trainer(max_steps=100, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")
+    try:
+        trainer.fit(Agent(), datamodule=dm)
+    except KeyboardInterrupt:
+        print("CAUGHT", flush=True)
+        sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_during_trainer_fit_reaches_the_user_in_under_a_second():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_FIT_SIGINT_SCRIPT)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "READY", proc.stderr.read() if proc.poll() is not None else ""
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().strip()
+        caught_after = time.monotonic() - sent
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert line == "CAUGHT", err
+    assert caught_after < 1.0, f"KeyboardInterrupt reached user code after {caught_after:.2f} s"
+    assert proc.returncode == 130, err
+    assert "stuck" not in err and "terminate called" not in err, err

@@ -337,3 +337,22 @@ def test_seeded_runs_of_a_stochastic_policy_sample_the_same_actions():
     assert_same(runs[0], runs[1])
     other = collect("CartPole-v1", actor, 8 * 32, num_envs=8, seed=6)
     assert not torch.equal(other["action"], runs[0]["action"])
+
+
+def test_threads_that_run_the_policy_get_the_creating_threads_torch_thread_count():
+    import threading
+
+    seen: dict[str, int] = {}
+
+    def td_policy(td: TensorDictBase) -> TensorDictBase:
+        seen[threading.current_thread().name] = torch.get_num_threads()
+        return td.set("action", torch.zeros(td.shape[0], dtype=torch.long))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        collect("CartPole-v1", td_policy, 16, num_envs=4, envs_per_thread=1, num_workers=1)
+    finally:
+        torch.set_num_threads(before)
+    rollout = {name: n for name, n in seen.items() if name.startswith("lightning_rollout-")}
+    assert rollout and set(rollout.values()) == {1}, seen

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from tensordict import TensorDictBase
@@ -190,7 +191,11 @@ class EpisodeStatsLogger(RolloutCallback):
     * ``rollout/collect_fps``: collection speed of one rank, frames of its last batch
       over the seconds ``training_step`` waited for that batch (mean over ranks);
     * ``rollout/policy_lag``: mean number of weight updates between the policy
-      that acted a transition and the current one (0 when on-policy).
+      that acted a transition and the current one (0 when on-policy);
+    * ``rollout/<key>`` for each one-element entry of the DataModule's ``info_keys``
+      (``rollout/is_success``; a nested key's parts joined by ``/``): its mean over the
+      episodes finished during the batch's collection, each episode counted once with
+      its value at its last step (``EpisodeEnd.info``), written with ``episode_reward``.
 
     All are in ``trainer.callback_metrics`` after every batch (``ModelCheckpoint`` /
     ``EarlyStopping`` can monitor them) and written to every logger then, whatever
@@ -217,6 +222,8 @@ class EpisodeStatsLogger(RolloutCallback):
         self.clock = clock
         self._rewards: list[float] = []
         self._lengths: list[float] = []
+        self._info: dict[Any, list[float]] = {}  # one-element info entries of the episodes of this batch
+        self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
         self._batch_frames = 0
         self._batch_seconds = 0.0
@@ -227,6 +234,21 @@ class EpisodeStatsLogger(RolloutCallback):
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         self._rewards.append(episode.reward)
         self._lengths.append(float(episode.length))
+        for key, value in episode.info.items():
+            if np.size(value) == 1:
+                self._info.setdefault(key, []).append(float(np.asarray(value).reshape(-1)[0]))
+
+    def _episode_info_keys(self, trainer: pl.Trainer) -> list[Any]:
+        """The DataModule's info keys whose entries have one element (found once its collector exists)."""
+        if self._info_keys is None:
+            dm = trainer.datamodule
+            collector = getattr(dm, "collector", None)
+            if collector is None:
+                return []
+            specs = collector.loop.env_keys.observation
+            self._info_keys = [k for k in getattr(dm, "info_keys", []) if k in specs
+                               and math.prod(specs[k].shape) == 1]
+        return self._info_keys
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
         dm = trainer.datamodule
@@ -248,14 +270,18 @@ class EpisodeStatsLogger(RolloutCallback):
         episodes = _episode_stats(trainer, self._rewards, self._lengths)
         collect = [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else []
         lag = [self._lag] if self._lag is not None else []
-        (frames, collect_sum, collect_ranks, lag_sum, lag_ranks), _ = _reduce(
-            trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag)])
+        info_keys = self._episode_info_keys(trainer)
+        (frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums), _ = _reduce(
+            trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag),
+                      *(sum(self._info.get(k, ())) for k in info_keys)])
         self._episodes += int(episodes["count"])
         elapsed = self.clock() - self._start_time
         metrics: dict[str, float] = {}
         if episodes["count"]:
             metrics.update({f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_max": episodes["max"],
                             f"{p}/episode_reward_min": episodes["min"], f"{p}/episode_length": episodes["length"]})
+            for key, total in zip(info_keys, info_sums):
+                metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / episodes["count"]
         metrics[f"{p}/episodes"] = float(self._episodes)
         metrics[f"{p}/frames"] = frames
         if elapsed > 0:
@@ -271,6 +297,7 @@ class EpisodeStatsLogger(RolloutCallback):
         _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
         self._rewards.clear()
         self._lengths.clear()
+        self._info.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"episodes": self._episodes}

@@ -34,6 +34,8 @@ is called from env threads.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 import types
 import warnings
@@ -47,7 +49,7 @@ from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
 from ..collector import ThreadedCollector
-from ..envs import EnvFactory, resolve_env_factory
+from ..envs import EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
 from .callbacks import EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar, overrides
@@ -181,6 +183,12 @@ class RolloutDataModule(pl.LightningDataModule):
             exploration_type, step_timeout: passed to the collector (``envs_per_thread`` and
             ``num_workers`` default to ``"auto"``: chosen from a few timed steps of one env, see
             ``docs/tuning.rst``; worker processes need a picklable env factory, which a gym id is).
+        info_keys: entries of a gymnasium env's ``info`` read into the training batches
+            and the evaluation envs' rows (see :class:`ThreadedCollector`): a list of keys
+            (specs inferred from the first reset's ``info``) or ``{key: TorchRL spec}``.
+            Their values at each episode's end are in ``EpisodeEnd.info``, and
+            :class:`EpisodeStatsLogger` logs the per-episode mean of each one-element
+            entry as ``rollout/<key>``.
         batches_per_epoch: batches per Lightning epoch for an endless collector
             (default 1000); a finite one is a single epoch.
         eval_every_n_frames: evaluate each time this rank has collected this many
@@ -198,6 +206,10 @@ class RolloutDataModule(pl.LightningDataModule):
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
+        reraise_interrupt: a Ctrl-C during ``fit`` reaches the caller as ``KeyboardInterrupt``
+            once Lightning's graceful shutdown (callbacks' ``on_exception``, its teardown) is done,
+            so the script ends as any interrupted Python script (exit code 130 from a shell).
+            ``False`` keeps Lightning's own ending, ``sys.exit(1)``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
         progress_bar: replace Lightning's stock ``TQDMProgressBar`` by a
             :class:`RolloutProgressBar` (frames, frames/s, returns).
@@ -224,6 +236,7 @@ class RolloutDataModule(pl.LightningDataModule):
         init_random_frames: int = 0,
         exploration_type: ExplorationType = ExplorationType.RANDOM,
         step_timeout: float | None = None,
+        info_keys: InfoKeys | None = None,
         batches_per_epoch: int | None = None,
         eval_every_n_frames: int | None = None,
         eval_every_n_steps: int | None = None,
@@ -233,6 +246,7 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: int = 0,
         log_stats: bool = True,
         progress_bar: bool = True,
+        reraise_interrupt: bool = True,
     ) -> None:
         super().__init__()
         self.env_factory = resolve_env_factory(env)
@@ -278,11 +292,13 @@ class RolloutDataModule(pl.LightningDataModule):
         for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
             if value != "auto":
                 _check_int(name, value, 1)
+        self.reraise_interrupt = bool(reraise_interrupt)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
                                      autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
                                      init_random_frames=init_random_frames, exploration_type=exploration_type,
-                                     step_timeout=step_timeout)
+                                     step_timeout=step_timeout, info_keys=info_keys)
+        self.info_keys = info_key_list(info_keys)  # checked here, before any env is built
         self.batches_per_epoch = batches_per_epoch
         self.eval_every_n_frames = eval_every_n_frames
         self.eval_every_n_steps = eval_every_n_steps
@@ -494,6 +510,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self._eval_loop = MultiEnvLoop(
                 [factory] * n, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
                 lookahead=False, eval=True, max_episode_steps=self.eval_max_episode_steps,
+                info_keys=self.collector_kwargs["info_keys"],
                 seed=self.seed + _EVAL_SEED_OFFSET + self._rank * _RANK_SEED_STRIDE, name=f"rank{self._rank}-eval")
         return self._eval_loop
 
@@ -590,5 +607,21 @@ class RolloutDataModule(pl.LightningDataModule):
         self._close()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Join every env thread when ``fit`` fails or is interrupted."""
+        """Join every env thread when ``fit`` fails or is interrupted; re-raise a ``KeyboardInterrupt``
+        (see ``reraise_interrupt``) after finishing Lightning's graceful shutdown.
+
+        Raises:
+            KeyboardInterrupt: ``exception``, with ``reraise_interrupt``.
+        """
         self._close()
+        trainer = self.trainer
+        if not (isinstance(exception, KeyboardInterrupt) and self.reraise_interrupt and trainer is not None):
+            return
+        # Lightning would run these after this hook, then sys.exit(1): run them and end with the interrupt.
+        trainer.strategy.on_exception(exception)
+        teardown = getattr(trainer, "_teardown", None)
+        if callable(teardown):
+            teardown()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignored SIGINT for its shutdown
+        raise exception

@@ -67,11 +67,11 @@ from torchrl.envs.utils import ExplorationType
 
 from .._checks import check_device, check_int, check_seconds
 from .._exit import abandon, close_at_exit
-from ..envs import EnvAdapter, EnvFactory, make_adapter, resolve_env_factory
+from ..envs import EnvAdapter, EnvFactory, InfoKeys, info_key_list, make_adapter, resolve_env_factory
 from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
-from ..specs import ArraySpec, EnvKeys, NestedKey
+from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, auto_layout, is_auto
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
@@ -143,6 +143,12 @@ class MultiEnvLoop:
             step, and the inference thread stuck in it is abandoned. ``None``
             (default): no limit. See :class:`AutobatchPolicy`.
         validate: check every observation's shape, dtype and NaNs (about 2 us a step).
+        info_keys: entries of a gymnasium env's ``info`` read into batches as observation
+            entries (root and ``("next", ...)``): a list of keys (specs inferred from the first
+            reset's ``info``) or ``{key: TorchRL spec}``; see :class:`~lightning_rollout.envs.GymAdapter`.
+            A TorchRL env reads its info with its own ``set_info_dict_reader``; a list names
+            those entries. Each :class:`~lightning_rollout.events.EpisodeEnd` carries their
+            values at the episode's last step in ``info``.
         processor: default :class:`EventProcessor` for every call.
         interrupter: default :class:`Interrupter` for every call.
         traj_id_start: first trajectory id (to continue counts after a resume).
@@ -178,6 +184,7 @@ class MultiEnvLoop:
         step_timeout: float | None = None,
         policy_timeout: float | None = None,
         validate: bool = True,
+        info_keys: InfoKeys | None = None,
         processor: EventProcessor | None = None,
         interrupter: Interrupter | None = None,
         traj_id_start: int = 0,
@@ -247,6 +254,8 @@ class MultiEnvLoop:
         self.seed = seed
         self.step_timeout = step_timeout
         self.validate = validate
+        self.info_keys = info_key_list(info_keys)
+        self._info_next = {next_key(k) for k in self.info_keys}  # columns EpisodeEnd.info is read from
         self.processor = processor
         self.interrupter = interrupter
         self.name = name
@@ -271,13 +280,14 @@ class MultiEnvLoop:
             if num_workers > 1:  # envs in worker processes: they build, reset and describe them
                 self._pool = WorkerProcesses(
                     factories, num_workers, envs_per_thread, seeds=seeds, max_episode_steps=max_episode_steps,
-                    validate=validate, name=name, on_error=_creation_error)
+                    validate=validate, info_keys=info_keys, name=name, on_error=_creation_error)
                 keys, observation_spec, action_spec = (self._pool.keys, self._pool.observation_spec,
                                                        self._pool.action_spec)
                 loop_keys, roots = self._pool.loop_keys, self._pool.first_roots
             else:
                 for factory in factories:
-                    adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
+                    adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
+                                                 info_keys=info_keys))
                 keys = adapters[0].keys
                 for i, a in enumerate(adapters[1:], 1):
                     if not a.keys.same_layout(keys):
@@ -295,7 +305,7 @@ class MultiEnvLoop:
                     from torchrl.envs.utils import RandomPolicy
 
                     policy = RandomPolicy()
-                data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS]
+                data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS and k not in self.info_keys]
                 module = as_policy_module(policy, observation_spec=observation_spec, action_keys=list(keys.action),
                                           action_spec=action_spec,
                                           single_key=data_keys[0] if len(data_keys) == 1 else None)
@@ -652,7 +662,8 @@ class MultiEnvLoop:
                 on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(stats[_S_LENGTH]),
                                   reward=float(stats[_S_RETURN]),
                                   terminated=bool(stats[_S_TERMINATED]), truncated=bool(stats[_S_TRUNCATED]),
-                                  policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_))
+                                  policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_,
+                                  info={k: np.array(cols[next_key(k)][r]) for k in self.info_keys}))
 
     @_driver_call
     def run_steps(self, n: int, *, processor: EventProcessor | None = None,
@@ -862,7 +873,8 @@ class MultiEnvLoop:
         flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
         # events in time order, env by env within a time step
         by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
-                   if k in (_STATS, _ENV_ID, _VERSION) or (processor is not None and processor.wants_timesteps)}
+                   if k in (_STATS, _ENV_ID, _VERSION) or k in self._info_next
+                   or (processor is not None and processor.wants_timesteps)}
         done = by_time[_STATS][:, _S_DONE] > 0
         flat[_TRAJ][...] = self._assign_traj(by_time[_ENV_ID], done).reshape(T, self.num_envs).T
         self._after_take(by_time, range(len(done)), processor)

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..envs import ActionError, EnvFactory, make_adapter
+from ..envs import ActionError, EnvFactory, InfoKeys, make_adapter
 from ..specs import ArraySpec, EnvKeys, NestedKey
 from .buffers import check_entries
 
@@ -106,12 +106,14 @@ def _error_reply(j: int, phase: str, exc: BaseException) -> tuple[Any, ...]:
 class _BlockServer:
     """Serves one block's commands in the child (its own thread)."""
 
-    def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool) -> None:
+    def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool,
+                 info_keys: InfoKeys | None = None) -> None:
         self.plan, self.conn, self.validate = plan, conn, validate
         self.adapters = []
         for j, factory in enumerate(plan.factories):
             try:
-                self.adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate))
+                self.adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
+                                                  info_keys=info_keys))
             except BaseException as exc:
                 conn.send(_error_reply(j, "create", exc))
                 raise
@@ -205,14 +207,15 @@ def _watch_parent() -> None:
     os._exit(0)
 
 
-def _child_main(plans: list[_BlockPlan], conns: list[Any], max_episode_steps: int | None, validate: bool) -> None:
+def _child_main(plans: list[_BlockPlan], conns: list[Any], max_episode_steps: int | None, validate: bool,
+                info_keys: InfoKeys | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes us
     torch.set_num_threads(1)
     threading.Thread(target=_watch_parent, name="lightning_rollout-worker-watchdog", daemon=True).start()
     servers: list[_BlockServer] = []
     try:
         for plan, conn in zip(plans, conns):
-            servers.append(_BlockServer(plan, conn, max_episode_steps, validate))
+            servers.append(_BlockServer(plan, conn, max_episode_steps, validate, info_keys))
         for server in servers:
             server.attach(server.conn.recv())
     except BaseException:
@@ -317,7 +320,7 @@ class WorkerProcesses:
         num_workers: processes (``2 <= num_workers <= number of blocks``).
         envs_per_thread: envs per block (one env thread in the parent, one server thread in a child).
         seeds: the seed of each env's first reset (``None``: unseeded).
-        max_episode_steps, validate: as the loop's.
+        max_episode_steps, validate, info_keys: as the loop's.
         name: used in process names.
         start_method: ``"spawn"`` (default) or ``"forkserver"``; both are safe with CUDA.
         timeout: seconds to wait for the processes to build and reset their envs.
@@ -329,6 +332,7 @@ class WorkerProcesses:
 
     def __init__(self, factories: Sequence[EnvFactory], num_workers: int, envs_per_thread: int, *,
                  seeds: Sequence[int | None], max_episode_steps: int | None, validate: bool, name: str,
+                 info_keys: InfoKeys | None = None,
                  start_method: str = "spawn", timeout: float = 120.0,
                  on_error: Callable[[int, str, EnvFailure, int], BaseException]) -> None:
         check_picklable(factories)
@@ -347,7 +351,7 @@ class WorkerProcesses:
                 mine = plans[bounds[p]:bounds[p + 1]]
                 pairs = [ctx.Pipe(duplex=True) for _ in mine]
                 process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
-                                                                 validate),
+                                                                 validate, info_keys),
                                       name=f"lightning_rollout-{name}-worker{p}", daemon=True)
                 process.start()
                 for parent_end, child_end in pairs:
