@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contender", action="append", default=[])
     parser.add_argument("--frames-scale", default="0.3")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/ab.json")
+    parser.add_argument("--out", default="benchmarks/results/ab", help="folder for ab.json and table.md")
     args = parser.parse_args(argv)
     bench_args = [a for s in args.scenario for a in ("--scenario", s)]
     bench_args += [a for c in args.contender for a in ("--contender", c)]
@@ -58,15 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
     table = {}
+    rows = [f"## Before ({args.before}) / after (working tree), {args.rounds} interleaved rounds, medians", "",
+            "| scenario | contender | before (steps/s) | after (steps/s) | after / before |",
+            "| --- | --- | --- | --- | --- |"]
     for scenario in args.scenario:
         for name in sorted(runs["after"][0].get(scenario, {})):
             b = statistics.median(r[scenario][name] for r in runs["before"] if name in r.get(scenario, {}))
             a = statistics.median(r[scenario][name] for r in runs["after"])
             table[f"{scenario} / {name}"] = {"before": b, "after": a, "ratio": a / b}
-            print(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
+            rows.append(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
+    print("\n".join(rows))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"before": args.before, "rounds": args.rounds, "runs": runs, "table": table}, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.json").write_text(json.dumps({"before": args.before, "rounds": args.rounds, "runs": runs,
+                                             "table": table}, indent=1))
+    (out / "table.md").write_text("\n".join(rows) + "\n")
     return 0
 
 

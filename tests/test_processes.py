@@ -144,12 +144,14 @@ def test_auto_layout_rule():
     releasing_slow = EnvTiming(step_s=2e-3, gil_release=0.98)
     releasing_fast = EnvTiming(step_s=200e-6, gil_release=0.9)
     assert (choose_layout(16, cheap, cores=2).num_workers, choose_layout(16, cheap, cores=2).envs_per_thread) == (1, 16)
-    choice = choose_layout(16, gil_bound, cores=2)
-    assert (choice.num_workers, choice.envs_per_thread) == (2, 8) and "holds the GIL" in choice.reason
+    choice = choose_layout(16, gil_bound, cores=5)  # the main process keeps a core: 4 workers
+    assert (choice.num_workers, choice.envs_per_thread) == (4, 4) and "holds the GIL" in choice.reason
+    assert (choose_layout(16, gil_bound, cores=2).num_workers, choose_layout(16, gil_bound, cores=2).envs_per_thread) \
+        == (1, 16)  # two cores: measured slower than one thread
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
     assert (choose_layout(16, releasing_slow, cores=2).envs_per_thread) == 1
     assert (choose_layout(16, releasing_fast, cores=2).envs_per_thread) == 8  # ~1 ms of env time per thread
-    kept = choose_layout(16, gil_bound, cores=2, envs_per_thread=4)
+    kept = choose_layout(16, gil_bound, cores=3, envs_per_thread=4)
     assert (kept.num_workers, kept.envs_per_thread) == (2, 4)
 
 
@@ -168,7 +170,7 @@ def test_auto_keeps_envs_of_an_unpicklable_factory_in_threads(monkeypatch):
     import lightning_rollout.loop.auto as auto
 
     monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))  # GIL-bound
-    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
     collector = ThreadedCollector([lambda: CountEnvFactory()] * 4, zero_policy, frames_per_batch=16, num_envs=4)
     try:
         choice = collector.layout_choice
@@ -182,7 +184,7 @@ def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factor
     import lightning_rollout.loop.auto as auto
 
     monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))
-    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
     choice = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto")
     assert (choice.num_workers, choice.envs_per_thread) == (2, 2) and "worker processes" in choice.reason
     short = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto", expected_frames=1000)

@@ -10,11 +10,15 @@ applies the rule documented in ``docs/tuning.rst``:
   all envs in one thread of the main process; thread hand-offs would cost more
   than the step;
 * a step that clearly holds the GIL (under 30% of it released) and costs more
-  than that, with more than one core: worker processes, one per core (at most one
-  per env), each running its envs in one thread; unless the run is known to be
-  too short to repay their start-up (``expected_frames`` steps would save less
-  than ``startup_s``, 10 s: spawning a process that imports torch takes seconds),
-  or the env factory cannot be pickled (then threads, and the log says why);
+  than that, with more than two cores: worker processes, one per core but the
+  main process's (at most one per env), each running its envs in one thread;
+  unless the run is known to be too short to repay their start-up
+  (``expected_frames`` steps would save less than ``startup_s``, 10 s: spawning a
+  process that imports torch takes seconds), or the env factory cannot be pickled
+  (then threads, and the log says why). On two cores the main process (policy,
+  bookkeeping, one pipe round trip per block) and two busy workers share two
+  cores, and processes measured slower than one thread (``docs/performance.rst``);
+  there, one thread runs every env;
 * a step that releases the GIL: threads of the main process; one env per thread
   when a step takes ``thread_s`` (1 ms) or more, otherwise enough envs per thread
   that a thread's block takes about that long.
@@ -152,14 +156,15 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     step_us = timing.step_s * 1e6
     if num_workers == "auto":
         holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
-        saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / min(cores, num_envs))
-        if holds_gil and timing.step_s >= cheap_s and cores > 1 and num_envs > 1 and saved_s is not None \
+        saved_s = (None if expected_frames is None
+                   else expected_frames * timing.step_s * (1 - 1 / max(1, min(cores - 1, num_envs))))
+        if holds_gil and timing.step_s >= cheap_s and cores > 2 and num_envs > 1 and saved_s is not None \
                 and saved_s < startup_s:
             num_workers = 1
             why = (f"the env step takes {step_us:.0f} us and holds the GIL, but {expected_frames} frames are too few to "
                    f"repay starting worker processes: threads of the main process")
-        elif holds_gil and timing.step_s >= cheap_s and cores > 1 and num_envs > 1:
-            num_workers = min(cores, num_envs)
+        elif holds_gil and timing.step_s >= cheap_s and cores > 2 and num_envs > 1:
+            num_workers = min(cores - 1, num_envs)
             while num_envs % num_workers:
                 num_workers -= 1
             why = (f"the env step takes {step_us:.0f} us and holds the GIL ({timing.gil_release:.0%} released): "
