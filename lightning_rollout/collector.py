@@ -52,7 +52,7 @@ from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import LayoutChoice, auto_layout, is_auto
+from .loop.auto import LayoutChoice, is_auto, resolve_layout
 
 __all__ = ["ThreadedCollector"]
 
@@ -271,22 +271,18 @@ class ThreadedCollector(BaseCollector):
                           f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=2)
             frames_per_batch = steps * num_envs
         step_timeout = check_seconds("step_timeout", step_timeout, allow_zero=False)  # before the auto measure uses it
-        if is_auto(num_workers) or is_auto(envs_per_thread):
-            chosen_ept = is_auto(envs_per_thread)
-            if not is_auto(envs_per_thread):
-                check_int("envs_per_thread", envs_per_thread, 1)
-            if not is_auto(num_workers):
-                check_int("num_workers", num_workers, 1)
-            choice = (LayoutChoice(1, 1, "one env") if num_envs == 1 else auto_layout(
-                factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
-                max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
-                name=name, timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout))))
-            num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
+        for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
+            if not is_auto(value):
+                check_int(knob, value, 1)
+        chosen_ept = is_auto(envs_per_thread)
+        self.layout_choice: LayoutChoice | None = resolve_layout(
+            factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
+            max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
+            step_timeout=step_timeout, name=name)
+        if self.layout_choice is not None:
+            num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
             if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
                 envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
-            self.layout_choice: LayoutChoice | None = choice
-        else:
-            self.layout_choice = None
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                              f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")

@@ -229,6 +229,20 @@ def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, e
     return choice
 
 
+def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
+                   max_episode_steps: int | None = None, expected_frames: int | None = None,
+                   step_timeout: float | None = None, name: str = "loop") -> LayoutChoice | None:
+    """The ``"auto"`` choice for a loop of ``num_envs`` envs (``None`` when neither knob is ``"auto"``). One env
+    needs no measure; the measure is bounded by ``step_timeout`` (at most 10 s)."""
+    if not (is_auto(num_workers) or is_auto(envs_per_thread)):
+        return None
+    if num_envs == 1:
+        return LayoutChoice(1, 1, "one env")
+    return auto_layout(factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
+                       max_episode_steps=max_episode_steps, expected_frames=expected_frames, name=name,
+                       timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout)))
+
+
 def _picklable(factory: EnvFactory) -> bool:
     try:
         pickle.dumps(factory)

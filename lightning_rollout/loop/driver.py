@@ -72,7 +72,7 @@ from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
-from .auto import LayoutChoice, auto_layout, is_auto
+from .auto import LayoutChoice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
 from .process import WorkerProcesses
@@ -123,6 +123,13 @@ class MultiEnvLoop:
         envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
             1 is the seed's design; more threads only pay when env steps release
             the GIL, so cheap Python envs run faster with several envs a thread.
+            ``"auto"``: chosen with ``num_workers`` from a few timed steps of one
+            env (:mod:`lightning_rollout.loop.auto`; logged at INFO, kept in
+            ``layout_choice``).
+        num_workers: worker processes running the envs, each its share of whole
+            blocks of ``envs_per_thread`` envs (:mod:`lightning_rollout.loop.process`);
+            1: every env in threads of this process. Needs picklable env factories.
+            ``"auto"``: see ``envs_per_thread``.
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
         exploration_type: exploration mode of every request (``DETERMINISTIC``
             for evaluation loops).
@@ -232,17 +239,11 @@ class MultiEnvLoop:
                                  "you passed; set them there, not on the loop")
         elif autobatch_size is not None:
             check_int("autobatch_size", autobatch_size, 1)
-        if is_auto(num_workers) or is_auto(envs_per_thread):
-            if num_envs == 1:
-                choice = LayoutChoice(1, 1, "one env")
-            else:
-                choice = auto_layout(factories[0], num_envs, num_workers=num_workers,
-                                     envs_per_thread=envs_per_thread, max_episode_steps=max_episode_steps, name=name,
-                                     timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout)))
-            num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
-            self.layout_choice: LayoutChoice | None = choice
-        else:
-            self.layout_choice = None
+        self.layout_choice: LayoutChoice | None = resolve_layout(
+            factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
+            max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
+        if self.layout_choice is not None:
+            num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
         self.num_workers = num_workers

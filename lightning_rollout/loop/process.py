@@ -255,6 +255,14 @@ def _receive(conn: Any, process: Any) -> tuple[Any, ...]:
             f"worker process {process.name!r} died (exit code {process.exitcode})")) from exc
 
 
+def _payload(reply: tuple[Any, ...]) -> Any:
+    """A child's reply: its payload, or its error raised as an :class:`EnvFailure` with the child's traceback."""
+    if reply[0] == "error":
+        _, j, phase, kind, message, remote_tb = reply
+        raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
+    return reply[1]
+
+
 class RemoteEnvs:
     """A block of envs in a worker process, as its env thread in the parent sees it.
 
@@ -281,11 +289,7 @@ class RemoteEnvs:
             if not self.process.is_alive():
                 raise EnvFailure(0, "step", "env", RuntimeError(
                     f"worker process {self.process.name!r} died (exit code {self.process.exitcode})"))
-        reply = _receive(conn, self.process)
-        if reply[0] == "error":
-            _, j, phase, kind, message, remote_tb = reply
-            raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
-        return reply[1]
+        return _payload(_receive(conn, self.process))
 
     def step(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int],
              next_pairs: Sequence[tuple[NestedKey, NestedKey]], rewards: np.ndarray, terminated: np.ndarray,
@@ -399,9 +403,7 @@ class WorkerProcesses:
             raise EnvFailure(0, "create", "env", RuntimeError(
                 f"{failure}; worker processes start with 'spawn', which imports your main script again: guard its "
                 "top level with `if __name__ == \"__main__\":`, or pass num_workers=1")) from failure
-        if reply[0] == "error":
-            _, j, phase, kind, message, remote_tb = reply
-            raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
+        _payload(reply)  # raises the child's error
         return reply
 
     def attach(self, specs: dict[NestedKey, ArraySpec], *, inputs: Sequence[NestedKey], nxt: Sequence[NestedKey],
