@@ -19,9 +19,8 @@ Nothing here holds state or threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -155,15 +154,3 @@ def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.
             out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
                 else value.numpy()
     return out
-
-
-def zeros_like_spec(columns: Mapping[NestedKey, ArraySpec], lead: tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
-    """Zero-filled arrays ``lead + shape`` for each column."""
-    return {k: np.zeros(lead + s.shape, dtype=s.dtype) for k, s in columns.items()}
-
-
-def as_key(key: Any) -> NestedKey:
-    """A nested key in canonical form (a 1-tuple becomes its string)."""
-    if isinstance(key, tuple) and len(key) == 1:
-        return key[0]
-    return key
