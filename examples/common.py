@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from typing import Any
 
 
@@ -62,3 +63,22 @@ def summary(log_dir: str, *, seconds: float, frames: int, target: float) -> dict
             "last_eval_return": returns[-1] if returns else float("nan"),
             "solved_at_frames": next((f for f, v in history if v >= target), None),
             "frames": frames, "seconds": round(seconds, 1), "eval_history": history}
+
+
+def stop_at_bar(target: float, *, frames: int, eval_every_frames: int) -> Any:
+    """Lightning's ``EarlyStopping`` on ``eval/episode_reward``: stops at the first evaluation strictly above
+    ``target``, never on a plateau (its patience outlasts the run's evaluations)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    return EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=target,
+                         patience=frames // eval_every_frames + 1)
+
+
+def fit_and_summarize(trainer: Any, model: Any, datamodule: Any, *, target: float) -> dict[str, Any]:
+    """``trainer.fit(model, datamodule=datamodule)``, timed; then :func:`summary` of its logs, with ``log_dir``."""
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    result = summary(trainer.logger.log_dir, seconds=time.perf_counter() - start,
+                     frames=datamodule.collector.frames, target=target)
+    result["log_dir"] = trainer.logger.log_dir
+    return result

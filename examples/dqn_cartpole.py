@@ -16,12 +16,10 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictSequential
@@ -31,7 +29,7 @@ from torchrl.modules import EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, HardUpdate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import summary  # noqa: E402
+from common import fit_and_summarize, stop_at_bar  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -141,8 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         layout="flat", on_policy=False, init_random_frames=cfg.learning_starts, seed=cfg.seed,
         eval_every_n_frames=cfg.eval_every_frames, eval_episodes=cfg.eval_episodes)  # evaluation: the validation loop
     logger = TensorBoardLogger(cfg.out, name="dqn", version=f"seed{cfg.seed}")
-    solved = EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=cfg.target_return,
-                           patience=cfg.frames // cfg.eval_every_frames + 1)  # on the bar, never on a plateau
+    solved = stop_at_bar(cfg.target_return, frames=cfg.frames, eval_every_frames=cfg.eval_every_frames)
     trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[solved], log_every_n_steps=10,
                          enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
@@ -150,11 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
                 learning_starts=cfg.learning_starts, buffer_size=cfg.buffer_size, sample_size=cfg.sample_size,
                 target_update_every=cfg.target_update_every, eps_start=cfg.eps_start, eps_end=cfg.eps_end,
                 eps_frames=cfg.eps_frames)
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule)
-    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
-                     target=cfg.target_return)
-    result["log_dir"] = logger.log_dir
+    result = fit_and_summarize(trainer, model, datamodule, target=cfg.target_return)
     result["first_frames_eval_300"] = next((f for f, v in result["eval_history"] if v >= 300.0), None)
     print("RESULT " + json.dumps(result))
     print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -41,7 +40,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import summary  # noqa: E402
+from common import fit_and_summarize  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -201,11 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = IPPO(hidden=cfg.hidden, lr=cfg.lr, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, clip=cfg.clip,
                  entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef, max_grad_norm=cfg.max_grad_norm,
                  epochs=cfg.epochs, minibatches=cfg.minibatches)
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule)
-    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
-                     target=float("inf"))
-    result.update(log_dir=logger.log_dir)
+    result = fit_and_summarize(trainer, model, datamodule, target=float("inf"))
     print("RESULT " + json.dumps(result))
     print(f"eval team return: last {result['last_eval_return']:.1f}, best {result['best_eval_return']:.1f} after "
           f"{result['frames']} frames in {result['seconds']} s")

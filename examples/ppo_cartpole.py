@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
@@ -35,7 +34,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plot_learning_curve, summary  # noqa: E402
+from common import fit_and_summarize, plot_learning_curve, stop_at_bar  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -159,18 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
     logger = TensorBoardLogger(cfg.out, name="ppo", version=f"seed{cfg.seed}")
     checkpoint = ModelCheckpoint(dirpath=os.path.join(logger.log_dir, "checkpoints"), monitor="eval/episode_reward",
                                  mode="max", save_top_k=1)
-    solved = EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=cfg.target_return,
-                           patience=cfg.frames // cfg.eval_every_frames + 1)  # on the bar, never on a plateau
+    solved = stop_at_bar(cfg.target_return, frames=cfg.frames, eval_every_frames=cfg.eval_every_frames)
     trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[checkpoint, solved], log_every_n_steps=1,
                          enable_model_summary=False, enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
     model = PPO(hidden=cfg.hidden, lr=cfg.lr, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, clip=cfg.clip,
                 entropy_coef=cfg.entropy_coef, value_coef=cfg.value_coef, max_grad_norm=cfg.max_grad_norm,
                 epochs=cfg.epochs, minibatches=cfg.minibatches)
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule)
-    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
-                     target=cfg.target_return)
-    result["log_dir"] = logger.log_dir
+    result = fit_and_summarize(trainer, model, datamodule, target=cfg.target_return)
     result["best_checkpoint"] = checkpoint.best_model_path
     if args.demo:
         png = os.path.join(logger.log_dir, "learning_curve.png")

@@ -26,14 +26,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import gymnasium as gym
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictSequential
@@ -43,7 +41,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import summary  # noqa: E402
+from common import fit_and_summarize, stop_at_bar  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -185,8 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         total_frames=cfg.frames - cfg.frames % cfg.frames_per_batch, layout="env_time", on_policy=True,
         seed=cfg.seed, eval_every_n_frames=cfg.eval_every_frames, eval_episodes=cfg.eval_episodes)
     logger = TensorBoardLogger(cfg.out, name=f"ppo_{cfg.memory}", version=f"seed{cfg.seed}")
-    solved = EarlyStopping(monitor="eval/episode_reward", mode="max", stopping_threshold=cfg.target_return,
-                           patience=cfg.frames // cfg.eval_every_frames + 1)  # on the bar, never on a plateau
+    solved = stop_at_bar(cfg.target_return, frames=cfg.frames, eval_every_frames=cfg.eval_every_frames)
     trainer = pl.Trainer(max_epochs=1, logger=logger, callbacks=[solved], log_every_n_steps=1,
                          enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
@@ -194,11 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
                          gae_lambda=cfg.gae_lambda, clip=cfg.clip, entropy_coef=cfg.entropy_coef,
                          value_coef=cfg.value_coef, max_grad_norm=cfg.max_grad_norm, epochs=cfg.epochs,
                          envs_per_minibatch=cfg.envs_per_minibatch)
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule)
-    result = summary(logger.log_dir, seconds=time.perf_counter() - start, frames=datamodule.collector.frames,
-                     target=cfg.target_return)
-    result.update(log_dir=logger.log_dir, memory=cfg.memory)
+    result = fit_and_summarize(trainer, model, datamodule, target=cfg.target_return)
+    result.update(memory=cfg.memory)
     print("RESULT " + json.dumps(result))
     print(f"[{cfg.memory}] best eval return {result['best_eval_return']:.1f} (bar {cfg.target_return}), first at "
           f"{result['solved_at_frames']} frames; {result['frames']} frames in {result['seconds']} s")
