@@ -294,6 +294,24 @@ class GymAdapter:
         out["episode_reward"] = 0.0
         return out
 
+    @property
+    def plain_observation(self) -> bool:
+        """True when the env's observation is one array (``"observation"``) and no info entry is read."""
+        return not self._dict_obs and not self._info
+
+    def actions(self, action: np.ndarray) -> list[Any]:
+        """Rows of ``action`` (``[n, *action_shape]``) -> what ``env.step`` takes, one per row, converted
+        and validated for the rows at once where the space allows it. Raises :class:`ActionError`."""
+        if self._discrete_n > 1 and action.ndim == 2 and action.shape[1] == self._discrete_n:  # one-hot rows
+            return (action.argmax(1) + self._start).tolist()
+        if self._box_bounds is not None and action.shape[1:] == self.action_space.shape:
+            if self.validate:
+                low, high = self._box_bounds
+                if not (low <= action.min() and action.max() <= high):  # NaN fails both comparisons
+                    return [self._action(row) for row in action]  # raises for the first invalid row
+            return list(action.astype(self.action_space.dtype, copy=False))
+        return [self._action(row) for row in action]
+
     def _action(self, action: np.ndarray) -> Any:
         """The policy's action row -> what ``env.step`` takes; raises :class:`ActionError`."""
         space = self.action_space

@@ -39,8 +39,9 @@ def _children() -> set[int]:
     return pids
 
 
-def test_worker_processes_give_the_same_batches_as_threads_value_for_value():
-    kwargs = dict(num_envs=4, envs_per_thread=2, seed=3, lookahead=False)
+@pytest.mark.parametrize("envs_per_thread", [2, 4], ids=["whole blocks", "one block split over both"])
+def test_worker_processes_give_the_same_batches_as_threads_value_for_value(envs_per_thread):
+    kwargs = dict(num_envs=4, envs_per_thread=envs_per_thread, seed=3, lookahead=False)
     before = _children()
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_workers=2, **kwargs) as remote:
         assert remote.num_workers == 2 and len(_children() - before) >= 2
@@ -57,15 +58,29 @@ def test_worker_processes_give_the_same_batches_as_threads_value_for_value():
     assert not (_children() - before), "close() joins every worker process"
 
 
-def test_env_error_in_a_worker_process_names_the_env_and_the_process_and_keeps_what_was_collected():
+@pytest.mark.parametrize("envs_per_thread", [2, 4], ids=["whole blocks", "one block split over both"])
+def test_env_error_in_a_worker_process_names_the_env_and_the_process_and_keeps_what_was_collected(envs_per_thread):
     factories = count_envs(4, fail_at={3: 7})
-    with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=2, lookahead=False) as loop:
+    with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=envs_per_thread,
+                      lookahead=False) as loop:
         with pytest.raises(EnvError, match=r"env 3 failed in step at step 7: RuntimeError: env 3 step 7 broke") as info:
             loop.run_env_steps(50)
     error = info.value
     assert "(in worker process 1)" in str(error)
     assert "Traceback" in str(error.__cause__) and "process_helpers.py" in str(error.__cause__)  # the child's
     assert error.partial is not None and error.partial.shape == (4, 7)
+
+
+def test_failed_reset_in_the_second_process_of_a_split_block_names_that_env_after_its_done_step():
+    """One thread's block split over two processes: a reset failing in the second part is numbered as
+    the block's env (3, not the part's 1), and the done step before it is delivered."""
+    factories = count_envs(4, length=5, fail_reset={3: 1})
+    with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=4, lookahead=False) as loop:
+        with pytest.raises(EnvError, match=r"env 3 failed in reset .*env 3 reset 1 broke") as info:
+            loop.run_env_steps(20)
+    assert "(in worker process 1)" in str(info.value)
+    partial = info.value.partial
+    assert partial is not None and partial.shape == (4, 5) and partial["next", "done"][3, -1].item()
 
 
 def test_env_failing_its_first_reset_in_a_worker_process_is_reported_by_the_constructor():
@@ -144,10 +159,12 @@ def test_auto_layout_rule():
     releasing_slow = EnvTiming(step_s=2e-3, gil_release=0.98)
     releasing_fast = EnvTiming(step_s=200e-6, gil_release=0.9)
     assert (choose_layout(16, cheap, cores=2).num_workers, choose_layout(16, cheap, cores=2).envs_per_thread) == (1, 16)
-    choice = choose_layout(16, gil_bound, cores=5)  # the main process keeps a core: 4 workers
-    assert (choice.num_workers, choice.envs_per_thread) == (4, 4) and "holds the GIL" in choice.reason
-    assert (choose_layout(16, gil_bound, cores=2).num_workers, choose_layout(16, gil_bound, cores=2).envs_per_thread) \
-        == (1, 16)  # two cores: measured slower than one thread
+    choice = choose_layout(16, gil_bound, cores=5)  # the main process keeps a core: 4 workers, one thread drives them
+    assert (choice.num_workers, choice.envs_per_thread) == (4, 16) and "holds the GIL" in choice.reason
+    two = choose_layout(16, gil_bound, cores=2)  # two cores: two workers (measured 1.2x one thread)
+    assert (two.num_workers, two.envs_per_thread) == (2, 16)
+    assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
+    assert choose_layout(3, gil_bound, cores=16).num_workers == 3  # at most one process per env
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
     assert (choose_layout(16, releasing_slow, cores=2).envs_per_thread) == 1
     assert (choose_layout(16, releasing_fast, cores=2).envs_per_thread) == 8  # ~1 ms of env time per thread
@@ -186,6 +203,6 @@ def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factor
     monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))
     monkeypatch.setattr(auto, "usable_cores", lambda: 3)
     choice = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto")
-    assert (choice.num_workers, choice.envs_per_thread) == (2, 2) and "worker processes" in choice.reason
+    assert (choice.num_workers, choice.envs_per_thread) == (2, 4) and "worker processes" in choice.reason
     short = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto", expected_frames=1000)
     assert short.num_workers == 1 and "too few" in short.reason

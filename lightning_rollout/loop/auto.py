@@ -10,15 +10,15 @@ applies the rule documented in ``docs/tuning.rst``:
   all envs in one thread of the main process; thread hand-offs would cost more
   than the step;
 * a step that clearly holds the GIL (under 30% of it released) and costs more
-  than that, with more than two cores: worker processes, one per core but the
-  main process's (at most one per env), each running its envs in one thread;
-  unless the run is known to be too short to repay their start-up
-  (``expected_frames`` steps would save less than ``startup_s``, 10 s: spawning a
-  process that imports torch takes seconds), or the env factory cannot be pickled
-  (then threads, and the log says why). On two cores the main process (policy,
-  bookkeeping, one pipe round trip per block) and two busy workers share two
-  cores, and processes measured slower than one thread (``docs/performance.rst``);
-  there, one thread runs every env;
+  than that, with at least two cores: worker processes, one per core but the
+  main process's (two on two cores, at most one per env), all driven by one
+  thread of the main process that sends every process its share of each step at
+  once and gathers the replies (the main process sleeps while they step); unless
+  the run is known to be too short to repay their start-up (``expected_frames``
+  steps would save less than ``startup_s``, 10 s: spawning a process that imports
+  torch takes seconds), or the env factory cannot be pickled (then threads, and
+  the log says why). On two cores the main process and the two workers share the
+  cores, and the gain measured 1.2x, not 2x (``docs/performance.rst``);
 * a step that releases the GIL: threads of the main process; one env per thread
   when a step takes ``thread_s`` (1 ms) or more, otherwise enough envs per thread
   that a thread's block takes about that long.
@@ -48,6 +48,10 @@ from ..envs import EnvFactory, make_adapter
 __all__ = ["EnvTiming", "LayoutChoice", "choose_layout", "measure_env", "usable_cores"]
 
 log = logging.getLogger("lightning_rollout")
+
+# Measured on a 2-core VM (docs/performance.rst, gil_bound): two worker processes driven by one thread
+# against one thread for every env, 100 us GIL-holding steps, 16 envs.
+_TWO_CORE_SPEEDUP = 1.2
 
 
 @dataclass(frozen=True)
@@ -156,17 +160,16 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     step_us = timing.step_s * 1e6
     if num_workers == "auto":
         holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
-        saved_s = (None if expected_frames is None
-                   else expected_frames * timing.step_s * (1 - 1 / max(1, min(cores - 1, num_envs))))
-        if holds_gil and timing.step_s >= cheap_s and cores > 2 and num_envs > 1 and saved_s is not None \
+        processes = min(max(2, cores - 1), num_envs)
+        speedup = _TWO_CORE_SPEEDUP if cores == 2 else processes
+        saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
+        if holds_gil and timing.step_s >= cheap_s and cores >= 2 and num_envs > 1 and saved_s is not None \
                 and saved_s < startup_s:
             num_workers = 1
             why = (f"the env step takes {step_us:.0f} us and holds the GIL, but {expected_frames} frames are too few to "
                    f"repay starting worker processes: threads of the main process")
-        elif holds_gil and timing.step_s >= cheap_s and cores > 2 and num_envs > 1:
-            num_workers = min(cores - 1, num_envs)
-            while num_envs % num_workers:
-                num_workers -= 1
+        elif holds_gil and timing.step_s >= cheap_s and cores >= 2 and num_envs > 1:
+            num_workers = processes
             why = (f"the env step takes {step_us:.0f} us and holds the GIL ({timing.gil_release:.0%} released): "
                    f"{num_workers} worker processes on {cores} cores")
         else:
@@ -179,13 +182,15 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     else:
         why = f"num_workers={num_workers} as given"
     if envs_per_thread == "auto":
-        per_process = num_envs // int(num_workers)
-        if int(num_workers) > 1 or timing.step_s < cheap_s:
-            envs_per_thread = per_process  # one thread per process: hand-offs cost more than they overlap
-            why += f", all {per_process} envs of a process in one thread"
+        if int(num_workers) > 1:
+            envs_per_thread = num_envs  # one thread drives every process: one wake-up a step for all of them
+            why += ", one thread of the main process driving them all"
+        elif timing.step_s < cheap_s:
+            envs_per_thread = num_envs  # hand-offs between threads would cost more than they overlap
+            why += f", all {num_envs} envs in one thread"
         else:
-            want = max(1, min(per_process, math.ceil(thread_s / max(timing.step_s, 1e-9))))
-            while per_process % want:
+            want = max(1, min(num_envs, math.ceil(thread_s / max(timing.step_s, 1e-9))))
+            while num_envs % want:
                 want += 1
             envs_per_thread = want
             why += f", {want} env{'s' if want > 1 else ''} per thread"

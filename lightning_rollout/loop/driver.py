@@ -75,6 +75,7 @@ from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
+from .block import EnvBlock
 from .process import WorkerProcesses
 from .worker import Worker
 
@@ -126,8 +127,10 @@ class MultiEnvLoop:
             ``"auto"``: chosen with ``num_workers`` from a few timed steps of one
             env (:mod:`lightning_rollout.loop.auto`; logged at INFO, kept in
             ``layout_choice``).
-        num_workers: worker processes running the envs, each its share of whole
-            blocks of ``envs_per_thread`` envs (:mod:`lightning_rollout.loop.process`);
+        num_workers: worker processes running the envs (:mod:`lightning_rollout.loop.process`),
+            each its share of whole blocks of ``envs_per_thread`` envs; with fewer blocks
+            than processes, each env thread's block is split over processes that step it
+            in parallel (``envs_per_thread=num_envs``: one thread drives every process).
             1: every env in threads of this process. Needs picklable env factories.
             ``"auto"``: see ``envs_per_thread``.
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
@@ -207,10 +210,9 @@ class MultiEnvLoop:
                 raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
         if not is_auto(num_workers):
             check_int("num_workers", num_workers, 1)
-            blocks = num_envs // envs_per_thread if not is_auto(envs_per_thread) else num_envs
-            if num_workers > blocks:
-                raise ValueError(f"num_workers ({num_workers}) must be at most the number of env threads "
-                                 f"(num_envs / envs_per_thread = {blocks}): each process runs whole blocks of envs")
+            if num_workers > num_envs:
+                raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
+                                 "runs at least one env")
         if max_episode_steps is not None:
             check_int("max_episode_steps", max_episode_steps, 1)
         check_int("random_steps_per_env", random_steps_per_env, 0)
@@ -321,9 +323,8 @@ class MultiEnvLoop:
                                   checked_next=layout.checked_next if validate else {},
                                   checked_root=layout.checked_root if validate else {},
                                   zero_done={k: keys.done[k] for k in self._env_input_done})
-                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), remote=block,
-                                        process=self._pool.process_of[w])
-                                 for w, block in enumerate(self._pool.blocks)]
+                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), remote=envs)
+                                 for w, envs in enumerate(self._pool.groups)]
             else:
                 self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), adapters=adapters[w * g:(w + 1) * g])
                                  for w in range(num_envs // g)]
@@ -969,8 +970,8 @@ class MultiEnvLoop:
         for worker in getattr(self, "_workers", ()):
             if not worker.thread.ident:  # never started: its envs were never handed over
                 worker.agent.close()
-                for adapter in worker.adapters:
-                    adapter.close()
+                if isinstance(worker.envs, EnvBlock):  # a worker process's envs are closed by its pool
+                    worker.envs.close()
                 continue
             if worker.thread is threading.current_thread():
                 continue

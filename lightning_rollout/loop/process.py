@@ -22,11 +22,14 @@ the child end, the env thread in the parent owns the other):
   traceback)``.
 
 Shared buffers are torch tensors in shared memory (``share_memory_()``), viewed as
-numpy on both sides and written once per step by one side: ``inputs[key]
-[rows, ...]`` (what the adapter reads: the action, or every root entry of a TorchRL
-env) by the parent; ``next[key]`` (what the adapter returns), ``root[key]`` (a
-reset's entries) and ``stats`` (reward, terminated, truncated per env) by the
-child. A message orders every write before the other side reads.
+numpy on both sides and written once per step by one side. For a step of ``n`` envs
+row ``i`` is the ``i``-th env of the request: ``inputs[key][:n]`` (what the adapter
+reads: the action, or every root entry of a TorchRL env) by the parent;
+``next[key][:n]`` (what the adapter returns) and ``stats`` (reward, terminated,
+truncated) by the child; a reset's root entries go to ``root[key][0]``. The child
+steps its block with the same :class:`~lightning_rollout.loop.block.EnvBlock` an
+in-process env thread uses. A message orders every write before the other side
+reads.
 
 Lifetime: children start with the ``spawn`` method (safe with CUDA in the parent),
 ignore SIGINT (Ctrl-C is the parent's to handle), run torch with one thread, and
@@ -44,6 +47,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,31 +58,11 @@ import torch
 
 from ..envs import ActionError, EnvFactory, InfoKeys, make_adapter
 from ..specs import ArraySpec, EnvKeys, NestedKey
-from .buffers import check_entries
+from .block import EnvBlock, EnvFailure, RemoteTraceback
 
 __all__ = ["EnvFailure", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses"]
 
 _POLL_S = 0.05
-
-
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process (chained as the cause of the error)."""
-
-
-class EnvFailure(Exception):
-    """An env call of a block failed (internal: the env thread names the env and step).
-
-    Attributes:
-        j: the env's index in its block.
-        phase: ``"reset"``, ``"step"``, ``"check"`` or ``"create"``.
-        kind: ``"env"``, or ``"action"`` when the policy's action was invalid.
-        cause: the exception (or its remote traceback).
-    """
-
-    def __init__(self, j: int, phase: str, kind: str, cause: BaseException) -> None:
-        remote = isinstance(cause, RemoteTraceback)  # its text starts with the remote "Type: message" line
-        super().__init__(str(cause).split("\n", 1)[0] if remote else f"{type(cause).__name__}: {cause}")
-        self.j, self.phase, self.kind, self.cause = j, phase, kind, cause
 
 
 @dataclass(frozen=True)
@@ -133,9 +117,9 @@ class _BlockServer:
     def attach(self, message: tuple[Any, ...]) -> None:
         _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
         self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
-        self.zero_done = {k: np.zeros(spec.shape, bool) for k, spec in zero_done.items()}  # root done flags
         self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
-        self.checked_next, self.checked_root = checked_next, checked_root
+        self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
+                              checked_root=checked_root, zero_done=zero_done)
 
     def serve(self) -> None:
         conn = self.conn
@@ -143,57 +127,34 @@ class _BlockServer:
             message = conn.recv()
             op = message[0]
             if op == "close":
-                for adapter in self.adapters:
-                    try:
-                        adapter.close()
-                    except Exception:  # closing must not hide the reply
-                        pass
+                self.block.close()
                 conn.send(("ok", None))
                 return
             try:
                 reply = getattr(self, f"_{op}")(*message[1:])
-            except _Failed as failed:
-                reply = failed.reply
+            except EnvFailure as failure:
+                cause = failure.cause
+                reply = ("error", failure.j, failure.phase, failure.kind, str(failure) if failure.phase == "check"
+                         else f"{type(cause).__name__}: {cause}",
+                         "" if failure.phase == "check" else "".join(traceback.format_exception(cause)))
             conn.send(reply)
 
     def _step(self, envs: Sequence[int] | None) -> tuple[Any, ...]:
-        inputs, nxt = self.inputs, self.next
-        for j in range(len(self.adapters)) if envs is None else envs:
-            row = {k: v[j] for k, v in inputs.items()}
-            row.update(self.zero_done)
-            try:
-                out, self.reward[j], self.terminated[j], self.truncated[j] = self.adapters[j].step(row)
-            except BaseException as exc:
-                raise _Failed(_error_reply(j, "step", exc)) from exc
-            if self.validate:
-                problem = check_entries(out, self.checked_next)
-                if problem is not None:
-                    raise _Failed(("error", j, "check", "env", problem, ""))
-            for k, buf in nxt.items():
-                buf[j] = out[k]
+        """Step ``envs`` (``None``: the whole block): rows ``0:n`` of the shared buffers are theirs."""
+        n = len(self.adapters) if envs is None else len(envs)
+        self.block.step({k: v[:n] for k, v in self.inputs.items()}, range(n) if envs is None else envs,
+                        {k: v[:n] for k, v in self.next.items()}, self.reward[:n], self.terminated[:n],
+                        self.truncated[:n])
         return ("ok", None)
 
     def _reset(self, j: int, seed: int | None) -> tuple[Any, ...]:
-        try:
-            root = self.adapters[j].reset(seed)
-        except BaseException as exc:
-            raise _Failed(_error_reply(j, "reset", exc)) from exc
-        if self.validate:
-            problem = check_entries(root, self.checked_root)
-            if problem is not None:
-                raise _Failed(("error", j, "check", "env", problem, ""))
+        root = self.block.reset(j, seed)
         for k, buf in self.root.items():
-            buf[j] = root[k]
+            buf[0] = root[k]
         return ("ok", None)
 
     def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> tuple[Any, ...]:
-        return ("ok", self.adapters[j].random_action(columns))
-
-
-class _Failed(Exception):
-    def __init__(self, reply: tuple[Any, ...]) -> None:
-        super().__init__(reply[4])
-        self.reply = reply
+        return ("ok", self.block.random_action(j, columns))
 
 
 def _watch_parent() -> None:
@@ -269,11 +230,15 @@ class RemoteEnvs:
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
     """
 
-    def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int) -> None:
+    def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int, index: int) -> None:
         self.pool, self.process, self.conn, self.rows = pool, process, conn, rows
+        self.index = index  # the worker process's index, named in errors
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
         self.root: dict[NestedKey, np.ndarray] = {}
+        self.busy_env = -1  # as EnvBlock's: read by the driver's step_timeout check
+        self.busy_phase = "step"
+        self.busy_since = 0.0
 
     def _call(self, message: tuple[Any, ...], stop: threading.Event | None) -> Any:
         self.conn.send(message)
@@ -287,33 +252,131 @@ class RemoteEnvs:
             if stop is not None and stop.is_set():
                 raise _Stopped()
             if not self.process.is_alive():
-                raise EnvFailure(0, "step", "env", RuntimeError(
+                failure = EnvFailure(0, "step", "env", RuntimeError(
                     f"worker process {self.process.name!r} died (exit code {self.process.exitcode})"))
-        return _payload(_receive(conn, self.process))
+                failure.process = self.index
+                raise failure
+        try:
+            return _payload(_receive(conn, self.process))
+        except EnvFailure as failure:
+            failure.process = self.index
+            raise
 
-    def step(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int],
-             next_pairs: Sequence[tuple[NestedKey, NestedKey]], rewards: np.ndarray, terminated: np.ndarray,
-             truncated: np.ndarray, stop: threading.Event) -> None:
-        """Step ``envs`` with the inputs in rows ``r0:`` of ``cols``; their next entries go to those rows."""
+    def send_step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """First half of :meth:`step`: write the ``n`` envs' inputs to rows ``0:n`` and send the request."""
         n = len(envs)
-        whole = n == self.rows
-        sel: slice | list[int] = slice(None) if whole else list(envs)
-        rows = slice(r0, r0 + n)
         for k, buf in self.inputs.items():
-            buf[sel] = cols[k][rows]
-        self._call(("step", None if whole else tuple(envs)), stop)
-        for k, nk in next_pairs:
-            cols[nk][rows] = self.next[k][sel]
-        rewards[:] = self.reward[sel]
-        terminated[:] = self.terminated[sel]
-        truncated[:] = self.truncated[sel]
+            buf[:n] = inputs[k]
+        self.conn.send(("step", None if n == self.rows else tuple(envs)))
+
+    def finish_step(self, n: int, out: dict[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
+                    truncated: np.ndarray, stop: threading.Event | None) -> None:
+        """Second half of :meth:`step`: wait for the reply, copy rows ``0:n`` of the results out."""
+        self._reply(stop)
+        for k, buf in out.items():
+            buf[...] = self.next[k][:n]
+        rewards[:] = self.reward[:n]
+        terminated[:] = self.terminated[:n]
+        truncated[:] = self.truncated[:n]
+
+    def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
+             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event) -> None:
+        """:meth:`EnvBlock.step <lightning_rollout.loop.block.EnvBlock.step>` in the worker process: one round
+        trip for the block, rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results."""
+        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
+        try:
+            self.send_step(inputs, envs)
+            self.finish_step(len(envs), out, rewards, terminated, truncated, stop)
+        finally:
+            self.busy_since = 0.0
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
-        self._call(("reset", j, seed), stop)
-        return {k: v[j].copy() for k, v in self.root.items()}
+        self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
+        try:
+            self._call(("reset", j, seed), stop)
+        finally:
+            self.busy_since = 0.0
+        return {k: v[0].copy() for k, v in self.root.items()}
 
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
         return self._call(("random", j, columns), stop)
+
+
+class RemoteGroup:
+    """One env thread's block of envs spread over several worker processes.
+
+    A step sends every part its share at once and then gathers every reply, so the
+    processes step their envs in parallel while the env thread waits (one wake-up of
+    the thread for the whole block, as envpool's or Sample Factory's batched workers).
+    Same interface as :class:`RemoteEnvs`; the envs of a call must be in ascending order.
+
+    Args:
+        parts: ``(offset, part)`` pairs in env order: ``part`` holds the block's envs
+            ``offset`` to ``offset + part.rows - 1``.
+    """
+
+    def __init__(self, parts: Sequence[tuple[int, RemoteEnvs]]) -> None:
+        self.parts = list(parts)
+        self.rows = sum(part.rows for _, part in self.parts)
+        self.busy_env = -1
+        self.busy_phase = "step"
+        self.busy_since = 0.0
+
+    def _part(self, j: int) -> tuple[int, RemoteEnvs]:
+        for offset, part in reversed(self.parts):
+            if j >= offset:
+                return offset, part
+        raise IndexError(j)
+
+    @staticmethod
+    def _shifted(failure: EnvFailure, offset: int) -> EnvFailure:
+        """``failure`` of a part, renumbered to the env's index in the whole block."""
+        shifted = EnvFailure(failure.j + offset, failure.phase, failure.kind, failure.cause)
+        shifted.process = failure.process
+        return shifted
+
+    def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
+             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event) -> None:
+        """Step ``envs`` (ascending) as :meth:`RemoteEnvs.step`, every part concurrently."""
+        shares = []  # (offset, part, rows of this call it takes)
+        i = 0
+        for offset, part in self.parts:
+            start = i
+            while i < len(envs) and envs[i] < offset + part.rows:
+                i += 1
+            if i > start:
+                shares.append((offset, part, slice(start, i)))
+        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
+        try:
+            sent = []
+            failure: EnvFailure | None = None
+            for offset, part, rows in shares:
+                part.send_step({k: v[rows] for k, v in inputs.items()}, [j - offset for j in envs[rows]])
+                sent.append((offset, part, rows))
+            for offset, part, rows in sent:  # every reply is read, so each pipe stays in step
+                try:
+                    part.finish_step(rows.stop - rows.start, {k: v[rows] for k, v in out.items()}, rewards[rows],
+                                     terminated[rows], truncated[rows], stop)
+                except EnvFailure as exc:
+                    failure = failure or self._shifted(exc, offset)
+            if failure is not None:
+                raise failure
+        finally:
+            self.busy_since = 0.0
+
+    def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
+        offset, part = self._part(j)
+        self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
+        try:
+            return part.reset(j - offset, seed, stop)
+        except EnvFailure as exc:
+            raise self._shifted(exc, offset) from exc.cause
+        finally:
+            self.busy_since = 0.0
+
+    def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
+        offset, part = self._part(j)
+        return part.random_action(j - offset, columns, stop)
 
 
 class WorkerProcesses:
@@ -321,8 +384,11 @@ class WorkerProcesses:
 
     Args:
         factories: one env factory per env (picklable).
-        num_workers: processes (``2 <= num_workers <= number of blocks``).
-        envs_per_thread: envs per block (one env thread in the parent, one server thread in a child).
+        num_workers: processes (``2 <= num_workers <= len(factories)``).
+        envs_per_thread: envs per block, stepped by one env thread in the parent. With at least
+            ``num_workers`` blocks each process runs whole blocks; with fewer, a block is split
+            over processes and its thread steps the parts concurrently (:class:`RemoteGroup`).
+            Each part is served by one thread in its process.
         seeds: the seed of each env's first reset (``None``: unseeded).
         max_episode_steps, validate, info_keys: as the loop's.
         name: used in process names.
@@ -342,27 +408,48 @@ class WorkerProcesses:
         check_picklable(factories)
         ctx = torch.multiprocessing.get_context(start_method)
         g = envs_per_thread
-        num_blocks = len(factories) // g
-        plans = [_BlockPlan(tuple(range(b * g, (b + 1) * g)), tuple(factories[b * g:(b + 1) * g]),
-                            tuple(seeds[b * g:(b + 1) * g])) for b in range(num_blocks)]
-        self.blocks: list[RemoteEnvs] = []
+        num_envs = len(factories)
+        num_blocks = num_envs // g
+        # Parts: a block's envs within one process, one pipe and one server thread each. With at least
+        # num_workers blocks, process p runs whole blocks; with fewer, every block is split over the
+        # processes, which step their parts of it at once. (Splitting when there are blocks enough was
+        # measured slower on 2 cores: more hand-offs for the same parallelism.)
+        plans: list[_BlockPlan] = []
+        part_of: list[tuple[int, int, int]] = []  # (process, block, offset in the block)
+        if num_blocks >= num_workers:
+            bounds = np.linspace(0, num_blocks, num_workers + 1).round().astype(int) * g
+        else:
+            bounds = np.linspace(0, num_envs, num_workers + 1).round().astype(int)
+        for p in range(num_workers):
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            for b in range(lo // g, -(-hi // g)):
+                start, stop = max(lo, b * g), min(hi, (b + 1) * g)
+                plans.append(_BlockPlan(tuple(range(start, stop)), tuple(factories[start:stop]),
+                                        tuple(seeds[start:stop])))
+                part_of.append((p, b, start - b * g))
+        self.blocks: list[RemoteEnvs] = []  # every part, in env order
         self.processes: list[Any] = []
-        self.process_of: list[int] = []  # block -> process index
+        self.process_of: list[int] = []  # part -> process index
         self._closed = False
-        bounds = np.linspace(0, num_blocks, num_workers + 1).round().astype(int)
         try:
             for p in range(num_workers):
-                mine = plans[bounds[p]:bounds[p + 1]]
+                mine = [plan for plan, (q, _, _) in zip(plans, part_of) if q == p]
                 pairs = [ctx.Pipe(duplex=True) for _ in mine]
                 process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
                                                                  validate, info_keys),
                                       name=f"lightning_rollout-{name}-worker{p}", daemon=True)
                 process.start()
-                for parent_end, child_end in pairs:
+                for (parent_end, child_end), plan in zip(pairs, mine):
                     child_end.close()
-                    self.blocks.append(RemoteEnvs(self, process, parent_end, g))
+                    self.blocks.append(RemoteEnvs(self, process, parent_end, len(plan.env_ids), p))
                     self.process_of.append(p)
                 self.processes.append(process)
+            # What each env thread steps: its block's one part, or a group of parts in several processes.
+            grouped: list[list[tuple[int, RemoteEnvs]]] = [[] for _ in range(num_blocks)]
+            for part, (_, b, offset) in zip(self.blocks, part_of):
+                grouped[b].append((offset, part))
+            self.groups: list[RemoteEnvs | RemoteGroup] = [
+                parts[0][1] if len(parts) == 1 else RemoteGroup(parts) for parts in grouped]
             self.first_roots: list[dict[NestedKey, np.ndarray]] = []
             ready = []
             for b, block in enumerate(self.blocks):
@@ -384,8 +471,6 @@ class WorkerProcesses:
 
     @staticmethod
     def _wait_ready(block: RemoteEnvs, timeout: float) -> tuple[Any, ...]:
-        import time
-
         deadline = time.monotonic() + timeout
         while not block.conn.poll(_POLL_S):
             if not block.process.is_alive():

@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..envs import ActionError, EnvAdapter
+from ..envs import EnvAdapter
 from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
+from .block import EnvBlock, EnvFailure
 from .buffers import (_ENV_ID, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED, _S_TRUNCATED, _STATS,
                       _VERSION, check_entries)
-from .process import EnvFailure
 
 if TYPE_CHECKING:
     from .driver import MultiEnvLoop
-    from .process import RemoteEnvs
+    from .process import RemoteEnvs, RemoteGroup
 
 __all__ = ["Worker"]
 
@@ -44,16 +43,18 @@ class Worker:
     """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
 
     def __init__(self, loop: MultiEnvLoop, index: int, env_ids: list[int], *, adapters: list[EnvAdapter] | None = None,
-                 remote: RemoteEnvs | None = None, process: int | None = None) -> None:
+                 remote: RemoteEnvs | RemoteGroup | None = None) -> None:
         self.loop = loop
         self.index = index
-        self.adapters = adapters or []  # in-process envs, stepped by this thread
-        self.remote = remote  # or a block of envs in worker process ``process``
-        self.process = process
+        layout = loop._layout
+        # The block's envs: in-process (stepped by this thread) or in worker processes.
+        self.envs: EnvBlock | RemoteEnvs | RemoteGroup = remote if remote is not None else EnvBlock(
+            adapters or [], validate=loop.validate, checked_next=layout.checked_next if loop.validate else {},
+            checked_root=layout.checked_root if loop.validate else {},
+            zero_done={k: layout.keys.done[k] for k in loop._env_input_done})
         self.env_ids = env_ids
         self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
-        layout = loop._layout
         self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
         # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
         self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
@@ -64,9 +65,6 @@ class Worker:
         self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
         self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
-        self.busy_since = 0.0  # perf_counter() while inside env.reset/step, else 0.0
-        self.busy_env = -1
-        self.busy_phase = "step"  # what busy_env is doing: "reset" or "step"
         self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
         self.pending_error: EnvError | None = None  # a reset that failed after a delivered-to-be done step
@@ -81,30 +79,31 @@ class Worker:
                                        daemon=True)
 
     # -- helpers ---------------------------------------------------------------------
-    def _env_error(self, exc: BaseException, j: int, phase: str) -> EnvError:
-        error = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j], step=int(self.steps_done[j]),
-                         phase=phase)
-        error.__cause__ = exc
-        return error
+    # What the driver's step_timeout check reads (the env call in progress, if any).
+    @property
+    def busy_since(self) -> float:
+        """``perf_counter()`` when the env call in progress started; 0.0 when none is."""
+        return self.envs.busy_since
+
+    @property
+    def busy_env(self) -> int:
+        return self.envs.busy_env
+
+    @property
+    def busy_phase(self) -> str:
+        return self.envs.busy_phase
 
     def _reset_env(self, j: int, seed: int | None = None) -> None:
         first = self.loop._first_roots.pop(self.env_ids[j], None)  # the construction's reset, if still valid
         if first is not None and first[0] == seed:
             root = first[1]
+            self._check(j, root, self.loop._layout.checked_root)
         else:
-            self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
             try:
-                root = self.remote.reset(j, seed, self.loop._stop) if self.remote else self.adapters[j].reset(seed)
+                root = self.envs.reset(j, seed, self.loop._stop)
             except EnvFailure as failure:
-                raise self._remote_error(failure) from failure.cause
-            except _Stopped:
-                raise
-            except Exception as exc:
-                raise self._env_error(exc, j, "reset") from exc
-            finally:
-                self.busy_since = 0.0
+                raise self._failure_error(failure) from failure.cause
         layout = self.loop._layout
-        self._check(j, root, layout.checked_root)
         for k in layout.keys.root:
             self.cur[k][j] = root[k]
         for k in layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
@@ -128,8 +127,7 @@ class Worker:
                 cols[k][r0:r0 + rows] = 0
             for r, j in zip(range(r0, r0 + rows), envs):
                 columns = loop._action_columns
-                sample = (self.remote.random_action(j, columns, loop._stop) if self.remote
-                          else self.adapters[j].random_action(columns))
+                sample = self.envs.random_action(j, columns, loop._stop)
                 for k, v in sample.items():
                     cols[k][r] = v
                 self.random_left[j] -= 1
@@ -157,42 +155,15 @@ class Worker:
             cols[k][r0:r0 + rows] = value[a:b]
         cols[_VERSION][r0:r0 + rows] = answer.version
 
-    def _step_env(self, j: int, row: dict[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
-        """``env.step`` of env ``j``, timed for ``step_timeout``, errors named, observation checked."""
-        self.busy_env, self.busy_phase, self.busy_since = j, "step", time.perf_counter()
-        try:
-            result = self.adapters[j].step(row)
-        except ActionError as exc:  # the policy's fault, not the env's
-            raise PolicyError(f"invalid action for env {self.env_ids[j]}: {exc}", env_ids=(self.env_ids[j],),
-                              step=int(self.steps_done[j])) from exc
-        except Exception as exc:
-            raise self._env_error(exc, j, "step") from exc
-        finally:
-            self.busy_since = 0.0
-        self._check(j, result[0], self.loop._layout.checked_next)
-        return result
-
-    def _step_remote(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int], rewards: np.ndarray,
-                     terminated: np.ndarray, truncated: np.ndarray) -> None:
-        """Step this block's envs in their worker process (one round trip for the block)."""
-        assert self.remote is not None
-        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
-        try:
-            self.remote.step(cols, r0, envs, self.loop._layout.env_next_pairs, rewards, terminated, truncated,
-                             self.loop._stop)
-        except EnvFailure as failure:
-            raise self._remote_error(failure) from failure.cause
-        finally:
-            self.busy_since = 0.0
-
-    def _remote_error(self, failure: EnvFailure) -> CollectionError:
-        """The error of a worker process's env call, named by the env's global id and the process."""
+    def _failure_error(self, failure: EnvFailure) -> CollectionError:
+        """The user-facing error of a failed env call: named by the env's global id and step (and its
+        worker process); an invalid action is the policy's fault."""
         j = failure.j
         env_id, step = self.env_ids[j], int(self.steps_done[j])
         if failure.kind == "action":
             return PolicyError(f"invalid action for env {env_id}: {failure}", env_ids=(env_id,), step=step)
-        return EnvError(f"{failure} (in worker process {self.process})", env_id=env_id, step=step,
-                        phase=failure.phase)
+        where = "" if failure.process is None else f" (in worker process {failure.process})"
+        return EnvError(f"{failure}{where}", env_id=env_id, step=step, phase=failure.phase)
 
     def _step_block(self, cols: dict[NestedKey, np.ndarray], r0: int, envs: Sequence[int]) -> np.ndarray:
         """Step envs ``envs`` with the actions in rows ``r0:r0+len(envs)`` of ``cols``; write the
@@ -206,18 +177,12 @@ class Worker:
         rewards = np.empty(n)
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
-        if self.remote is not None:
-            self._step_remote(cols, r0, envs, rewards, terminated, truncated)
-        else:
-            inputs, done_inputs = loop._env_inputs, loop._env_input_done
-            for i, j in enumerate(envs):
-                r = r0 + i
-                row = {k: cols[k][r] for k in inputs}
-                for k in done_inputs:
-                    row[k] = self.zero_done[k][0]
-                nxt, rewards[i], terminated[i], truncated[i] = self._step_env(j, row)
-                for k, nk in layout.env_next_pairs:
-                    cols[nk][r] = nxt[k]
+        try:
+            self.envs.step({k: cols[k][rows] for k in loop._env_inputs}, envs,
+                           {k: cols[nk][rows] for k, nk in layout.env_next_pairs}, rewards, terminated, truncated,
+                           loop._stop)
+        except EnvFailure as failure:
+            raise self._failure_error(failure) from failure.cause
         self.steps_done[sel] += 1
         self.step_count[sel] += 1
         self.episode_reward[sel] += rewards
@@ -416,8 +381,5 @@ class Worker:
             loop._ready.put(("error", self.index, exc))
         finally:
             self.agent.close()
-            for adapter in self.adapters:
-                try:
-                    adapter.close()
-                except Exception:  # closing must not mask the real error
-                    pass
+            if isinstance(self.envs, EnvBlock):  # a worker process's blocks are closed by its pool
+                self.envs.close()
