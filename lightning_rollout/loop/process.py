@@ -44,6 +44,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -63,6 +64,10 @@ from .block import EnvBlock, EnvFailure, RemoteTraceback
 __all__ = ["EnvFailure", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses"]
 
 _POLL_S = 0.05
+_POLL_MS = int(_POLL_S * 1000)
+# The two messages of every step, pickled once (what Connection.send would send).
+_STEP_ALL = pickle.dumps(("step", None))
+_OK = pickle.dumps(("ok", None))
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class _BlockServer:
                 return
             try:
                 reply = getattr(self, f"_{op}")(*message[1:])
+                if reply is None:  # a step: nothing to return
+                    conn.send_bytes(_OK)
+                    continue
             except EnvFailure as failure:
                 cause = failure.cause
                 reply = ("error", failure.j, failure.phase, failure.kind, str(failure) if failure.phase == "check"
@@ -139,13 +147,13 @@ class _BlockServer:
                          "" if failure.phase == "check" else "".join(traceback.format_exception(cause)))
             conn.send(reply)
 
-    def _step(self, envs: Sequence[int] | None) -> tuple[Any, ...]:
+    def _step(self, envs: Sequence[int] | None) -> None:
         """Step ``envs`` (``None``: the whole block): rows ``0:n`` of the shared buffers are theirs."""
         n = len(self.adapters) if envs is None else len(envs)
         self.block.step({k: v[:n] for k, v in self.inputs.items()}, range(n) if envs is None else envs,
                         {k: v[:n] for k, v in self.next.items()}, self.reward[:n], self.terminated[:n],
                         self.truncated[:n])
-        return ("ok", None)
+        return None
 
     def _reset(self, j: int, seed: int | None) -> tuple[Any, ...]:
         root = self.block.reset(j, seed)
@@ -233,6 +241,10 @@ class RemoteEnvs:
     def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int, index: int) -> None:
         self.pool, self.process, self.conn, self.rows = pool, process, conn, rows
         self.index = index  # the worker process's index, named in errors
+        # One poll object for the pipe, made once (Connection.poll builds a selector on every call).
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        if self._poller is not None:
+            self._poller.register(conn.fileno(), select.POLLIN)
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
         self.root: dict[NestedKey, np.ndarray] = {}
@@ -247,8 +259,8 @@ class RemoteEnvs:
     def _reply(self, stop: threading.Event | None) -> Any:
         from ..policy import _Stopped
 
-        conn = self.conn
-        while not conn.poll(_POLL_S):
+        conn, poller = self.conn, self._poller
+        while not (poller.poll(_POLL_MS) if poller is not None else conn.poll(_POLL_S)):
             if stop is not None and stop.is_set():
                 raise _Stopped()
             if not self.process.is_alive():
@@ -267,7 +279,10 @@ class RemoteEnvs:
         n = len(envs)
         for k, buf in self.inputs.items():
             buf[:n] = inputs[k]
-        self.conn.send(("step", None if n == self.rows else tuple(envs)))
+        if n == self.rows:
+            self.conn.send_bytes(_STEP_ALL)
+        else:
+            self.conn.send(("step", tuple(envs)))
 
     def finish_step(self, n: int, out: dict[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, stop: threading.Event | None) -> None:
