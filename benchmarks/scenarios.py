@@ -120,6 +120,7 @@ _ALL_OURS_CHEAP = {
 }
 _REAL_OURS = (AUTO, "threaded ept=16", "threaded ept=1", "threaded num_workers=2", "threaded num_workers=2 ept=8")
 _OURS_GIL = {
+    AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
     "threaded env_time": _threaded(),
     "threaded flat": _threaded(layout="flat"),
     "threaded flat max_wait=0.5ms": _threaded(layout="flat", max_wait=0.0005),
@@ -150,13 +151,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         ideal_from_step_time=True),
     Scenario(
         "heavy_policy", "Heavy policy: MLP 4-1024-1024-1024-2, CartPole, 32 envs", CARTPOLE, 32, 16_384, 32,
-        {"threaded env_time": _threaded(),
+        {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
+         "threaded env_time": _threaded(),
          "threaded env_time autobatch=1": _threaded(autobatch_size=1),
          "threaded flat ept=8 off-policy": _threaded(layout="flat", envs_per_thread=8, on_policy=False),
          "gym SyncVectorEnv loop": c.gym_sync,
          "torchrl Collector(SerialEnv)": c.torchrl_serial},
         [Target(">= 4x autobatch_size=1", ("threaded env_time",), "threaded env_time autobatch=1", 4.0),
-         Target(">= 0.9x SyncVectorEnv loop", ("threaded env_time", "threaded flat ept=8 off-policy"),
+         Target(">= 0.9x SyncVectorEnv loop", (AUTO, "threaded env_time", "threaded flat ept=8 off-policy"),
                 "gym SyncVectorEnv loop", 0.9),
          Target("mean flush batch >= 0.8 x num_envs", ("threaded env_time",), "num_envs", 0.8,
                 metric="mean_flush_batch")],

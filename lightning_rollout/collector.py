@@ -123,6 +123,9 @@ class ThreadedCollector(BaseCollector):
             env (``docs/tuning.rst``; the choice is logged at INFO and kept in ``layout_choice``).
         num_workers: worker processes running the envs (1: threads of this process);
             ``"auto"`` (default): more than one only when an env step holds the GIL.
+        parallel_steps: step each env of a thread's block in its own helper thread (see
+            :class:`MultiEnvLoop`); ``"auto"`` (default): what the ``"auto"`` layout chose
+            (True for envs whose step releases the GIL), False when the layout is given.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"``: batch size ``[num_envs, frames_per_batch // num_envs]``,
             names ``[None, "time"]``, each row one env's consecutive steps (for
@@ -186,6 +189,7 @@ class ThreadedCollector(BaseCollector):
         num_envs: int | None = None,
         envs_per_thread: int | str = "auto",
         num_workers: int | str = "auto",
+        parallel_steps: bool | str = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         layout: Layout = "env_time",
@@ -279,6 +283,8 @@ class ThreadedCollector(BaseCollector):
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
             max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
             step_timeout=step_timeout, name=name)
+        if is_auto(parallel_steps):
+            parallel_steps = self.layout_choice is not None and self.layout_choice.parallel_steps
         if self.layout_choice is not None:
             num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
             if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
@@ -348,7 +354,7 @@ class ThreadedCollector(BaseCollector):
         try:
             self._loop = MultiEnvLoop(
                 factories, acting, envs_per_thread=envs_per_thread, num_workers=num_workers,
-                autobatch_size=autobatch_size,
+                parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                 max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,

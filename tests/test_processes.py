@@ -166,8 +166,13 @@ def test_auto_layout_rule():
     assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
     assert choose_layout(3, gil_bound, cores=16).num_workers == 3  # at most one process per env
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
-    assert (choose_layout(16, releasing_slow, cores=2).envs_per_thread) == 1
-    assert (choose_layout(16, releasing_fast, cores=2).envs_per_thread) == 8  # ~1 ms of env time per thread
+    for releasing in (releasing_slow, releasing_fast):  # one block, each env stepped in its own helper thread
+        choice = choose_layout(16, releasing, cores=2)
+        assert (choice.num_workers, choice.envs_per_thread, choice.parallel_steps) == (1, 16, True)
+    assert not choose_layout(16, cheap, cores=2).parallel_steps
+    threads_only = choose_layout(16, gil_bound, cores=2, num_workers="threads")  # ~1 ms of env time per thread
+    assert (threads_only.envs_per_thread, threads_only.parallel_steps) == (16, False)
+    assert choose_layout(16, releasing_slow, cores=2, envs_per_thread=4).parallel_steps is False  # given: kept
     kept = choose_layout(16, gil_bound, cores=3, envs_per_thread=4)
     assert (kept.num_workers, kept.envs_per_thread) == (2, 4)
 

@@ -179,9 +179,9 @@ class RolloutDataModule(pl.LightningDataModule):
             (default ``"actor"``), or a callable ``module -> policy``.
         layout: ``"env_time"`` (``[num_envs, T]``, for on-policy losses) or ``"flat"``.
         on_policy: see :class:`ThreadedCollector`; use ``False`` with a replay buffer.
-        envs_per_thread, num_workers, autobatch_size, max_wait, max_episode_steps, init_random_frames,
-            exploration_type, step_timeout: passed to the collector (``envs_per_thread`` and
-            ``num_workers`` default to ``"auto"``: chosen from a few timed steps of one env, see
+        envs_per_thread, num_workers, parallel_steps, autobatch_size, max_wait, max_episode_steps,
+            init_random_frames, exploration_type, step_timeout: passed to the collector (``envs_per_thread``,
+            ``num_workers`` and ``parallel_steps`` default to ``"auto"``: chosen from a few timed steps of one env, see
             ``docs/tuning.rst``; worker processes need a picklable env factory, which a gym id is).
         info_keys: entries of a gymnasium env's ``info`` read into the training batches
             and the evaluation envs' rows (see :class:`ThreadedCollector`): a list of keys
@@ -230,6 +230,7 @@ class RolloutDataModule(pl.LightningDataModule):
         on_policy: bool = True,
         envs_per_thread: int | str = "auto",
         num_workers: int | str = "auto",
+        parallel_steps: bool | str = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         max_episode_steps: int | None = None,
@@ -292,9 +293,11 @@ class RolloutDataModule(pl.LightningDataModule):
         for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
             if value != "auto":
                 _check_int(name, value, 1)
+        if not (parallel_steps == "auto" or isinstance(parallel_steps, bool)):
+            raise ValueError(f"parallel_steps must be True, False or 'auto', got {parallel_steps!r}")
         self.reraise_interrupt = bool(reraise_interrupt)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
-                                     autobatch_size=autobatch_size,
+                                     parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
                                      init_random_frames=init_random_frames, exploration_type=exploration_type,
                                      step_timeout=step_timeout, info_keys=info_keys)

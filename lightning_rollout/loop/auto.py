@@ -19,9 +19,10 @@ applies the rule documented in ``docs/tuning.rst``:
   torch takes seconds), or the env factory cannot be pickled (then threads, and
   the log says why). On two cores the main process and the two workers share the
   cores, and the gain measured 1.2x, not 2x (``docs/performance.rst``);
-* a step that releases the GIL: threads of the main process; one env per thread
-  when a step takes ``thread_s`` (1 ms) or more, otherwise enough envs per thread
-  that a thread's block takes about that long.
+* a step that releases the GIL: threads of the main process, every env in one
+  block whose envs step concurrently, each in its own helper thread
+  (``parallel_steps``): the block's bookkeeping and policy call run once a step,
+  and only ``env.step`` itself runs in the helpers.
 
 The measuring env is created and closed here, in the calling thread, and its random
 actions do not touch torch's global generator (it is forked around the measure).
@@ -75,11 +76,13 @@ class LayoutChoice:
         num_workers: worker processes (1: envs in threads of the main process).
         envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
         reason: one sentence, logged at INFO.
+        parallel_steps: the envs of a block step concurrently, one helper thread each.
     """
 
     num_workers: int
     envs_per_thread: int
     reason: str
+    parallel_steps: bool = False
 
 
 def usable_cores() -> int:
@@ -181,6 +184,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         why = "the env factory cannot be pickled for worker processes: threads of the main process"
     else:
         why = f"num_workers={num_workers} as given"
+    parallel = False
     if envs_per_thread == "auto":
         if int(num_workers) > 1:
             envs_per_thread = num_envs  # one thread drives every process: one wake-up a step for all of them
@@ -188,7 +192,10 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         elif timing.step_s < cheap_s:
             envs_per_thread = num_envs  # hand-offs between threads would cost more than they overlap
             why += f", all {num_envs} envs in one thread"
-        else:
+        elif timing.gil_release >= 0.3:
+            envs_per_thread, parallel = num_envs, True  # one block, each env's step in its own helper thread
+            why += f", all {num_envs} envs in one thread, each stepped in its own helper thread"
+        else:  # holds the GIL, but processes were ruled out: a thread's block of about thread_s
             want = max(1, min(num_envs, math.ceil(thread_s / max(timing.step_s, 1e-9))))
             while num_envs % want:
                 want += 1
@@ -196,7 +203,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
             why += f", {want} env{'s' if want > 1 else ''} per thread"
     else:
         why += f", envs_per_thread={envs_per_thread} as given"
-    return LayoutChoice(int(num_workers), int(envs_per_thread), why)
+    return LayoutChoice(int(num_workers), int(envs_per_thread), why, parallel)
 
 
 def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
@@ -229,8 +236,8 @@ def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, e
                            expected_frames=expected_frames)
     if is_auto(num_workers) and choice.num_workers > 1 and not _picklable(factory):
         choice = choose_layout(num_envs, box["timing"], num_workers="threads", envs_per_thread=envs_per_thread)
-    log.info("%s: num_workers=%d, envs_per_thread=%d (%s)", name, choice.num_workers, choice.envs_per_thread,
-             choice.reason)
+    log.info("%s: num_workers=%d, envs_per_thread=%d, parallel_steps=%s (%s)", name, choice.num_workers,
+             choice.envs_per_thread, choice.parallel_steps, choice.reason)
     return choice
 
 

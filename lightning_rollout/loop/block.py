@@ -14,17 +14,32 @@ Threading: a block is owned by one thread. ``busy_env``, ``busy_phase`` and
 ``busy_since`` are plain attributes written by that thread around each env call and
 read, without a lock, by the driver's ``step_timeout`` check (a stale read costs at
 most one check period).
+
+With ``parallel=True`` the block's envs step concurrently, each in its own helper
+thread (``lightning_rollout-<name>-env<i>-step``, a daemon), for envs whose step
+releases the GIL (C simulators, sleeps, I/O). Protocol (:class:`_StepThreads`): the
+owner writes env ``j``'s call into ``calls[j]`` and releases ``go[j]`` (a lock held
+while there is nothing to do); helper ``j`` acquires it, runs the call, stores the
+result or the exception in ``results[j]`` and puts ``j`` on the ``done`` queue; the
+owner waits for every ``j`` of the step (polling its stop flag every 50 ms), then
+checks and writes the results in env order, so errors are raised as in a sequential
+step (the lowest env index first) and no helper is left running a call. Resets,
+random actions and all bookkeeping stay in the owner thread. Helpers poll their lock
+every 50 ms and exit once the block is closed; one stuck inside an env call is
+abandoned (daemon).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._exit import abandon
 from ..envs import ActionError, EnvAdapter, GymAdapter
 from ..specs import ArraySpec, NestedKey
 from .buffers import check_entries
@@ -65,6 +80,82 @@ class _CheckFailed(Exception):
     """What an env returned does not match its spec (the message of :func:`check_entries`)."""
 
 
+_POLL_S = 0.05
+
+
+class _StepThreads:
+    """One helper thread per env of a block; :meth:`run` hands each env its call and waits for all."""
+
+    def __init__(self, n: int, *, name: str, env_ids: Sequence[int]) -> None:
+        self._go = [threading.Lock() for _ in range(n)]
+        for go in self._go:
+            go.acquire()  # held: nothing to do
+        self._calls: list[tuple[Callable[[Any], Any], Any] | None] = [None] * n
+        self.results: list[tuple[bool, Any] | None] = [None] * n  # (ok, value or exception)
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._closed = False
+        self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
+                                         name=f"lightning_rollout-{name}-env{env_ids[j]}-step") for j in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _serve(self, j: int) -> None:
+        go = self._go[j]
+        while True:
+            if not go.acquire(timeout=_POLL_S):
+                if self._closed:
+                    return
+                continue
+            if self._closed:
+                return
+            call = self._calls[j]
+            assert call is not None
+            try:
+                self.results[j] = (True, call[0](call[1]))
+            except BaseException as exc:  # re-raised by the owner, in env order
+                self.results[j] = (False, exc)
+            self._calls[j] = None
+            self._done.put(j)
+
+    def run(self, calls: Sequence[tuple[int, Callable[[Any], Any], Any]], owner: EnvBlock,
+            stop: threading.Event | None) -> None:
+        """Run ``fn(arg)`` for each ``(j, fn, arg)`` in helper ``j``; return once every one ended
+        (results in :attr:`results`). Keeps ``owner.busy_env`` at the lowest env still stepping.
+
+        Raises:
+            _Stopped: ``stop`` was set while waiting (the loop is closing).
+        """
+        from ..policy import _Stopped
+
+        pending = set()
+        for j, fn, arg in calls:
+            self._calls[j] = (fn, arg)
+            pending.add(j)
+            self._go[j].release()
+        while pending:
+            owner.busy_env = min(pending)
+            try:
+                pending.discard(self._done.get(timeout=_POLL_S))
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    raise _Stopped() from None
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Let every helper exit; one still inside an env call after ``timeout`` s is abandoned."""
+        self._closed = True
+        for go in self._go:
+            try:
+                go.release()
+            except RuntimeError:  # not held: that helper is busy and will see the flag
+                pass
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    abandon(thread)
+
+
 class EnvBlock:
     """The envs of one block: reset, step and sample random actions, writing into given arrays.
 
@@ -75,12 +166,19 @@ class EnvBlock:
         checked_next: the ``"next"`` entries to check after a step (``{key: ArraySpec}``).
         checked_root: the root entries to check after a reset.
         zero_done: root done flags a TorchRL env reads at the root: passed as zeros.
+        parallel: step the envs concurrently, one helper thread each (see the module docs);
+            ignored for a block of one env.
+        name, env_ids: name the helper threads (``lightning_rollout-<name>-env<id>-step``).
     """
 
     def __init__(self, adapters: Sequence[EnvAdapter], *, validate: bool,
                  checked_next: Mapping[NestedKey, ArraySpec], checked_root: Mapping[NestedKey, ArraySpec],
-                 zero_done: Mapping[NestedKey, ArraySpec]) -> None:
+                 zero_done: Mapping[NestedKey, ArraySpec], parallel: bool = False, name: str = "loop",
+                 env_ids: Sequence[int] | None = None) -> None:
         self.adapters = list(adapters)
+        self._threads = (_StepThreads(len(self.adapters), name=name,
+                                      env_ids=env_ids if env_ids is not None else range(len(self.adapters)))
+                         if parallel and len(self.adapters) > 1 else None)
         self.validate = validate
         self.checked_next = dict(checked_next)
         self.checked_root = dict(checked_root)
@@ -125,21 +223,30 @@ class EnvBlock:
         entries to row ``i`` of ``out`` (keyed by the env's key, without ``"next"``), its reward and
         flags to ``rewards[i]``, ``terminated[i]``, ``truncated[i]``. Raises :class:`EnvFailure`."""
         if self._gym:
-            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated)
+            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated, stop)
             return
         adapters, zero_done, validate, checked = self.adapters, self.zero_done, self.validate, self.checked_next
-        for i, j in enumerate(envs):
+        rows = []
+        for i in range(len(envs)):
             row = {k: v[i] for k, v in inputs.items()}
             row.update(zero_done)
-            self.busy_env, self.busy_since = j, time.perf_counter()
-            try:
-                nxt, rewards[i], terminated[i], truncated[i] = adapters[j].step(row)
-            except ActionError as exc:  # the policy's fault, not the env's
-                raise EnvFailure(j, "step", "action", exc) from exc
-            except Exception as exc:
-                raise EnvFailure(j, "step", "env", exc) from exc
-            finally:
-                self.busy_since = 0.0
+            rows.append(row)
+        if self._threads is not None and len(envs) > 1:
+            self._run_parallel([(j, adapters[j].step, row) for j, row in zip(envs, rows)], stop)
+        for i, j in enumerate(envs):
+            if self._threads is not None and len(envs) > 1:
+                result = self._parallel_result(j)
+            else:
+                self.busy_env, self.busy_since = j, time.perf_counter()
+                try:
+                    result = adapters[j].step(rows[i])
+                except ActionError as exc:  # the policy's fault, not the env's
+                    raise EnvFailure(j, "step", "action", exc) from exc
+                except Exception as exc:
+                    raise EnvFailure(j, "step", "env", exc) from exc
+                finally:
+                    self.busy_since = 0.0
+            nxt, rewards[i], terminated[i], truncated[i] = result
             if validate:
                 problem = check_entries(nxt, checked)
                 if problem is not None:
@@ -147,8 +254,30 @@ class EnvBlock:
             for k, buf in out.items():
                 buf[i] = nxt[k]
 
+    def _run_parallel(self, calls: Sequence[tuple[int, Callable[[Any], Any], Any]],
+                      stop: threading.Event | None) -> None:
+        assert self._threads is not None
+        self.busy_env, self.busy_since = calls[0][0], time.perf_counter()
+        try:
+            self._threads.run(calls, self, stop)
+        finally:
+            self.busy_since = 0.0
+
+    def _parallel_result(self, j: int) -> Any:
+        """Env ``j``'s result of the parallel step just run; its exception as an :class:`EnvFailure`."""
+        assert self._threads is not None
+        ok, value = self._threads.results[j]  # type: ignore[misc]
+        self._threads.results[j] = None
+        if ok:
+            return value
+        kind = "action" if isinstance(value, ActionError) else "env"
+        if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit in a helper: not an env error
+            raise value
+        raise EnvFailure(j, "step", kind, value) from value
+
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
-                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+                  stop: threading.Event | None = None) -> None:
         """Gymnasium envs with one array observation: actions converted for the block at once, each
         ``env.step`` result written straight to its row, observations checked for the block."""
         adapters = self.adapters
@@ -163,14 +292,20 @@ class EnvBlock:
             raise
         obs_out = out["observation"]
         expected = self._obs_spec if self.validate else None
+        parallel = self._threads is not None and len(envs) > 1
+        if parallel:
+            self._run_parallel([(j, adapters[j].env.step, a) for j, a in zip(envs, env_actions)], stop)
         for i, j in enumerate(envs):
-            self.busy_env, self.busy_since = j, time.perf_counter()
-            try:
-                obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
-            except Exception as exc:
-                raise EnvFailure(j, "step", "env", exc) from exc
-            finally:
-                self.busy_since = 0.0
+            if parallel:
+                obs, rewards[i], terminated[i], truncated[i], _ = self._parallel_result(j)
+            else:
+                self.busy_env, self.busy_since = j, time.perf_counter()
+                try:
+                    obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
+                except Exception as exc:
+                    raise EnvFailure(j, "step", "env", exc) from exc
+                finally:
+                    self.busy_since = 0.0
             if expected is not None and (getattr(obs, "shape", None) != expected[0] or (
                     getattr(obs, "dtype", None) != expected[1] and obs.dtype not in self._accepted_dtypes)):
                 obs = np.asarray(obs)
@@ -188,7 +323,10 @@ class EnvBlock:
                 raise EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
 
     def close(self) -> None:
-        """Close every env; errors are swallowed (closing must not hide the error being raised)."""
+        """Stop the helper threads, close every env; errors are swallowed (closing must not hide the
+        error being raised)."""
+        if self._threads is not None:
+            self._threads.close()
         for adapter in self.adapters:
             try:
                 adapter.close()

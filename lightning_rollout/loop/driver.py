@@ -133,6 +133,13 @@ class MultiEnvLoop:
             in parallel (``envs_per_thread=num_envs``: one thread drives every process).
             1: every env in threads of this process. Needs picklable env factories.
             ``"auto"``: see ``envs_per_thread``.
+        parallel_steps: True: the envs of each thread's block step concurrently, each
+            ``env.step`` in its own helper thread (``lightning_rollout-<name>-env<i>-step``),
+            while the block's bookkeeping and policy call stay once per step in its
+            thread: for envs whose step releases the GIL (C simulators, sleeps, I/O).
+            Resets run in the block's thread. Not with worker processes. ``"auto"``
+            (default): what the ``"auto"`` layout chose (True for GIL-releasing envs),
+            False when the layout is given.
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
         exploration_type: exploration mode of every request (``DETERMINISTIC``
             for evaluation loops).
@@ -182,6 +189,7 @@ class MultiEnvLoop:
         num_envs: int | None = None,
         envs_per_thread: int | str = 1,
         num_workers: int | str = 1,
+        parallel_steps: bool | str = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         device: torch.device | str | None = None,
@@ -246,6 +254,14 @@ class MultiEnvLoop:
             max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
         if self.layout_choice is not None:
             num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
+        if is_auto(parallel_steps):
+            parallel_steps = self.layout_choice is not None and self.layout_choice.parallel_steps
+        elif not isinstance(parallel_steps, bool):
+            raise ValueError(f"parallel_steps must be True, False or 'auto', got {parallel_steps!r}")
+        if parallel_steps and num_workers > 1:
+            raise ValueError("parallel_steps=True steps envs in helper threads of this process; worker processes "
+                             "(num_workers > 1) step theirs one after the other: pass one or the other")
+        self.parallel_steps: bool = parallel_steps
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
         self.num_workers = num_workers

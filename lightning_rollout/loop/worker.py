@@ -51,7 +51,8 @@ class Worker:
         self.envs: EnvBlock | RemoteEnvs | RemoteGroup = remote if remote is not None else EnvBlock(
             adapters or [], validate=loop.validate, checked_next=layout.checked_next if loop.validate else {},
             checked_root=layout.checked_root if loop.validate else {},
-            zero_done={k: layout.keys.done[k] for k in loop._env_input_done})
+            zero_done={k: layout.keys.done[k] for k in loop._env_input_done}, parallel=loop.parallel_steps,
+            name=loop.name, env_ids=env_ids)
         self.env_ids = env_ids
         self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
