@@ -183,10 +183,11 @@ def test_env_raises_during_run_episodes_keeps_finished_episodes():
 
 @pytest.mark.parametrize("kind, words", [("shape", "shape (4,)"), ("dtype", "dtype <U1"), ("nan", "NaN")])
 @pytest.mark.parametrize("mode", MODES)
-def test_env_bad_observation(kind, words, mode):
+@pytest.mark.parametrize("parallel_steps", [False, True], ids=["sequential", "parallel_steps"])
+def test_env_bad_observation(kind, words, mode, parallel_steps):
     at = 7
     factories = [lambda i=i: BadObsEnv(i, kind, at if i == 2 else None) for i in range(4)]
-    exc = bounded(lambda: _collect(mode, factories, envs_per_thread=2), BOUND)
+    exc = bounded(lambda: _collect(mode, factories, envs_per_thread=2, parallel_steps=parallel_steps), BOUND)
     assert isinstance(exc, EnvError)
     assert (exc.env_id, exc.step, exc.phase) == (2, at, "check")
     assert words in str(exc) and "env 2" in str(exc) and f"step {at}" in str(exc)

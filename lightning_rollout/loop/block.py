@@ -195,7 +195,8 @@ class EnvBlock:
         self._accepted_dtypes: set[np.dtype] = set()  # observation dtypes seen to cast safely to the column's
 
     # -- calls ------------------------------------------------------------------------
-    # ``stop`` (ignored here) keeps the signatures of RemoteEnvs, whose calls wait on another process.
+    # ``stop`` keeps the signatures of RemoteEnvs (whose calls wait on another process); here only a
+    # parallel step waits on something (its helper threads) and polls it.
     def reset(self, j: int, seed: int | None, stop: threading.Event | None = None) -> dict[NestedKey, Any]:
         """Reset env ``j``; its root entries, checked. Raises :class:`EnvFailure`."""
         self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
@@ -307,7 +308,8 @@ class EnvBlock:
                 finally:
                     self.busy_since = 0.0
             if expected is not None and (getattr(obs, "shape", None) != expected[0] or (
-                    getattr(obs, "dtype", None) != expected[1] and obs.dtype not in self._accepted_dtypes)):
+                    getattr(obs, "dtype", None) != expected[1]
+                    and getattr(obs, "dtype", None) not in self._accepted_dtypes)):
                 obs = np.asarray(obs)
                 problem = check_entries({"observation": obs}, self.checked_next)
                 if problem is not None:

@@ -145,6 +145,8 @@ class _BlockServer:
                 reply = ("error", failure.j, failure.phase, failure.kind, str(failure) if failure.phase == "check"
                          else f"{type(cause).__name__}: {cause}",
                          "" if failure.phase == "check" else "".join(traceback.format_exception(cause)))
+            except Exception as exc:  # a bug of ours: still answered, so the parent never waits for nothing
+                reply = ("error", 0, op, "env", f"{type(exc).__name__}: {exc}", traceback.format_exc())
             conn.send(reply)
 
     def _step(self, envs: Sequence[int] | None) -> None:
