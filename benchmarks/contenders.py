@@ -142,12 +142,14 @@ def _collector_session(collector: Any, stats: Callable[[], dict[str, float]] = d
 
 # -- ours ---------------------------------------------------------------------------------------------------
 def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int | str = 1, num_workers: int | str = 1,
-             autobatch_size: int | None = None, max_wait: float | None = None, on_policy: bool = True) -> Session:
+             autobatch_size: int | None = None, max_wait: float | None = None, on_policy: bool = True,
+             parallel_steps: bool | str = "auto") -> Session:
     """``lightning_rollout.ThreadedCollector`` over gymnasium envs (``"auto"`` for its default layout)."""
     from lightning_rollout import ThreadedCollector
 
     collector = ThreadedCollector(w.gym_envs(), w.actor(), frames_per_batch=w.frames_per_batch, total_frames=-1,
                                   envs_per_thread=envs_per_thread, num_workers=num_workers,
+                                  parallel_steps=parallel_steps,
                                   autobatch_size=autobatch_size, max_wait=max_wait, layout=layout,
                                   on_policy=on_policy, name="bench")
     policy, loop = collector.autobatch_policy, collector.loop

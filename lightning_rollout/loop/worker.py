@@ -2,9 +2,12 @@
 
 An env thread (``lightning_rollout-<name>-env<i>``, a daemon) runs a :class:`Worker`
 that owns its envs' running state: each env's current root entries (``cur``,
-TorchRL's carrier as one row per env), counters, two staging slots, and either
-the envs' adapters (in-process) or a :class:`~lightning_rollout.loop.process.RemoteEnvs`
-block in a worker process. It answers the driver's requests (see
+TorchRL's carrier as one row per env), counters, two staging slots, and the envs
+themselves: an :class:`~lightning_rollout.loop.block.EnvBlock` in this process
+(stepped by this thread, or by its helper threads with ``parallel_steps``), or a
+:class:`~lightning_rollout.loop.process.RemoteEnvs` block in a worker process, or
+a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in several. All
+three take the same calls. It answers the driver's requests (see
 :mod:`lightning_rollout.loop.driver` for the messages): a step of the whole block
 into a slot, a quota of steps straight into the driver's batch, a reset, or one
 fresh episode of one env. Each step asks the autobatching policy for the block's
