@@ -13,12 +13,18 @@ import time
 from typing import Any
 
 
-def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """All scalars of the TensorBoard event files under ``log_dir``: ``{tag: [(step, value), ...]}``."""
+def read_scalars(log_dir: str, *, since: float | None = None) -> dict[str, list[tuple[int, float]]]:
+    """All scalars of the TensorBoard event files under ``log_dir``: ``{tag: [(step, value), ...]}``.
+
+    ``since`` (a ``time.time()``): only files written to since then, i.e. this run's, not those an
+    earlier run of the same example left in the same folder.
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)):
+        if since is not None and os.path.getmtime(path) < since:
+            continue
         acc = EventAccumulator(path)
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
@@ -26,14 +32,15 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-def plot_learning_curve(log_dir: str, png_path: str, *, title: str) -> str:
-    """Plot training and evaluation episode return against frames; returns ``png_path``."""
+def plot_learning_curve(log_dir: str, png_path: str, *, title: str, since: float | None = None) -> str:
+    """Plot training and evaluation episode return against frames (the run's since ``since``, see
+    :func:`read_scalars`); returns ``png_path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scalars = read_scalars(log_dir)
+    scalars = read_scalars(log_dir, since=since)
     fig, ax = plt.subplots(figsize=(7, 4))
     for tag, label, style in (("rollout/episode_reward", "training episodes", "-"),
                               ("eval/episode_reward", "evaluation (deterministic)", "o-")):
@@ -51,13 +58,14 @@ def plot_learning_curve(log_dir: str, png_path: str, *, title: str) -> str:
     return png_path
 
 
-def summary(log_dir: str, *, seconds: float, frames: int, target: float) -> dict[str, Any]:
+def summary(log_dir: str, *, seconds: float, frames: int, target: float, since: float | None = None) -> dict[str, Any]:
     """What an example prints at the end (and what the slow tests read back), from the evaluation curve.
 
     ``eval_history`` is ``[(frames, mean evaluation return), ...]``; ``solved_at_frames`` the
-    frames of the first evaluation at or above ``target`` (``None`` if none).
+    frames of the first evaluation at or above ``target`` (``None`` if none). ``since``: as in
+    :func:`read_scalars`.
     """
-    history = [(int(f), float(v)) for f, v in read_scalars(log_dir).get("eval/episode_reward", [])]
+    history = [(int(f), float(v)) for f, v in read_scalars(log_dir, since=since).get("eval/episode_reward", [])]
     returns = [v for _, v in history]
     return {"best_eval_return": max(returns, default=float("nan")),
             "last_eval_return": returns[-1] if returns else float("nan"),
@@ -75,10 +83,13 @@ def stop_at_bar(target: float, *, frames: int, eval_every_frames: int) -> Any:
 
 
 def fit_and_summarize(trainer: Any, model: Any, datamodule: Any, *, target: float) -> dict[str, Any]:
-    """``trainer.fit(model, datamodule=datamodule)``, timed; then :func:`summary` of its logs, with ``log_dir``."""
+    """``trainer.fit(model, datamodule=datamodule)``, timed; then :func:`summary` of this run's logs (not an
+    earlier run's in the same folder), with ``log_dir`` and ``started_at`` (its ``time.time()``)."""
+    started_at = time.time()
     start = time.perf_counter()
     trainer.fit(model, datamodule=datamodule)
     result = summary(trainer.logger.log_dir, seconds=time.perf_counter() - start,
-                     frames=datamodule.collector.frames, target=target)
+                     frames=datamodule.collector.frames, target=target, since=started_at)
     result["log_dir"] = trainer.logger.log_dir
+    result["started_at"] = started_at
     return result

@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["best_checkpoint"] = checkpoint.best_model_path
     if args.demo:
         png = os.path.join(logger.log_dir, "learning_curve.png")
-        result["learning_curve"] = plot_learning_curve(logger.log_dir, png, title="PPO on CartPole-v1 (lightning_rollout)")
+        result["learning_curve"] = plot_learning_curve(logger.log_dir, png, title="PPO on CartPole-v1 (lightning_rollout)",
+                                                       since=result["started_at"])
     print("RESULT " + json.dumps(result))
     print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
           f"after {result['frames']} frames in {result['seconds']} s")

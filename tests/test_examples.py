@@ -41,6 +41,16 @@ def test_ppo_example_trains_logs_and_draws_a_learning_curve(tmp_path: Path) -> N
     assert result["best_checkpoint"] and Path(result["best_checkpoint"]).exists()
 
 
+def test_ppo_example_run_again_in_the_same_folder_summarizes_only_its_own_run(tmp_path: Path) -> None:
+    args = ("--demo", "--frames", "2048", "--num-envs", "4", "--envs-per-thread", "4", "--steps-per-env", "64",
+            "--eval-every-frames", "1024", "--eval-episodes", "1", "--out", str(tmp_path))
+    first = run_example("ppo_cartpole.py", *args)
+    second = run_example("ppo_cartpole.py", *args)
+    assert first["log_dir"] == second["log_dir"]  # the same seed folder: the first run's event file is still there
+    assert len(list(Path(second["log_dir"]).glob("events.out.tfevents.*"))) == 2
+    assert [f for f, _ in second["eval_history"]] == [f for f, _ in first["eval_history"]] == [1024, 2048]
+
+
 def test_dqn_example_fills_a_replay_buffer_and_learns_a_few_steps(tmp_path: Path) -> None:
     result = run_example("dqn_cartpole.py", "--frames", "2048", "--frames-per-batch", "128", "--updates-per-batch",
                          "8", "--num-envs", "4", "--envs-per-thread", "2", "--learning-starts", "512",
