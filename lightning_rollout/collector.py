@@ -502,7 +502,15 @@ class ThreadedCollector(BaseCollector):
         """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``).
 
         Returns ``None`` when the interrupter stopped collection before any frame.
+
+        Raises:
+            CollectionError: the collector is shut down, or another thread is iterating it or
+                collecting a batch (refused at once, as :meth:`__iter__` refuses a second thread).
         """
+        with self._iteration_claim():
+            return self._collect_batch()
+
+    def _collect_batch(self) -> TensorDictBase | None:
         if self._shut:
             raise CollectionError("the collector is shut down")
         if self.pre_collect_hook is not None:

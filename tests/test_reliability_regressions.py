@@ -221,6 +221,53 @@ def test_second_thread_iterating_during_a_batch_is_refused_and_nobody_blocks():
     collector.shutdown()
 
 
+def test_collect_batch_from_a_second_thread_is_refused_while_one_iterates():
+    collector = ThreadedCollector(mock_envs(2), CountingPolicy(), frames_per_batch=4, total_frames=40)
+    try:
+        mine = iter(collector)
+        assert next(mine).batch_size.numel() == 4
+        # Before: collect_batch() from another thread drove the same loop between the owner's batches.
+        with pytest.raises(CollectionError, match="already being iterated"):
+            bounded(collector.collect_batch, BOUND, "collect_batch from a second thread")
+        assert next(mine).batch_size.numel() == 4  # the owner is not disturbed
+        assert collector.collect_batch().batch_size.numel() == 4  # the owner's own thread may call it
+        mine.close()
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_second_thread_calling_a_loop_during_a_run_is_refused_and_the_run_completes():
+    inside, go = threading.Event(), threading.Event()
+    factories = [lambda i=i: GateEnv(i, 1 if i == 0 else -1, inside, go) for i in range(2)]
+    loop = MultiEnvLoop(factories, CountingPolicy(), envs_per_thread=2, lookahead=False)
+    box: dict[str, object] = {}
+
+    def owner() -> None:
+        try:
+            box["shape"] = tuple(loop.run_env_steps(3).shape)
+        except BaseException as exc:  # reported below
+            box["error"] = exc
+
+    thread = threading.Thread(target=owner, name="test-owner")
+    thread.start()
+    try:
+        assert inside.wait(BOUND), "the owner's run never reached the gate"
+        for call in (lambda: loop.run_env_steps(1), lambda: loop.run_steps(2), lambda: loop.run_episodes(1),
+                     loop.reset_envs):
+            with pytest.raises(CollectionError, match="already collecting in thread 'test-owner'"):
+                bounded(call, BOUND, "a second driver")
+    finally:
+        go.set()
+        thread.join(BOUND)
+    try:
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        assert box["shape"] == (2, 3)
+        assert tuple(loop.run_env_steps(2).shape) == (2, 2)  # free again once the run ended
+    finally:
+        loop.close()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Item 8: a policy that hangs
 

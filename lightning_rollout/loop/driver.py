@@ -85,15 +85,26 @@ _POLL_S = 0.05
 
 
 def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A public collection call: whatever way it ends, the driver stops holding workers active."""
+    """A public collection call: one at a time (a second thread calling while one runs is refused at
+    once with :class:`CollectionError`, nobody waits); whatever way it ends, the driver stops holding
+    workers active."""
 
     @functools.wraps(method)
     def wrapper(self: MultiEnvLoop, *args: Any, **kwargs: Any) -> Any:
+        if not self._driver_lock.acquire(blocking=False):
+            owner = self._driver_thread
+            raise CollectionError(
+                f"{method.__name__}: the loop {self.name!r} is already collecting in thread "
+                f"{owner.name if owner is not None else '?'!r} (or this is a call from inside its own collection, "
+                "e.g. an event processor); a loop has one driver: call it from one thread at a time")
+        self._driver_thread = threading.current_thread()
         try:
             return method(self, *args, **kwargs)
         finally:
             if hasattr(self, "_workers"):
                 self._release_all_holds()
+            self._driver_thread = None
+            self._driver_lock.release()
 
     return wrapper
 
@@ -284,6 +295,8 @@ class MultiEnvLoop:
         self._cur_traj = np.arange(traj_id_start, traj_id_start + num_envs, dtype=np.int64)
         self._next_traj = traj_id_start + num_envs
         self._stop = threading.Event()
+        self._driver_lock = threading.Lock()  # held by the thread inside a run_* / reset_envs call (see _driver_call)
+        self._driver_thread: threading.Thread | None = None
         self._cut = threading.Event()  # set by the driver: workers end their quota after the current step
         self._closed = False
         self._ready: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
