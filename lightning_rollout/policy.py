@@ -48,7 +48,8 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
 Locks: ``_cond`` (a :class:`threading.Condition`) guards the queue, the agent
 counts and the update list; ``_weights_lock`` guards the policy's parameters
 (held by whichever thread runs a forward pass or applies an update, and by
-:meth:`state`). Order: a thread holding ``_cond`` may try-acquire
+:meth:`state` and :meth:`set_version`, which poll it and raise the policy's
+failure rather than wait for a pass stuck past ``policy_timeout``). Order: a thread holding ``_cond`` may try-acquire
 ``_weights_lock`` (never blocking); no thread holding ``_weights_lock`` takes
 ``_cond``. Both belong to this class alone.
 """
@@ -560,9 +561,28 @@ class AutobatchPolicy:
             raise error
         return self._version
 
+    @contextlib.contextmanager
+    def _weights_held(self, what: str) -> Iterator[None]:
+        """Hold ``_weights_lock`` for ``what``, polling every 50 ms: once the policy has failed (a forward
+        pass stuck past ``policy_timeout`` keeps the lock forever), raise its failure instead of waiting."""
+        while not self._weights_lock.acquire(timeout=_POLL_S):
+            failure = self._failure
+            if failure is not None:
+                error = PolicyError(f"{what}: {failure.reason}", env_ids=failure.env_ids)
+                raise error from failure
+        try:
+            yield
+        finally:
+            self._weights_lock.release()
+
     def state(self) -> Any:
-        """A copy of the current weights (``state_dict`` tensors cloned), safe to keep."""
-        with self._weights_lock:
+        """A copy of the current weights (``state_dict`` tensors cloned), safe to keep.
+
+        Raises:
+            PolicyError: the policy failed while a forward pass holds the weights (one stuck past
+                ``policy_timeout``): they cannot be read consistently.
+        """
+        with self._weights_held("the weights cannot be read"):
             if hasattr(self.weights, "state_dict"):
                 return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                         for k, v in self.weights.state_dict().items()}  # type: ignore[attr-defined]
@@ -572,7 +592,7 @@ class AutobatchPolicy:
         """Set the version counter (used when resuming from a checkpoint)."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        with self._weights_lock:
+        with self._weights_held("the version cannot be set"):
             self._version = version
 
     def _apply_update(self, state: Any) -> None:

@@ -321,6 +321,23 @@ def test_hanging_policy_in_collector_raises_policy_error(release):
 
 
 @pytest.mark.timeout(60)
+def test_reading_the_weights_after_a_hung_policy_raises_instead_of_blocking(release):
+    """Before: ``state()`` (what a checkpoint of an ``nn.Module`` policy reads) waited forever for the
+    weights lock the stuck forward pass holds."""
+    policy = HangingPolicy(3, release)
+    collector = ThreadedCollector(mock_envs(2), policy, frames_per_batch=4, policy_timeout=0.5, name="hangckpt")
+    try:
+        with pytest.raises(PolicyError, match="policy_timeout=0.5"):
+            bounded(lambda: [None for _ in collector], BOUND, "collection with a hung policy")
+        with pytest.raises(PolicyError, match="the weights cannot be read: no answer within policy_timeout=0.5"):
+            bounded(collector.autobatch_policy.state, BOUND, "state() after a hung policy")
+        with pytest.raises(PolicyError, match="the version cannot be set"):
+            bounded(lambda: collector.autobatch_policy.set_version(3), BOUND, "set_version after a hung policy")
+    finally:
+        bounded(collector.shutdown, BOUND, "shutdown after a hung policy")
+
+
+@pytest.mark.timeout(60)
 def test_hanging_policy_in_loop_raises_policy_error(release):
     policy = HangingPolicy(5, release)
     loop = MultiEnvLoop(mock_envs(3), policy, policy_timeout=0.5)
