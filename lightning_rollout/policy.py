@@ -481,34 +481,20 @@ class AutobatchPolicy:
         """
         self.output_keys = None
         request = _Request(Agent(self, rows, ()), dict(obs), rows, ExplorationType.RANDOM)
+
+        def probe() -> dict[NestedKey, np.ndarray]:
+            with self._weights_lock:
+                return self._run_policy([request], rows)
+
         try:
-            if self.policy_timeout is None:
-                with self._weights_lock:
-                    outputs = self._run_policy([request], rows)
-            else:
-                box: dict[str, Any] = {}
-
-                def probe() -> None:  # named as its caller: the policy still sees the construction probe
-                    try:
-                        with self._weights_lock:
-                            box["outputs"] = self._run_policy([request], rows)
-                    except BaseException as exc:  # re-raised in the caller's thread
-                        box["error"] = exc
-
-                helper = threading.Thread(target=probe, name=f"lightning_rollout-{self.name}-probe", daemon=True)
-                helper.start()
-                helper.join(self.policy_timeout)
-                if helper.is_alive():
-                    error = PolicyError(f"no answer within policy_timeout={self.policy_timeout} s while probing the "
-                                        f"policy with {rows} observation(s) at construction; thread {helper.name!r} "
-                                        "is stuck inside the policy's call and is abandoned (daemon)")
+            try:
+                outputs = call_bounded(probe, self.policy_timeout, name=f"lightning_rollout-{self.name}-probe",
+                                       what=f"while probing the policy with {rows} observation(s) at construction")
+            except PolicyError as error:
+                if "policy_timeout" in error.reason:
                     with self._cond:
                         self._failure = self._failure or error
-                    abandon(helper)
-                    raise error
-                if "error" in box:
-                    raise box["error"]
-                outputs = box["outputs"]
+                raise
         except PolicyError:
             raise
         except Exception as exc:
@@ -868,8 +854,39 @@ class AutobatchPolicy:
         return outputs
 
 
+def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
+    """``fn()``, in the caller's thread when ``timeout`` is ``None``, else in a helper thread ``name``
+    (a daemon) waited for at most ``timeout`` seconds: a call that hangs is abandoned there.
+
+    Raises:
+        PolicyError: the call did not return within ``policy_timeout={timeout}`` (``what`` says when).
+        Exception: whatever ``fn`` raised.
+    """
+    if timeout is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=target, name=name, daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if helper.is_alive():
+        abandon(helper)
+        raise PolicyError(f"no answer within policy_timeout={timeout} s {what}; thread {helper.name!r} is stuck "
+                          "inside the policy's call and is abandoned (daemon)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: Sequence[NestedKey] = ("action",),
-                     single_key: NestedKey | None = "observation", action_spec: Any = None) -> Any:
+                     single_key: NestedKey | None = "observation", action_spec: Any = None,
+                     policy_timeout: float | None = None, name: str = "loop") -> Any:
     """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
 
     * A ``TensorDictModuleBase`` (TorchRL actors, ``TensorDictSequential``,
@@ -886,9 +903,12 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
 
     A spec-less ``RandomPolicy()`` and exploration modules built with ``spec=None``
     get ``action_spec`` (the env's full action spec), as TorchRL's collectors fill them.
+    Wrapping calls the policy once on a sample of the spec (to count its outputs); with
+    ``policy_timeout`` that call runs in a helper thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
         TypeError: TorchRL cannot wrap it (its message says why).
+        PolicyError: the wrapping call did not return within ``policy_timeout``.
     """
     from torchrl.envs.utils import RandomPolicy
 
@@ -902,13 +922,17 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         return policy
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-    wrapped = _wrap(policy, observation_spec, action_keys, single_key)
+    wrapped = _wrap(policy, observation_spec, action_keys, single_key,
+                    lambda fn: call_bounded(fn, policy_timeout, name=f"lightning_rollout-{name}-wrap",
+                                            what="while wrapping the policy at construction (one call on a "
+                                                 "sample of the observation spec)"))
     if wrapped is not policy:
         wrapped._lr_wrapped = policy  # the user's object keeps its weights and state_dict
     return wrapped
 
 
-def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None) -> Any:
+def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None,
+          call: Callable[[Callable[[], Any]], Any]) -> Any:
     """TorchRL's auto-wrapping rule (``torchrl.envs.utils._make_compatible_policy``), with its errors: the
     parameters of ``forward`` are matched by name against the observation keys. Unlike TorchRL's, the
     probe call passes only the matched keys, so envs with more observations than the policy reads work."""
@@ -934,7 +958,7 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
         in_keys = [n for n in params if n in spec_keys]
         sample = {k: observation_spec[k].rand() for k in in_keys}
         device = _module_device(policy)
-        output = policy(**{k: v.to(device) for k, v in sample.items()})
+        output = call(lambda: policy(**{k: v.to(device) for k, v in sample.items()}))
         if isinstance(output, tuple):
             out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
         return TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys)
@@ -942,7 +966,9 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
         # Beyond TorchRL: a one-argument tensor function reads the env's only observation.
         if observation_spec is not None and single_key in spec_keys:
             try:
-                output = policy(observation_spec[single_key].rand((1,)).to(_module_device(policy)))
+                output = call(lambda: policy(observation_spec[single_key].rand((1,)).to(_module_device(policy))))
+            except PolicyError:  # a hang: no later probe may wait for it
+                raise
             except Exception:  # the real probe, with every error named, comes later
                 output = None
             if isinstance(output, tuple):

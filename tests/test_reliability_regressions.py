@@ -338,6 +338,22 @@ def test_reading_the_weights_after_a_hung_policy_raises_instead_of_blocking(rele
 
 
 @pytest.mark.timeout(60)
+def test_policy_hanging_while_torchrl_wraps_it_raises_policy_error(release):
+    """TorchRL's wrapping rule calls a keyword policy once on a sample of the spec; before, that call had no
+    time limit and a hang there blocked the constructor for good."""
+    entered = threading.Event()
+
+    def policy(observation):  # matched by name: wrapped in a TensorDictModule after one call
+        entered.set()
+        release.wait(60)
+        return torch.zeros(observation.shape[:-1], dtype=torch.long)
+
+    with pytest.raises(PolicyError, match="policy_timeout=0.5 s while wrapping the policy") as info:
+        bounded(lambda: MultiEnvLoop(mock_envs(2), policy, policy_timeout=0.5, name="wrap"), BOUND, "construction")
+    assert entered.is_set() and "lightning_rollout-wrap-wrap" in str(info.value)
+
+
+@pytest.mark.timeout(60)
 def test_hanging_policy_in_loop_raises_policy_error(release):
     policy = HangingPolicy(5, release)
     loop = MultiEnvLoop(mock_envs(3), policy, policy_timeout=0.5)

@@ -339,6 +339,7 @@ class MultiEnvLoop:
                     policy = RandomPolicy()
                 data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS and k not in self.info_keys]
                 module = as_policy_module(policy, observation_spec=observation_spec, action_keys=list(keys.action),
+                                          policy_timeout=policy_timeout, name=name,
                                           action_spec=action_spec,
                                           single_key=data_keys[0] if len(data_keys) == 1 else None)
                 self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
