@@ -490,10 +490,9 @@ class AutobatchPolicy:
             try:
                 outputs = call_bounded(probe, self.policy_timeout, name=f"lightning_rollout-{self.name}-probe",
                                        what=f"while probing the policy with {rows} observation(s) at construction")
-            except PolicyError as error:
-                if "policy_timeout" in error.reason:
-                    with self._cond:
-                        self._failure = self._failure or error
+            except _CallTimedOut as error:  # the stuck thread holds the weights: the policy is failed
+                with self._cond:
+                    self._failure = self._failure or error
                 raise
         except PolicyError:
             raise
@@ -854,6 +853,10 @@ class AutobatchPolicy:
         return outputs
 
 
+class _CallTimedOut(PolicyError):
+    """A :func:`call_bounded` call that did not return in time (its thread is abandoned)."""
+
+
 def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
     """``fn()``, in the caller's thread when ``timeout`` is ``None``, else in a helper thread ``name``
     (a daemon) waited for at most ``timeout`` seconds: a call that hangs is abandoned there.
@@ -877,8 +880,8 @@ def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, wha
     helper.join(timeout)
     if helper.is_alive():
         abandon(helper)
-        raise PolicyError(f"no answer within policy_timeout={timeout} s {what}; thread {helper.name!r} is stuck "
-                          "inside the policy's call and is abandoned (daemon)")
+        raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {helper.name!r} is "
+                            "stuck inside the policy's call and is abandoned (daemon)")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -967,7 +970,7 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
         if observation_spec is not None and single_key in spec_keys:
             try:
                 output = call(lambda: policy(observation_spec[single_key].rand((1,)).to(_module_device(policy))))
-            except PolicyError:  # a hang: no later probe may wait for it
+            except _CallTimedOut:  # a hang: no later probe may wait for it
                 raise
             except Exception:  # the real probe, with every error named, comes later
                 output = None
