@@ -161,7 +161,7 @@ def test_auto_layout_rule():
     assert (choose_layout(16, cheap, cores=2).num_workers, choose_layout(16, cheap, cores=2).envs_per_thread) == (1, 16)
     choice = choose_layout(16, gil_bound, cores=5)  # the main process keeps a core: 4 workers, one thread drives them
     assert (choice.num_workers, choice.envs_per_thread) == (4, 16) and "holds the GIL" in choice.reason
-    two = choose_layout(16, gil_bound, cores=2)  # two cores: two workers (measured 1.2x one thread)
+    two = choose_layout(16, gil_bound, cores=2)  # two cores: two workers (measured 1.3x one thread)
     assert (two.num_workers, two.envs_per_thread) == (2, 16)
     assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
     assert choose_layout(3, gil_bound, cores=16).num_workers == 3  # at most one process per env

@@ -18,7 +18,7 @@ applies the rule documented in ``docs/tuning.rst``:
   steps would save less than ``startup_s``, 10 s: spawning a process that imports
   torch takes seconds), or the env factory cannot be pickled (then threads, and
   the log says why). On two cores the main process and the two workers share the
-  cores, and the gain measured 1.2x, not 2x (``docs/performance.rst``);
+  cores, and the gain measured 1.3x, not 2x (``docs/performance.rst``);
 * a step that releases the GIL: threads of the main process, every env in one
   block whose envs step concurrently, each in its own helper thread
   (``parallel_steps``): the block's bookkeeping and policy call run once a step,
@@ -52,7 +52,7 @@ log = logging.getLogger("lightning_rollout")
 
 # Measured on a 2-core VM (docs/performance.rst, gil_bound): two worker processes driven by one thread
 # against one thread for every env, 100 us GIL-holding steps, 16 envs.
-_TWO_CORE_SPEEDUP = 1.2
+_TWO_CORE_SPEEDUP = 1.3
 
 
 @dataclass(frozen=True)
