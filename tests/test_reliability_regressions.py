@@ -163,18 +163,22 @@ def test_inference_thread_error_fails_waiting_and_later_requests(where):
 
 
 @pytest.mark.timeout(60)
-def test_second_thread_iterating_a_suspended_collector_is_refused():
+@pytest.mark.parametrize("second", ["iterator", "collect_batch"])
+def test_second_thread_driving_a_suspended_collector_is_refused(second):
     collector = ThreadedCollector(mock_envs(2), CountingPolicy(), frames_per_batch=4, total_frames=40)
+    drive = (lambda: next(iter(collector))) if second == "iterator" else collector.collect_batch
     try:
         mine = iter(collector)
         assert next(mine).batch_size.numel() == 4
-        # Before the fix the other thread silently drove the same loop (and one of them got a StopIteration).
+        # Before the fix the other thread silently drove the same loop (and one of them got a StopIteration);
+        # collect_batch() from another thread drove it between the owner's batches.
         with pytest.raises(CollectionError, match="already being iterated"):
-            bounded(lambda: next(iter(collector)), BOUND, "a second iterator")
+            bounded(drive, BOUND, f"a second thread's {second}")
         assert next(mine).batch_size.numel() == 4  # the owner is not disturbed
-        mine.close()  # the iteration ends: another thread may now iterate
-        assert bounded(lambda: next(iter(collector)), BOUND).batch_size.numel() == 4
-        assert next(iter(collector)).batch_size.numel() == 4  # this thread again, after the others ended
+        assert collector.collect_batch().batch_size.numel() == 4  # the owner's own thread may call it
+        mine.close()  # the iteration ends: another thread may now drive it
+        assert bounded(drive, BOUND).batch_size.numel() == 4
+        assert drive().batch_size.numel() == 4  # this thread again, after the others ended
     finally:
         collector.shutdown()
 
@@ -219,21 +223,6 @@ def test_second_thread_iterating_during_a_batch_is_refused_and_nobody_blocks():
     assert "error" not in box, box.get("error")
     assert box["frames"] == 12  # the owner got every batch
     collector.shutdown()
-
-
-def test_collect_batch_from_a_second_thread_is_refused_while_one_iterates():
-    collector = ThreadedCollector(mock_envs(2), CountingPolicy(), frames_per_batch=4, total_frames=40)
-    try:
-        mine = iter(collector)
-        assert next(mine).batch_size.numel() == 4
-        # Before: collect_batch() from another thread drove the same loop between the owner's batches.
-        with pytest.raises(CollectionError, match="already being iterated"):
-            bounded(collector.collect_batch, BOUND, "collect_batch from a second thread")
-        assert next(mine).batch_size.numel() == 4  # the owner is not disturbed
-        assert collector.collect_batch().batch_size.numel() == 4  # the owner's own thread may call it
-        mine.close()
-    finally:
-        collector.shutdown()
 
 
 @pytest.mark.timeout(60)

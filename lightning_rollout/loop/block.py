@@ -232,10 +232,11 @@ class EnvBlock:
             row = {k: v[i] for k, v in inputs.items()}
             row.update(zero_done)
             rows.append(row)
-        if self._threads is not None and len(envs) > 1:
+        parallel = self._threads is not None and len(envs) > 1
+        if parallel:
             self._run_parallel([(j, adapters[j].step, row) for j, row in zip(envs, rows)], stop)
         for i, j in enumerate(envs):
-            if self._threads is not None and len(envs) > 1:
+            if parallel:
                 result = self._parallel_result(j)
             else:
                 self.busy_env, self.busy_since = j, time.perf_counter()

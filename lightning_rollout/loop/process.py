@@ -87,9 +87,10 @@ def _numpy(tensors: dict[NestedKey, torch.Tensor]) -> dict[NestedKey, np.ndarray
 
 
 # -- child side ------------------------------------------------------------------------------------
-def _error_reply(j: int, phase: str, exc: BaseException) -> tuple[Any, ...]:
-    kind = "action" if isinstance(exc, ActionError) else "env"
-    return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None) -> tuple[Any, ...]:
+    """The ``("error", ...)`` reply for ``exc`` raised by env ``j`` in ``phase``, with its traceback."""
+    kind = kind or ("action" if isinstance(exc, ActionError) else "env")
+    return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc)))
 
 
 class _BlockServer:
@@ -141,12 +142,10 @@ class _BlockServer:
                     conn.send_bytes(_OK)
                     continue
             except EnvFailure as failure:
-                cause = failure.cause
-                reply = ("error", failure.j, failure.phase, failure.kind, str(failure) if failure.phase == "check"
-                         else f"{type(cause).__name__}: {cause}",
-                         "" if failure.phase == "check" else "".join(traceback.format_exception(cause)))
+                reply = (("error", failure.j, "check", "env", str(failure), "") if failure.phase == "check"
+                         else _error_reply(failure.j, failure.phase, failure.cause, failure.kind))
             except Exception as exc:  # a bug of ours: still answered, so the parent never waits for nothing
-                reply = ("error", 0, op, "env", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                reply = _error_reply(0, op, exc, "env")
             conn.send(reply)
 
     def _step(self, envs: Sequence[int] | None) -> None:
