@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+from gymnasium.vector import AutoresetMode
 import numpy as np
 import torch
 from tensordict.nn import TensorDictModule
@@ -252,14 +253,28 @@ def _vector_loop(vec: Any, policy: Callable[[np.ndarray], np.ndarray], seed: boo
     return Session(run, vec.close)
 
 
+# Every frame a contender reports is a transition. gymnasium's default NEXT_STEP autoreset spends the
+# step after each episode's end on the reset, returning no transition (reward 0, the first observation),
+# so its loop would count those reset steps as frames (about 1 in 10 with CartPole's short greedy episodes).
+# SAME_STEP resets in the step that ends the episode, as our loop and TorchRL's collectors do: the same work
+# per frame. The NEXT_STEP loop stays as a contender of its own, so earlier recorded runs can be compared.
 def gym_sync(w: Workload) -> Session:
-    """gymnasium ``SyncVectorEnv`` + the batched policy in a plain loop."""
+    """gymnasium ``SyncVectorEnv`` (``SAME_STEP`` autoreset: every frame a transition) + the batched policy
+    in a plain loop."""
+    return _vector_loop(gym.vector.SyncVectorEnv(w.gym_envs(), autoreset_mode=AutoresetMode.SAME_STEP),
+                        w.callable_policy())
+
+
+def gym_sync_next_step(w: Workload) -> Session:
+    """gymnasium ``SyncVectorEnv`` with its default ``NEXT_STEP`` autoreset (reset steps counted as frames)."""
     return _vector_loop(gym.vector.SyncVectorEnv(w.gym_envs()), w.callable_policy())
 
 
 def gym_async(w: Workload) -> Session:
-    """gymnasium ``AsyncVectorEnv`` (one process per env) + the batched policy in a plain loop."""
-    return _vector_loop(gym.vector.AsyncVectorEnv(w.gym_envs()), w.callable_policy())
+    """gymnasium ``AsyncVectorEnv`` (one process per env, ``SAME_STEP`` autoreset) + the batched policy in a
+    plain loop."""
+    return _vector_loop(gym.vector.AsyncVectorEnv(w.gym_envs(), autoreset_mode=AutoresetMode.SAME_STEP),
+                        w.callable_policy())
 
 
 # -- Lightning overhead: the same training step under Trainer.fit and in a plain loop -----------------------------

@@ -33,6 +33,7 @@ PEERS: dict[str, Builder] = {
     "gym SyncVectorEnv loop": c.gym_sync,
     "gym AsyncVectorEnv loop": c.gym_async,
 }
+NEXT_STEP = "gym SyncVectorEnv loop (NEXT_STEP autoreset)"  # reset steps counted as frames: see contenders.gym_sync
 # Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
 PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv loop",
                       "threaded num_workers=2"}
@@ -131,7 +132,7 @@ _OURS_GIL = {
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
         "cheap", "Cheap env: CartPole, MLP 4-64-64-2, 8 envs", CARTPOLE, 8, 100_000, 128,
-        {**_ALL_OURS_CHEAP, **PEERS},
+        {**_ALL_OURS_CHEAP, **PEERS, NEXT_STEP: c.gym_sync_next_step},
         [Target(">= 10x AsyncBatchedCollector(threading)", tuple(_ALL_OURS_CHEAP),
                 "torchrl AsyncBatchedCollector(threading)", 10.0),
          Target(">= 5x Collector(SerialEnv)", tuple(_ALL_OURS_CHEAP), "torchrl Collector(SerialEnv)", 5.0),
@@ -156,6 +157,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
          "threaded env_time autobatch=1": _threaded(autobatch_size=1),
          "threaded flat ept=8 off-policy": _threaded(layout="flat", envs_per_thread=8, on_policy=False),
          "gym SyncVectorEnv loop": c.gym_sync,
+         NEXT_STEP: c.gym_sync_next_step,
          "torchrl Collector(SerialEnv)": c.torchrl_serial},
         [Target(">= 4x autobatch_size=1", ("threaded env_time",), "threaded env_time autobatch=1", 4.0),
          Target(">= 0.9x SyncVectorEnv loop", (AUTO, "threaded env_time", "threaded flat ept=8 off-policy"),

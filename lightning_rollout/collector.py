@@ -124,8 +124,10 @@ class ThreadedCollector(BaseCollector):
         num_workers: worker processes running the envs (1: threads of this process);
             ``"auto"`` (default): more than one only when an env step holds the GIL.
         parallel_steps: step each env of a thread's block in its own helper thread (see
-            :class:`MultiEnvLoop`); ``"auto"`` (default): what the ``"auto"`` layout chose
-            (True for envs whose step releases the GIL), False when the layout is given.
+            :class:`MultiEnvLoop`); ``"free"``: also let each env run at its own pace within a
+            batch (``layout="env_time"``; for uneven step times, not reproducible with a
+            stochastic policy); ``"auto"`` (default): what the ``"auto"`` layout chose (True
+            for envs whose step releases the GIL), False when the layout is given.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"``: batch size ``[num_envs, frames_per_batch // num_envs]``,
             names ``[None, "time"]``, each row one env's consecutive steps (for
@@ -189,7 +191,7 @@ class ThreadedCollector(BaseCollector):
         num_envs: int | None = None,
         envs_per_thread: int | str = "auto",
         num_workers: int | str = "auto",
-        parallel_steps: bool | str = "auto",
+        parallel_steps: bool | Literal["auto", "free"] = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         layout: Layout = "env_time",

@@ -314,6 +314,10 @@ class AutobatchPolicy:
         self.flush_in_caller = bool(flush_in_caller) and policy_timeout is None
         self.is_tensordict_module = isinstance(self.policy, TensorDictModuleBase)
         self._direct = _direct_module(self.policy)  # an exact TensorDictModule's inner module, called on tensors
+        # Its positional inputs and its outputs, read once (the flush path runs for every step of every env).
+        self._direct_in: list[NestedKey] = list(self.policy.in_keys) if self._direct is not None else []
+        self._direct_out: list[NestedKey] = ([_as_key(k) for k in self.policy.out_keys]
+                                             if self._direct is not None else [])
         self.device = torch.device(device) if device is not None else _module_device(self.policy)
         self.input_keys: list[NestedKey] | None = None  # set by bind(): the keys every request carries
         self.output_keys: list[NestedKey] | None = None  # set by probe(): the keys every answer carries
@@ -771,7 +775,7 @@ class AutobatchPolicy:
             batch.sort(key=_first_env)
         keys = self.input_keys if self.input_keys is not None else list(batch[0].obs)
         if len(batch) == 1:
-            stacked = {k: torch.as_tensor(batch[0].obs[k]) for k in keys}
+            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
         else:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
         if self.device.type != "cpu":
@@ -779,9 +783,9 @@ class AutobatchPolicy:
         with torch.no_grad(), set_exploration_type(batch[0].mode), self._own_rng():
             if self._direct is not None:
                 one = self.unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
-                args = [stacked[k][0] if one else stacked[k] for k in self.policy.in_keys]  # type: ignore[attr-defined]
+                args = [stacked[k][0] if one else stacked[k] for k in self._direct_in]
                 result = self._direct(*args)
-                out_keys = [_as_key(k) for k in self.policy.out_keys]  # type: ignore[attr-defined]
+                out_keys = self._direct_out
                 if isinstance(result, dict):
                     if set(out_keys) - set(result):
                         raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; expected "
@@ -820,7 +824,7 @@ class AutobatchPolicy:
 
     def _own_rng(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on this policy's random stream (seeded policies; forward passes hold ``_weights_lock``)."""
-        return self._swapped_rng() if self._rng_state is not None else contextlib.nullcontext()
+        return self._swapped_rng() if self._rng_state is not None else _NO_RNG
 
     @contextlib.contextmanager
     def _swapped_rng(self) -> Iterator[None]:
@@ -1090,6 +1094,15 @@ def _direct_module(policy: Any) -> Callable[..., Any] | None:
             or getattr(policy, "out_to_in_map", None)):
         return None
     return policy.module
+
+
+_NO_RNG = contextlib.nullcontext()  # stateless and reentrant: one instance serves every thread
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    """``value`` as a tensor sharing its memory; ``torch.from_numpy`` for an array (a third of
+    ``torch.as_tensor``'s cost, which is paid for every flush)."""
+    return torch.from_numpy(value) if type(value) is np.ndarray else torch.as_tensor(value)
 
 
 def _to_numpy(value: Any, key: NestedKey = "action") -> np.ndarray:

@@ -121,12 +121,14 @@ MODES = ["run_steps", "run_env_steps"]
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("lookahead", [True, False])
-def test_env_raises_at_random_step(mode, lookahead):
+@pytest.mark.parametrize("parallel_steps", [False, True, "free"], ids=["sequential", "parallel_steps", "free"])
+def test_env_raises_at_random_step(mode, lookahead, parallel_steps):
     rng = random.Random(f"{mode}{lookahead}")
     num_envs, bad, k = 3, rng.randrange(3), rng.randrange(1, 30)
     factories = [lambda i=i: MockEnv(i, length_fn=lambda e, kk: LONG, raise_on_step=k if i == bad else None)
                  for i in range(num_envs)]
-    exc = bounded(lambda: _collect(mode, factories, lookahead=lookahead, autobatch_size=2), BOUND)
+    layout = dict(envs_per_thread=3, parallel_steps=parallel_steps) if parallel_steps else dict(autobatch_size=2)
+    exc = bounded(lambda: _collect(mode, factories, lookahead=lookahead, **layout), BOUND)
     assert isinstance(exc, EnvError) and not isinstance(exc, StepTimeoutError)
     assert (exc.env_id, exc.step, exc.phase) == (bad, k, "step")
     assert f"env {bad}" in str(exc) and f"step {k}" in str(exc) and "exploded" in str(exc)
@@ -134,20 +136,25 @@ def test_env_raises_at_random_step(mode, lookahead):
     assert exc.partial is not None
     if mode == "run_steps":  # every step env `bad` made before the fault was delivered
         check_prefix(exc.partial, bad, k)
+    elif parallel_steps:  # one block (free-running envs: the others caught up) delivers `bad`'s k complete steps
+        assert exc.partial.shape == (num_envs, k)
     check_stream(exc.partial)
     assert_no_rollout_threads()
 
 
 @pytest.mark.parametrize("reset_index", [0, 2])
-def test_env_raises_in_reset(reset_index):
+@pytest.mark.parametrize("mode", ["run_steps", "run_env_steps"])
+def test_env_raises_in_reset(reset_index, mode):
     # reset 0 is the first one (at construction, as TorchRL's collector resets); reset 2 follows the
     # second episode.
     factories = [lambda i=i: MockEnv(i, length_fn=lambda e, k: 3, raise_on_reset=reset_index if i == 1 else None)
                  for i in range(3)]
 
+    layout = dict(envs_per_thread=3, parallel_steps="free") if mode == "run_env_steps" else {}
+
     def collect() -> BaseException:
         try:
-            return _collect("run_steps", factories)
+            return _collect(mode, factories, **layout)
         except EnvError as exc:  # raised by the constructor
             return exc
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_rollout import EnvError, MultiEnvLoop, ThreadedCollector
+from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop.auto import EnvTiming, choose_layout
 from process_helpers import balance_policy, count_envs, zero_policy
@@ -46,9 +46,11 @@ def test_parallel_steps_run_every_env_of_a_block_at_once():
     assert not [t for t in threading.enumerate() if t.name.endswith("-step")], "close() joins the helpers"
 
 
-def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_value():
+@pytest.mark.parametrize("mode", [True, "free"])
+def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_value(mode):
+    """Free-running envs too: a deterministic policy answers each env from its own observations."""
     kwargs = dict(num_envs=4, envs_per_thread=4, seed=5, lookahead=False)
-    with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=True, **kwargs) as parallel:
+    with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=mode, **kwargs) as parallel:
         ours = [parallel.run_env_steps(40), parallel.run_env_steps(40)]
         episode = parallel.run_episodes(1)[0]
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=False, **kwargs) as sequential:
@@ -60,13 +62,82 @@ def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_valu
     assert episode["next", "done"][-1].item()
 
 
-def test_env_error_in_a_helper_thread_names_the_env_and_keeps_what_was_collected():
-    with MultiEnvLoop(count_envs(4, fail_at={2: 3}), zero_policy, envs_per_thread=4, parallel_steps=True,
+@pytest.mark.parametrize("mode", [True, "free"])
+def test_env_error_in_a_helper_thread_names_the_env_and_keeps_what_was_collected(mode):
+    """Free-running, the other envs catch up with the failed one's complete steps before the error is raised."""
+    with MultiEnvLoop(count_envs(4, fail_at={2: 3}), zero_policy, envs_per_thread=4, parallel_steps=mode,
                       lookahead=False) as loop:
         with pytest.raises(EnvError, match=r"env 2 failed in step at step 3: RuntimeError: env 2 step 3 broke") as info:
             loop.run_env_steps(20)
     assert info.value.partial is not None and info.value.partial.shape == (4, 3)
     assert not [t for t in threading.enumerate() if t.name.endswith("-step")]
+
+
+class _AheadEnv(gym.Env):
+    """Env 0's first step waits (up to 10 s) until env 1 has taken ``ahead`` steps; env 1's step
+    ``hang_at`` waits until ``release`` is set. Records in ``log`` whether env 0 had to give up."""
+
+    observation_space = gym.spaces.Box(-1e6, 1e6, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, j: int, shared: dict) -> None:
+        self.j, self.shared, self.t = j, shared, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        shared = self.shared
+        if self.j == 0 and self.t == 0:
+            shared["env0 waited"] = shared["env1 ahead"].wait(timeout=10.0)
+        if self.j == 1:
+            if self.t == shared.get("hang_at"):
+                shared["release"].wait(timeout=10.0)
+            if self.t + 1 == shared["ahead"]:
+                shared["env1 ahead"].set()
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, False, False, {}
+
+
+def _ahead_envs(shared: dict) -> list:
+    shared.setdefault("env1 ahead", threading.Event())
+    shared.setdefault("release", threading.Event())
+    return [lambda j=j: _AheadEnv(j, shared) for j in range(2)]
+
+
+def test_free_parallel_steps_let_each_env_of_a_quota_run_at_its_own_pace():
+    """Env 0's first step ends only once env 1 took three steps: in lock-step env 1 would wait for env 0."""
+    shared: dict = {"ahead": 3}
+    with MultiEnvLoop(_ahead_envs(shared), zero_policy, envs_per_thread=2, parallel_steps="free",
+                      lookahead=False) as loop:
+        batch = loop.run_env_steps(5)
+        following = loop.run_env_steps(2)
+    assert shared["env0 waited"], "env 0's first step timed out: env 1 did not run ahead of it"
+    assert batch.shape == (2, 5) and following.shape == (2, 2)
+    for env in range(2):  # each env's steps in order, and the next batch carries on where this one ended
+        steps = torch.cat([batch["next", "observation"][env, :, 0], following["next", "observation"][env, :, 0]])
+        assert steps.tolist() == [1, 2, 3, 4, 5, 6, 7]
+        assert torch.equal(following["observation"][env, 0], batch["next", "observation"][env, -1])
+
+
+def test_free_step_timeout_names_the_hung_env_while_the_others_of_its_block_run_on():
+    shared: dict = {"ahead": 10, "hang_at": 1}
+    shared["env1 ahead"] = threading.Event()
+    shared["env1 ahead"].set()  # env 0 never waits
+    before = set(threading.enumerate())
+    loop = MultiEnvLoop(_ahead_envs(shared), zero_policy, envs_per_thread=2, parallel_steps="free",
+                        lookahead=False, step_timeout=0.5, join_timeout=5.0)
+    try:
+        with pytest.warns(RuntimeWarning, match="abandoned"):
+            with pytest.raises(StepTimeoutError, match=r"env 1 .*step_timeout=0.5") as info:
+                loop.run_env_steps(50)
+        assert (info.value.env_id, info.value.step) == (1, 1)
+        assert info.value.partial is not None and info.value.partial.shape == (2, 1)  # env 1's one complete step
+    finally:
+        shared["release"].set()  # the abandoned threads leave the hung step and exit
+        for thread in set(threading.enumerate()) - before:
+            thread.join(10.0)
 
 
 def test_parallel_steps_are_refused_with_worker_processes():
@@ -85,6 +156,7 @@ def test_auto_layout_steps_gil_releasing_envs_in_parallel(monkeypatch):
     collector = ThreadedCollector(count_envs(4), zero_policy, frames_per_batch=8, total_frames=16)
     try:
         assert collector.loop.parallel_steps and collector.loop.envs_per_thread == 4
+        assert not collector.loop.free_steps  # lock-step: reproducible with a stochastic policy
         assert [tuple(b.shape) for b in collector] == [(4, 2), (4, 2)]
     finally:
         collector.shutdown()

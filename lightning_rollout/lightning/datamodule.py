@@ -230,7 +230,7 @@ class RolloutDataModule(pl.LightningDataModule):
         on_policy: bool = True,
         envs_per_thread: int | str = "auto",
         num_workers: int | str = "auto",
-        parallel_steps: bool | str = "auto",
+        parallel_steps: bool | Literal["auto", "free"] = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         max_episode_steps: int | None = None,
@@ -293,8 +293,8 @@ class RolloutDataModule(pl.LightningDataModule):
         for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
             if value != "auto":
                 _check_int(name, value, 1)
-        if not (parallel_steps == "auto" or isinstance(parallel_steps, bool)):
-            raise ValueError(f"parallel_steps must be True, False or 'auto', got {parallel_steps!r}")
+        if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
+            raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         self.reraise_interrupt = bool(reraise_interrupt)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
                                      parallel_steps=parallel_steps, autobatch_size=autobatch_size,

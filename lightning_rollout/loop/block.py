@@ -18,15 +18,26 @@ most one check period).
 With ``parallel=True`` the block's envs step concurrently, each in its own helper
 thread (``lightning_rollout-<name>-env<i>-step``, a daemon), for envs whose step
 releases the GIL (C simulators, sleeps, I/O). Protocol (:class:`_StepThreads`): the
-owner writes env ``j``'s call into ``calls[j]`` and releases ``go[j]`` (a lock held
-while there is nothing to do); helper ``j`` acquires it, runs the call, stores the
-result or the exception in ``results[j]`` and puts ``j`` on the ``done`` queue; the
-owner waits for every ``j`` of the step (polling its stop flag every 50 ms), then
-checks and writes the results in env order, so errors are raised as in a sequential
-step (the lowest env index first) and no helper is left running a call. Resets,
-random actions and all bookkeeping stay in the owner thread. Helpers poll their lock
-every 50 ms and exit once the block is closed; one stuck inside an env call is
-abandoned (daemon).
+owner writes env ``j``'s call into ``calls[j]``, notes the time in ``started[j]`` and
+releases ``go[j]`` (a lock held while there is nothing to do); helper ``j`` acquires
+it, runs the call, stores the result or the exception in ``results[j]`` and puts ``j``
+on the ``done`` queue. The owner reads ``done`` (polling its stop flag every 50 ms):
+after the first call that ended it keeps gathering, for up to a quarter of the mean
+call duration or until half the calls in flight ended, so that one policy call
+answers envs that end close together. Two ways to use it:
+
+- :meth:`EnvBlock.step`: start every env, wait until all ended, write the results in
+  env order (errors are raised as in a sequential step, the lowest env index first);
+  no helper is left running a call.
+- free-running, :meth:`EnvBlock.begin` / :meth:`EnvBlock.ended` /
+  :meth:`EnvBlock.finish`: the owner starts envs as their actions are ready and
+  writes the results of those that ended; each env runs at its own pace
+  (``Worker._run_quota_free`` in :mod:`lightning_rollout.loop.worker`).
+
+``busy_env``/``busy_since`` then name the env whose call in flight started first.
+Resets, random actions and all bookkeeping stay in the owner thread. Helpers poll
+their lock every 50 ms and exit once the block is closed; one stuck inside an env
+call is abandoned (daemon).
 """
 
 from __future__ import annotations
@@ -81,10 +92,19 @@ class _CheckFailed(Exception):
 
 
 _POLL_S = 0.05
+# ``_StepThreads.ended`` gathers the calls that end close together, so that one policy call answers
+# them: it waits up to _GATHER_WINDOW mean call durations after the first, until _GATHER_SHARE of the
+# calls in flight ended. Measured on 16 envs, 2 cores (benchmarks gil and stragglers): each policy call
+# made while helpers wake costs 5x its forward pass in GIL hand-offs, so fewer, larger calls win; without
+# gathering, 0.56 and 0.41 of the ideal throughput, with it 0.64 and 0.45.
+_GATHER_WINDOW = 0.25
+_GATHER_SHARE = 0.5
+_EMA = 0.1
 
 
 class _StepThreads:
-    """One helper thread per env of a block; :meth:`run` hands each env its call and waits for all."""
+    """One helper thread per env of a block: :meth:`start` hands env ``j`` its call, :meth:`ended`
+    waits for calls to end."""
 
     def __init__(self, n: int, *, name: str, env_ids: Sequence[int]) -> None:
         self._go = [threading.Lock() for _ in range(n)]
@@ -93,6 +113,8 @@ class _StepThreads:
         self._calls: list[tuple[Callable[[Any], Any], Any] | None] = [None] * n
         self.results: list[tuple[bool, Any] | None] = [None] * n  # (ok, value or exception)
         self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.started = [0.0] * n  # perf_counter() when each helper's last call was handed over
+        self.step_time = 0.0  # running mean of a call's duration, seconds (first call of each wake-up)
         self._closed = False
         self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
                                          name=f"lightning_rollout-{name}-env{env_ids[j]}-step") for j in range(n)]
@@ -117,28 +139,45 @@ class _StepThreads:
             self._calls[j] = None
             self._done.put(j)
 
-    def run(self, calls: Sequence[tuple[int, Callable[[Any], Any], Any]], owner: EnvBlock,
-            stop: threading.Event | None) -> None:
-        """Run ``fn(arg)`` for each ``(j, fn, arg)`` in helper ``j``; return once every one ended
-        (results in :attr:`results`). Keeps ``owner.busy_env`` at the lowest env still stepping.
+    def start(self, j: int, fn: Callable[[Any], Any], arg: Any) -> None:
+        """Hand helper ``j`` the call ``fn(arg)`` (it must be idle: its last call ended and was read)."""
+        self._calls[j] = (fn, arg)
+        self.started[j] = time.perf_counter()
+        self._go[j].release()
+
+    def ended(self, stop: threading.Event | None, in_flight: int = 1) -> list[int]:
+        """The helpers whose call ended, in the order they ended: at least one (waits, polling ``stop``
+        every 50 ms), then more for a short while (see the module docs), out of ``in_flight`` calls.
 
         Raises:
             _Stopped: ``stop`` was set while waiting (the loop is closing).
         """
         from ..policy import _Stopped
 
-        pending = set()
-        for j, fn, arg in calls:
-            self._calls[j] = (fn, arg)
-            pending.add(j)
-            self._go[j].release()
-        while pending:
-            owner.busy_env = min(pending)
+        done = self._done
+        while True:
             try:
-                pending.discard(self._done.get(timeout=_POLL_S))
+                ended = [done.get(timeout=_POLL_S)]
+                break
             except queue.Empty:
                 if stop is not None and stop.is_set():
                     raise _Stopped() from None
+        now = time.perf_counter()
+        self.step_time += _EMA * (now - self.started[ended[0]] - self.step_time)
+        want = max(1, int(in_flight * _GATHER_SHARE))
+        deadline = now + _GATHER_WINDOW * self.step_time
+        while True:
+            try:
+                j = done.get_nowait()
+            except queue.Empty:
+                left = deadline - time.perf_counter()
+                if left <= 0 or len(ended) >= want:
+                    return ended
+                try:
+                    j = done.get(timeout=left)
+                except queue.Empty:
+                    return ended
+            ended.append(j)
 
     def close(self, timeout: float = 1.0) -> None:
         """Let every helper exit; one still inside an env call after ``timeout`` s is abandoned."""
@@ -193,6 +232,7 @@ class EnvBlock:
         spec = self.checked_next.get("observation")
         self._obs_spec = (spec.shape, spec.dtype) if spec is not None else None
         self._accepted_dtypes: set[np.dtype] = set()  # observation dtypes seen to cast safely to the column's
+        self._in_flight: set[int] = set()  # parallel blocks: envs whose step started and was not reported ended
 
     # -- calls ------------------------------------------------------------------------
     # ``stop`` keeps the signatures of RemoteEnvs (whose calls wait on another process); here only a
@@ -222,51 +262,111 @@ class EnvBlock:
              stop: threading.Event | None = None) -> None:
         """Step envs ``envs`` with row ``i`` of ``inputs`` for env ``envs[i]``; write its ``"next"``
         entries to row ``i`` of ``out`` (keyed by the env's key, without ``"next"``), its reward and
-        flags to ``rewards[i]``, ``terminated[i]``, ``truncated[i]``. Raises :class:`EnvFailure`."""
-        if self._gym:
-            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated, stop)
+        flags to ``rewards[i]``, ``terminated[i]``, ``truncated[i]``. Raises :class:`EnvFailure`
+        (for the lowest env index that failed, as if stepped one after the other)."""
+        if self.parallel and len(envs) > 1:  # every env in its helper; results read in env order
+            self.begin(inputs, envs)
+            waiting = set(envs)
+            while waiting:
+                waiting.difference_update(self.ended(stop))
+            failure = self.finish(envs, out, rewards, terminated, truncated)[1]
+            if failure is not None:
+                raise failure
             return
-        adapters, zero_done, validate, checked = self.adapters, self.zero_done, self.validate, self.checked_next
-        rows = []
-        for i in range(len(envs)):
-            row = {k: v[i] for k, v in inputs.items()}
-            row.update(zero_done)
-            rows.append(row)
-        parallel = self._threads is not None and len(envs) > 1
-        if parallel:
-            self._run_parallel([(j, adapters[j].step, row) for j, row in zip(envs, rows)], stop)
-        for i, j in enumerate(envs):
-            if parallel:
-                result = self._parallel_result(j)
-            else:
-                self.busy_env, self.busy_since = j, time.perf_counter()
-                try:
-                    result = adapters[j].step(rows[i])
-                except ActionError as exc:  # the policy's fault, not the env's
-                    raise EnvFailure(j, "step", "action", exc) from exc
-                except Exception as exc:
-                    raise EnvFailure(j, "step", "env", exc) from exc
-                finally:
-                    self.busy_since = 0.0
-            nxt, rewards[i], terminated[i], truncated[i] = result
-            if validate:
-                problem = check_entries(nxt, checked)
-                if problem is not None:
-                    raise EnvFailure(j, "check", "env", _CheckFailed(problem))
-            for k, buf in out.items():
-                buf[i] = nxt[k]
+        if self._gym:
+            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated)
+            return
+        for i, (j, row) in enumerate(zip(envs, self._rows(inputs, len(envs)))):
+            self.busy_env, self.busy_since = j, time.perf_counter()
+            try:
+                result = self.adapters[j].step(row)
+            except ActionError as exc:  # the policy's fault, not the env's
+                raise EnvFailure(j, "step", "action", exc) from exc
+            except Exception as exc:
+                raise EnvFailure(j, "step", "env", exc) from exc
+            finally:
+                self.busy_since = 0.0
+            self._write(i, j, result, out, rewards, terminated, truncated)
 
-    def _run_parallel(self, calls: Sequence[tuple[int, Callable[[Any], Any], Any]],
-                      stop: threading.Event | None) -> None:
+    # -- free-running steps (parallel blocks): each env's step starts and ends on its own -------------
+    @property
+    def parallel(self) -> bool:
+        """Whether the envs step in helper threads (``parallel=True`` and more than one env)."""
+        return self._threads is not None
+
+    def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Start a step of each env of ``envs`` (row ``i`` of ``inputs`` for env ``envs[i]``) in its
+        helper thread and return at once; :meth:`ended` reports when each step ends and :meth:`finish`
+        writes its results. Each env of ``envs`` must be idle (its last step finished). Parallel blocks
+        only. Raises :class:`EnvFailure` for an invalid action (nothing is started then)."""
+        threads, adapters = self._threads, self.adapters
+        assert threads is not None
+        if self._gym:
+            for j, action in zip(envs, self._gym_actions(inputs["action"], envs)):
+                threads.start(j, adapters[j].env.step, action)
+        else:
+            for j, row in zip(envs, self._rows(inputs, len(envs))):
+                threads.start(j, adapters[j].step, row)
+        self._in_flight.update(envs)
+        self._track_busy()
+
+    def ended(self, stop: threading.Event | None = None) -> list[int]:
+        """The envs whose step (started by :meth:`begin`) ended since the last look: at least one
+        (waits, polling ``stop`` every 50 ms), in the order they ended.
+
+        Raises:
+            _Stopped: ``stop`` was set while waiting.
+        """
         assert self._threads is not None
-        self.busy_env, self.busy_since = calls[0][0], time.perf_counter()
-        try:
-            self._threads.run(calls, self, stop)
-        finally:
+        ended = self._threads.ended(stop, len(self._in_flight))
+        self._in_flight.difference_update(ended)
+        self._track_busy()
+        return ended
+
+    def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[list[int], EnvFailure | None]:
+        """Write the results of the ended steps of ``envs``, in order, into rows ``0, 1, ...`` of ``out``,
+        ``rewards``, ``terminated`` and ``truncated`` (as :meth:`step` does), skipping envs whose step
+        failed or whose result fails the checks.
+
+        Returns:
+            The envs written (row ``i`` is ``written[i]``), and the failure of the first env of
+            ``envs`` skipped (``None`` when none was).
+        """
+        written: list[int] = []
+        failure: EnvFailure | None = None
+        gym = self._gym
+        obs_out = out["observation"] if gym else None
+        nan_check = gym and self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
+        for j in envs:
+            i = len(written)
+            try:
+                result = self._parallel_result(j)
+                if gym:
+                    obs, rewards[i], terminated[i], truncated[i], _ = result
+                    obs_out[i] = self._observation(j, obs)
+                    if nan_check and np.isnan(obs_out[i]).any():
+                        raise EnvFailure(j, "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+                else:
+                    self._write(i, j, result, out, rewards, terminated, truncated)
+            except EnvFailure as exc:
+                failure = failure or exc
+                continue
+            written.append(j)
+        return written, failure
+
+    def _track_busy(self) -> None:
+        """``busy_env``/``busy_since``: the env whose step in flight started first (what ``step_timeout``
+        watches), 0.0 when none is in flight."""
+        if not self._in_flight:
             self.busy_since = 0.0
+            return
+        started = self._threads.started  # type: ignore[union-attr]
+        j = min(self._in_flight, key=started.__getitem__)
+        self.busy_env, self.busy_since = j, started[j]
 
     def _parallel_result(self, j: int) -> Any:
-        """Env ``j``'s result of the parallel step just run; its exception as an :class:`EnvFailure`."""
+        """Env ``j``'s result of the step that ended in its helper; its exception as an :class:`EnvFailure`."""
         assert self._threads is not None
         ok, value = self._threads.results[j]  # type: ignore[misc]
         self._threads.results[j] = None
@@ -277,14 +377,32 @@ class EnvBlock:
             raise value
         raise EnvFailure(j, "step", kind, value) from value
 
-    def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
-                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-                  stop: threading.Event | None = None) -> None:
-        """Gymnasium envs with one array observation: actions converted for the block at once, each
-        ``env.step`` result written straight to its row, observations checked for the block."""
+    # -- what both paths share ------------------------------------------------------------------------
+    def _rows(self, inputs: Mapping[NestedKey, np.ndarray], n: int) -> list[dict[NestedKey, Any]]:
+        """One input dict per env (generic adapters), with the root done flags a TorchRL env reads."""
+        rows = []
+        for i in range(n):
+            row = {k: v[i] for k, v in inputs.items()}
+            row.update(self.zero_done)
+            rows.append(row)
+        return rows
+
+    def _write(self, i: int, j: int, result: Any, out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray) -> None:
+        """Check env ``j``'s step result (generic adapters) and write it into row ``i``."""
+        nxt, rewards[i], terminated[i], truncated[i] = result
+        if self.validate:
+            problem = check_entries(nxt, self.checked_next)
+            if problem is not None:
+                raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+        for k, buf in out.items():
+            buf[i] = nxt[k]
+
+    def _gym_actions(self, actions: np.ndarray, envs: Sequence[int]) -> Any:
+        """The block's actions converted for gymnasium at once; an invalid one names its env."""
         adapters = self.adapters
         try:
-            env_actions = adapters[0].actions(actions)
+            return adapters[0].actions(actions)
         except ActionError:  # find the env whose action is invalid, for the message
             for i, j in enumerate(envs):
                 try:
@@ -292,38 +410,55 @@ class EnvBlock:
                 except ActionError as exc:
                     raise EnvFailure(j, "step", "action", exc) from exc
             raise
+
+    def _observation(self, j: int, obs: Any) -> Any:
+        """Env ``j``'s observation, checked: a shape and dtype comparison, the full check on a mismatch."""
+        expected = self._obs_spec if self.validate else None
+        if expected is not None and (getattr(obs, "shape", None) != expected[0] or (
+                getattr(obs, "dtype", None) != expected[1]
+                and getattr(obs, "dtype", None) not in self._accepted_dtypes)):
+            obs = np.asarray(obs)
+            problem = check_entries({"observation": obs}, self.checked_next)
+            if problem is not None:
+                raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+            if type(obs) is np.ndarray and obs.shape == expected[0]:
+                self._accepted_dtypes.add(obs.dtype)  # e.g. float64 observations of a float32 space
+        return obs
+
+    def _check_nan(self, obs_out: np.ndarray, envs: Sequence[int]) -> None:
+        """No NaN in the first ``len(envs)`` rows of ``obs_out`` (validated float observations)."""
+        if self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f":
+            n = len(envs)
+            # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
+            # row-wise isnan on every step, which is only needed to name the env.
+            if np.isnan(obs_out[:n].sum()):
+                bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
+                if bad.any():
+                    i = int(bad.argmax())
+                    raise EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+
+    def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
+                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        """Gymnasium envs with one array observation, stepped in this thread: actions converted for the
+        block at once, each ``env.step`` result written straight to its row, observations checked for
+        the block."""
+        adapters = self.adapters
+        env_actions = self._gym_actions(actions, envs)
         obs_out = out["observation"]
         expected = self._obs_spec if self.validate else None
-        parallel = self._threads is not None and len(envs) > 1
-        if parallel:
-            self._run_parallel([(j, adapters[j].env.step, a) for j, a in zip(envs, env_actions)], stop)
         for i, j in enumerate(envs):
-            if parallel:
-                obs, rewards[i], terminated[i], truncated[i], _ = self._parallel_result(j)
-            else:
-                self.busy_env, self.busy_since = j, time.perf_counter()
-                try:
-                    obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
-                except Exception as exc:
-                    raise EnvFailure(j, "step", "env", exc) from exc
-                finally:
-                    self.busy_since = 0.0
-            if expected is not None and (getattr(obs, "shape", None) != expected[0] or (
-                    getattr(obs, "dtype", None) != expected[1]
-                    and getattr(obs, "dtype", None) not in self._accepted_dtypes)):
-                obs = np.asarray(obs)
-                problem = check_entries({"observation": obs}, self.checked_next)
-                if problem is not None:
-                    raise EnvFailure(j, "check", "env", _CheckFailed(problem))
-                if type(obs) is np.ndarray and obs.shape == expected[0]:
-                    self._accepted_dtypes.add(obs.dtype)  # e.g. float64 observations of a float32 space
+            self.busy_env, self.busy_since = j, time.perf_counter()
+            try:
+                obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
+            except Exception as exc:
+                raise EnvFailure(j, "step", "env", exc) from exc
+            finally:
+                self.busy_since = 0.0
+            if expected is not None and (getattr(obs, "shape", None) != expected[0]
+                                         or getattr(obs, "dtype", None) != expected[1]):
+                obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
             obs_out[i] = obs
-        if expected is not None and obs_out.dtype.kind == "f":
-            n = len(envs)
-            bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
-            if bad.any():
-                i = int(bad.argmax())
-                raise EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+        self._check_nan(obs_out, envs)
 
     def close(self) -> None:
         """Stop the helper threads, close every env; errors are swallowed (closing must not hide the

@@ -58,7 +58,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -148,7 +148,12 @@ class MultiEnvLoop:
             ``env.step`` in its own helper thread (``lightning_rollout-<name>-env<i>-step``),
             while the block's bookkeeping and policy call stay once per step in its
             thread: for envs whose step releases the GIL (C simulators, sleeps, I/O).
-            Resets run in the block's thread. Not with worker processes. ``"auto"``
+            Resets run in the block's thread. Not with worker processes. ``"free"``: the
+            same, and within :meth:`run_env_steps` each env runs at its own pace (its next
+            step starts as soon as its last one ended and the policy answered it; the
+            policy is still called on the whole block), for envs whose step times vary
+            (stragglers); how many policy calls a batch takes then depends on timing, so
+            a stochastic policy's draws are not reproducible from run to run. ``"auto"``
             (default): what the ``"auto"`` layout chose (True for GIL-releasing envs),
             False when the layout is given.
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
@@ -200,7 +205,7 @@ class MultiEnvLoop:
         num_envs: int | None = None,
         envs_per_thread: int | str = 1,
         num_workers: int | str = 1,
-        parallel_steps: bool | str = "auto",
+        parallel_steps: bool | Literal["auto", "free"] = "auto",
         autobatch_size: int | None = None,
         max_wait: float | None = None,
         device: torch.device | str | None = None,
@@ -267,12 +272,13 @@ class MultiEnvLoop:
             num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
         if is_auto(parallel_steps):
             parallel_steps = self.layout_choice is not None and self.layout_choice.parallel_steps
-        elif not isinstance(parallel_steps, bool):
-            raise ValueError(f"parallel_steps must be True, False or 'auto', got {parallel_steps!r}")
+        elif not (isinstance(parallel_steps, bool) or parallel_steps == "free"):
+            raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         if parallel_steps and num_workers > 1:
-            raise ValueError("parallel_steps=True steps envs in helper threads of this process; worker processes "
-                             "(num_workers > 1) step theirs one after the other: pass one or the other")
-        self.parallel_steps: bool = parallel_steps
+            raise ValueError(f"parallel_steps={parallel_steps!r} steps envs in helper threads of this process; worker "
+                             "processes (num_workers > 1) step theirs one after the other: pass one or the other")
+        self.parallel_steps: bool = bool(parallel_steps)
+        self.free_steps: bool = parallel_steps == "free"  # envs of a block run free within a quota
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
         self.num_workers = num_workers

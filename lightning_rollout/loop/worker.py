@@ -13,6 +13,11 @@ into a slot, a quota of steps straight into the driver's batch, a reset, or one
 fresh episode of one env. Each step asks the autobatching policy for the block's
 rows, steps the envs, writes the transition into its columns with one vectorised
 write per key, and advances ``cur`` as TorchRL's ``step_mdp`` does.
+
+With ``parallel_steps="free"`` a block stepped in helper threads runs its envs free
+within a quota: each env's next step starts as soon as its last one ended and the
+policy answered it, so a slow step holds back its own env only
+(:meth:`Worker._run_quota_free`). Its other requests step the block in lock-step.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
 from .block import EnvBlock, EnvFailure
 from .buffers import (_ENV_ID, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED, _S_TRUNCATED, _STATS,
-                      _VERSION, check_entries)
+                      _TRAJ, _VERSION, check_entries)
 
 if TYPE_CHECKING:
     from .driver import MultiEnvLoop
@@ -60,6 +65,17 @@ class Worker:
         self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
         self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
+        # A block stepped in helper threads runs its envs free within a quota (_run_quota_free): the
+        # rows of one policy call, the rows of the steps that ended together, and the entries each
+        # writes into the batch (known before the step, and the step's result).
+        self._free_cols: tuple[dict[NestedKey, np.ndarray], dict[NestedKey, np.ndarray]] | tuple[()] = ()
+        self._pre_keys: list[NestedKey] = []
+        self._post_keys: list[NestedKey] = []
+        if loop.free_steps and isinstance(self.envs, EnvBlock) and self.envs.parallel:
+            self._free_cols = (layout.allocate(self.rows), layout.allocate(self.rows))
+            post = {next_key(k) for k in layout.keys.next} - set(layout.out_keys) | {_ENV_ID, _STATS}
+            self._post_keys = [k for k in layout.specs if k in post]
+            self._pre_keys = [k for k in layout.specs if k not in post and k != _TRAJ]
         # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
         self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
         self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
@@ -71,7 +87,7 @@ class Worker:
         self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
         self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
-        self.pending_error: EnvError | None = None  # a reset that failed after a delivered-to-be done step
+        self.pending_error: CollectionError | None = None  # raised once the steps before it are delivered
         # The agent counts as active while this thread works (``_working``) or while the driver
         # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
         # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
@@ -79,6 +95,7 @@ class Worker:
         self._gate = threading.Lock()
         self._working = True
         self._held = False
+        self._on_envs = False  # a free-running block waiting for its envs' steps (see _run_quota_free)
         self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
                                        daemon=True)
 
@@ -123,20 +140,30 @@ class Worker:
                 raise EnvError(problem, env_id=self.env_ids[j], step=int(self.steps_done[j]), phase="check")
 
     def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
-        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``."""
+        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``, which step together: all or none
+        of them are still on random steps) of ``cols``."""
+        if self.random_left[envs[0]] > 0:
+            self._act_random(cols, r0, rows, envs)
+        else:
+            self._act_policy(cols, r0, rows, envs)
+
+    def _act_random(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
+        """A uniformly random action for each of envs ``envs`` in rows ``r0:r0+rows`` (its other outputs
+        zero, its policy version -1); counts down their random steps."""
+        loop = self.loop
+        for k in loop._layout.out_keys:
+            cols[k][r0:r0 + rows] = 0
+        for r, j in zip(range(r0, r0 + rows), envs):
+            sample = self.envs.random_action(j, loop._action_columns, loop._stop)
+            for k, v in sample.items():
+                cols[k][r] = v
+            self.random_left[j] -= 1
+        cols[_VERSION][r0:r0 + rows] = -1
+
+    def _act_policy(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
+        """The policy's outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``, one request."""
         loop = self.loop
         layout = loop._layout
-        if self.random_left[envs[0]] > 0:
-            for k in layout.out_keys:
-                cols[k][r0:r0 + rows] = 0
-            for r, j in zip(range(r0, r0 + rows), envs):
-                columns = loop._action_columns
-                sample = self.envs.random_action(j, columns, loop._stop)
-                for k, v in sample.items():
-                    cols[k][r] = v
-                self.random_left[j] -= 1
-            cols[_VERSION][r0:r0 + rows] = -1
-            return
         agent = self.agent
         inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
         for k in loop._input_done:  # root done flags: false (no column)
@@ -177,7 +204,6 @@ class Worker:
         layout, n = loop._layout, len(envs)
         rows = slice(r0, r0 + n)
         sel: slice | list[int] = slice(None) if n == self.rows else list(envs)
-        cols[_ENV_ID][rows] = self.env_id_array[sel]
         rewards = np.empty(n)
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
@@ -187,6 +213,14 @@ class Worker:
                            loop._stop)
         except EnvFailure as failure:
             raise self._failure_error(failure) from failure.cause
+        return self._after_step(cols, rows, sel, rewards, terminated, truncated)
+
+    def _after_step(self, cols: dict[NestedKey, np.ndarray], rows: slice, sel: slice | list[int],
+                    rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> np.ndarray:
+        """The bookkeeping of a step whose env entries are in ``cols[rows]`` (envs ``sel``): counters,
+        flags and statistics, and ``cur`` advanced; returns the rows' done flags."""
+        layout, loop = self.loop._layout, self.loop
+        cols[_ENV_ID][rows] = self.env_id_array[sel]
         self.steps_done[sel] += 1
         self.step_count[sel] += 1
         self.episode_reward[sel] += rewards
@@ -264,14 +298,123 @@ class Worker:
                 raise _Stopped()
         return staged
 
-    def _set_activity(self, working: bool | None = None, held: bool | None = None) -> None:
-        """Update the two reasons to count as active (any thread); the agent follows their ``or``."""
+    def _run_quota_free(self, out: dict[NestedKey, np.ndarray], start: int, count: int,
+                        staged: int | None) -> None:
+        """:meth:`_run_quota` for a block whose envs step in helper threads: every env runs free.
+
+        Each env's next step starts as soon as its last one ended and the policy answered it; the
+        policy is asked once for all the envs that ended since its last call (one wake-up may report
+        several). So a slow step holds back only its own env, not the block, until the quota's end,
+        where every env has written ``count`` steps. Env ``j``'s step goes straight to
+        ``out[:, w, j, t_j]``: the entries known before the step when it starts, the step's result when
+        it ends. ``quota_end`` is the first time index some env has not written yet. When the driver
+        cuts, envs stop at the time index the furthest one reaches (the others catch up: every env
+        delivers the same number of steps, and no env steps beyond what is delivered). When an env
+        fails (its step, its checks, or its reset after a done step), it stops there and the others
+        catch up to it before the error is raised, so its complete steps are delivered, as in
+        lock-step; a policy error is raised at once."""
+        loop, envs, layout = self.loop, self.envs, self.loop._layout
+        assert isinstance(envs, EnvBlock)
+        w, end, n_env = self.index, start + count, self.rows
+        cut, stop = loop._cut, loop._stop
+        t = np.full(n_env, start, dtype=np.int64)  # each env's next time index
+        self.quota_end = start
+        if staged is not None:  # the lookahead step computed before the request: every env's first step
+            src = self.slots[staged]
+            for k, v in out.items():
+                v[w, :, start] = src[k]
+            t += 1
+            self.quota_end = start + 1
+            self._raise_pending()
+        target = start if cut.is_set() else end  # every env stops at this time index
+        flying = np.zeros(n_env, dtype=bool)
+        pre, post = self._free_cols
+        park = len(loop._workers) > 1  # let other blocks' requests flush while this one waits on its envs
+        ready = list(range(n_env))
+        while True:
+            ready = [j for j in ready if t[j] < target]
+            if ready:
+                self._start_free(out, pre, t, ready)
+                flying[ready] = True
+            if not flying.any():
+                break
+            if park:
+                self._set_activity(on_envs=True)
+            try:
+                ended = sorted(envs.ended(stop))
+            finally:
+                if park:
+                    self._set_activity(on_envs=False)
+            flying[ended] = False
+            m = len(ended)
+            rewards, terminated, truncated = np.empty(m), np.empty(m, dtype=bool), np.empty(m, dtype=bool)
+            ready, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs}, rewards,
+                                         terminated, truncated)
+            if failure is not None:  # that env stops here; the others catch up to it
+                self._fail_free(self._failure_error(failure), failure.cause)
+                target = min(target, int(t[failure.j]))
+            m, idx = len(ready), np.asarray(ready, dtype=np.int64)
+            done = self._after_step(post, slice(0, m), ready, rewards[:m], terminated[:m], truncated[:m])
+            rows_t = t[idx]
+            for k in self._post_keys:
+                out[k][w, idx, rows_t] = post[k][:m]
+            t[idx] += 1
+            for i in np.flatnonzero(done):
+                j = ready[i]
+                try:
+                    self._reset_env(j)
+                except EnvError as exc:  # its done step is kept: the others catch up to it
+                    self._fail_free(exc, exc.__cause__)
+                    target = min(target, int(t[j]))
+            self.quota_end = int(t.min())
+            if cut.is_set() and target == end:  # stop where the furthest env gets to
+                target = int((t + flying).max())
+            if stop.is_set():
+                raise _Stopped()
+        self._raise_pending()
+
+    def _fail_free(self, error: CollectionError, cause: BaseException | None) -> None:
+        """Keep the first error of a free-running quota, raised once every env reached the failed one."""
+        if self.pending_error is None:
+            if cause is not None and error.__cause__ is None:
+                error.__cause__ = cause
+            self.pending_error = error
+
+    def _start_free(self, out: dict[NestedKey, np.ndarray], pre: dict[NestedKey, np.ndarray], t: np.ndarray,
+                    ready: list[int]) -> None:
+        """Act for envs ``ready`` and start their steps (see :meth:`_run_quota_free`); row ``j`` of
+        ``pre`` is env ``j``. The policy is asked for the whole block, the rows of envs still stepping
+        computed and dropped: it sees the same batch size on every call, as in lock-step (what a
+        compiled or CUDA-graphed policy, or one that squeezes its batch, needs)."""
+        w, random_left = self.index, self.random_left
+        self._load_root(pre, 0, slice(None))
+        if any(random_left[j] <= 0 for j in ready):
+            self._act_policy(pre, 0, self.rows, range(self.rows))
+        for j in ready:
+            if random_left[j] > 0:
+                self._act_random(pre, j, 1, (j,))
+        idx = np.asarray(ready)
+        rows_t = t[idx]
+        for k in self._pre_keys:
+            out[k][w, idx, rows_t] = pre[k][idx]
+        try:
+            self.envs.begin({k: pre[k][idx] for k in self.loop._env_inputs}, ready)
+        except EnvFailure as failure:
+            raise self._failure_error(failure) from failure.cause
+
+    def _set_activity(self, working: bool | None = None, held: bool | None = None,
+                      on_envs: bool | None = None) -> None:
+        """Update the reasons to count as active (any thread); the agent follows ``(working or held)
+        and not on_envs``: a free-running block waiting on its envs (``on_envs``) asks nothing of the
+        policy, so other blocks' requests need not wait for it, held or not."""
         with self._gate:
             if working is not None:
                 self._working = working
             if held is not None:
                 self._held = held
-            if self._working or self._held:
+            if on_envs is not None:
+                self._on_envs = on_envs
+            if (self._working or self._held) and not self._on_envs:
                 self.agent.unpark()
             else:
                 self.agent.park()
@@ -360,7 +503,11 @@ class Worker:
                         self._compute(self.slots[slot])
                         staged = slot
                 elif request[0] == "steps":
-                    staged = self._run_quota(request[1], request[2], request[3], staged)
+                    if self._free_cols:
+                        self._run_quota_free(request[1], request[2], request[3], staged)
+                        staged = None
+                    else:
+                        staged = self._run_quota(request[1], request[2], request[3], staged)
                     loop._ready.put(("steps", self.index, self.quota_end))
                     if loop.lookahead and staged is None:
                         self._compute(self.slots[slot])
