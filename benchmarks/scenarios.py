@@ -126,6 +126,7 @@ _OURS_GIL = {
     "threaded flat": _threaded(layout="flat"),
     "threaded flat max_wait=0.5ms": _threaded(layout="flat", max_wait=0.0005),
     "threaded flat autobatch=4 off-policy": _threaded(layout="flat", autobatch_size=4, on_policy=False),
+    "threaded free ept=16": _threaded(envs_per_thread=16, parallel_steps="free"),
 }
 
 

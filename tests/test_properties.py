@@ -349,3 +349,35 @@ def test_env_time_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
     finally:
         bounded(loop.close, BOUND, "close")
     assert_no_rollout_threads()
+
+
+class _TrajIds:
+    """The definition of trajectory ids, env by env: an env keeps its id until a done row, then takes the
+    next new id; new ids are handed out in delivery order."""
+
+    def __init__(self, num_envs: int) -> None:
+        self._cur_traj = np.arange(num_envs, dtype=np.int64)
+        self._next_traj = num_envs
+
+    def reference(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
+        traj = np.empty(len(env_ids), dtype=np.int64)
+        for row, (env, is_done) in enumerate(zip(env_ids, done)):
+            traj[row] = self._cur_traj[env]
+            if is_done:
+                self._cur_traj[env] = self._next_traj
+                self._next_traj += 1
+        return traj
+
+    assign = MultiEnvLoop._assign_traj
+
+
+@SETTINGS
+@given(num_envs=st.integers(1, 8), batches=st.lists(st.lists(st.tuples(st.integers(0, 7), st.booleans()),
+                                                             max_size=40), min_size=1, max_size=4))
+def test_vectorised_trajectory_ids_match_their_definition(num_envs, batches):
+    ours, reference = _TrajIds(num_envs), _TrajIds(num_envs)
+    for rows in batches:
+        env_ids = np.array([e % num_envs for e, _ in rows], dtype=np.int64)
+        done = np.array([d for _, d in rows], dtype=bool)
+        assert ours.assign(env_ids, done).tolist() == reference.reference(env_ids, done).tolist()
+        assert ours._cur_traj.tolist() == reference._cur_traj.tolist() and ours._next_traj == reference._next_traj

@@ -506,19 +506,32 @@ class MultiEnvLoop:
     def _assign_traj(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
         """Trajectory ids of rows delivered in this order (driver only), as TorchRL's collector assigns
         them: an env keeps its id until a done row; ids of new trajectories are handed out in delivery
-        order (time, then env), so they do not depend on thread timing."""
-        traj = np.empty(len(env_ids), dtype=np.int64)
-        done_rows = np.flatnonzero(done)
-        new_ids = self._next_traj + np.arange(len(done_rows), dtype=np.int64)
-        rank = np.zeros(len(env_ids), dtype=np.int64)
-        rank[done_rows] = np.arange(len(done_rows))
-        for e in np.unique(env_ids):
-            idx = np.flatnonzero(env_ids == e)
-            d = done[idx]
-            ids = np.concatenate([self._cur_traj[e:e + 1], new_ids[rank[idx[d]]]])
-            traj[idx] = ids[np.cumsum(d) - d]
-            self._cur_traj[e] = ids[-1]
-        self._next_traj += len(done_rows)
+        order (time, then env), so they do not depend on thread timing. Vectorised over the rows (a
+        loop over envs cost ~8 us an env a batch)."""
+        n = len(env_ids)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        done = done.astype(np.int64)
+        new_ids = np.empty(n, dtype=np.int64)  # per done row (by delivery position): its new trajectory's id
+        new_ids[done > 0] = self._next_traj + np.arange(int(done.sum()), dtype=np.int64)
+        order = np.argsort(env_ids, kind="stable")  # rows env by env, each env's in delivery order
+        env, d = env_ids[order], done[order]
+        starts = np.flatnonzero(np.r_[True, env[1:] != env[:-1]])  # first sorted row of each env
+        group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+        before = np.cumsum(d) - d  # done rows before each sorted row
+        k = before - before[starts][group]  # ... of the same env: the row is in its env's k-th new trajectory
+        done_pos = np.flatnonzero(d)  # sorted positions of the done rows
+        traj_sorted = self._cur_traj[env]
+        later = k > 0
+        traj_sorted[later] = new_ids[order[done_pos[before[later] - 1]]]
+        traj = np.empty(n, dtype=np.int64)
+        traj[order] = traj_sorted
+        # An env whose rows include a done one continues in the trajectory its last done row started.
+        last = np.r_[starts[1:], n] - 1
+        total = k[last] + d[last]
+        ended = total > 0
+        self._cur_traj[env[starts][ended]] = new_ids[order[done_pos[before[last][ended] + d[last][ended] - 1]]]
+        self._next_traj += int(done.sum())
         return traj
 
     def _new_trajectory(self, env_id: int) -> int:
