@@ -72,3 +72,16 @@ def test_quick_run_with_process_peers(tmp_path):
     report = _run(out, "--scenario", "cheap", timeout=600)
     _check_report(report, out, ["cheap"])
     assert "torchrl Collector(ParallelEnv)" in report["scenarios"][0]["results"]
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["lock-step", "free"])
+def test_helper_thread_ceiling_steps_every_env_and_joins_its_threads(free):
+    """``python -m benchmarks.helper_threads`` (the ceiling quoted in docs/performance.rst), at a tiny size."""
+    import threading
+
+    from benchmarks.envs import SLEEP
+    from benchmarks.helper_threads import run
+
+    before = set(threading.enumerate())
+    assert run(SLEEP, free=free, policy=True, num_envs=4, steps=16) > 0
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]

@@ -92,10 +92,11 @@ class _CheckFailed(Exception):
 
 
 _POLL_S = 0.05
-# ``_StepThreads.ended`` gathers the calls that end close together, so that one policy call answers
-# them: it waits up to _GATHER_WINDOW mean call durations after the first, until _GATHER_SHARE of the
-# calls in flight ended. Measured on 16 envs, 2 cores (benchmarks gil and stragglers): each policy call
-# made while helpers wake costs 5x its forward pass in GIL hand-offs, so fewer, larger calls win; without
+# ``_StepThreads.ended`` gathers the calls that end close together, so that one policy call of a
+# free-running block answers them: it waits up to _GATHER_WINDOW mean call durations after the first,
+# until _GATHER_SHARE of the calls in flight ended (a lock-step step waits for all of them anyway).
+# Measured on 16 envs, 2 cores (benchmarks gil and stragglers, parallel_steps="free"): a policy call made
+# while helpers wake costs ~5x its forward pass in GIL hand-offs, so fewer, larger calls win; without
 # gathering, 0.56 and 0.41 of the ideal throughput, with it 0.64 and 0.45.
 _GATHER_WINDOW = 0.25
 _GATHER_SHARE = 0.5
