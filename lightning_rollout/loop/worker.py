@@ -348,19 +348,20 @@ class Worker:
             flying[ended] = False
             m = len(ended)
             rewards, terminated, truncated = np.empty(m), np.empty(m, dtype=bool), np.empty(m, dtype=bool)
-            ready, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs}, rewards,
-                                         terminated, truncated)
+            written, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs}, rewards,
+                                           terminated, truncated)
             if failure is not None:  # that env stops here; the others catch up to it
                 self._fail_free(self._failure_error(failure), failure.cause)
                 target = min(target, int(t[failure.j]))
-            m, idx = len(ready), np.asarray(ready, dtype=np.int64)
-            done = self._after_step(post, slice(0, m), ready, rewards[:m], terminated[:m], truncated[:m])
+            m, idx = len(written), np.asarray(written, dtype=np.int64)
+            done = self._after_step(post, slice(0, m), written, rewards[:m], terminated[:m], truncated[:m])
             rows_t = t[idx]
             for k in self._post_keys:
                 out[k][w, idx, rows_t] = post[k][:m]
             t[idx] += 1
+            ready = written  # next: their next steps (those still short of the target)
             for i in np.flatnonzero(done):
-                j = ready[i]
+                j = written[i]
                 try:
                     self._reset_env(j)
                 except EnvError as exc:  # its done step is kept: the others catch up to it
