@@ -74,8 +74,9 @@ def test_env_error_in_a_helper_thread_names_the_env_and_keeps_what_was_collected
 
 
 class _AheadEnv(gym.Env):
-    """Env 0's first step waits (up to 10 s) until env 1 has taken ``ahead`` steps; env 1's step
-    ``hang_at`` waits until ``release`` is set. Records in ``log`` whether env 0 had to give up."""
+    """Env 0's first step waits (up to 10 s) until env 1 has taken ``ahead`` steps, and records in
+    ``shared["env0 waited"]`` whether that happened in time; env 1's step ``hang_at`` waits (up to
+    10 s) until ``release`` is set. Observations count the env's steps."""
 
     observation_space = gym.spaces.Box(-1e6, 1e6, (1,), np.float32)
     action_space = gym.spaces.Discrete(2)
