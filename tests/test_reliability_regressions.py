@@ -30,7 +30,7 @@ import torch
 
 from conftest import CountingPolicy, MockEnv, called_from_probe, mock_envs
 from lightning_rollout import (AutobatchPolicy, CollectionError, MultiEnvLoop, PolicyError, ThreadedCollector)
-from reliability_helpers import bounded, rollout_threads
+from reliability_helpers import InThread, bounded, rollout_threads
 
 BOUND = 20.0  # seconds: generous, only to tell a hang from a slow machine
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,26 +202,14 @@ def test_second_thread_iterating_during_a_batch_is_refused_and_nobody_blocks():
     inside, go = threading.Event(), threading.Event()
     factories = [lambda i=i: GateEnv(i, 2 if i == 0 else -1, inside, go) for i in range(2)]
     collector = ThreadedCollector(factories, CountingPolicy(), frames_per_batch=4, total_frames=12)
-    box: dict[str, object] = {}
-
-    def owner() -> None:
-        try:
-            box["frames"] = sum(b.batch_size.numel() for b in collector)
-        except BaseException as exc:  # reported below
-            box["error"] = exc
-
-    thread = threading.Thread(target=owner, name="test-owner")
-    thread.start()
+    owner = InThread(lambda: sum(b.batch_size.numel() for b in collector), name="test-owner")
     try:
         assert inside.wait(BOUND), "the owner's batch never reached the gate"
         with pytest.raises(CollectionError, match="already being iterated"):
             bounded(lambda: next(iter(collector)), BOUND, "a second iterator")
     finally:
         go.set()
-        thread.join(BOUND)
-    assert not thread.is_alive()
-    assert "error" not in box, box.get("error")
-    assert box["frames"] == 12  # the owner got every batch
+    assert owner.result(BOUND, "the owner's iteration") == 12  # the owner got every batch, without an error
     collector.shutdown()
 
 
@@ -230,16 +218,7 @@ def test_second_thread_calling_a_loop_during_a_run_is_refused_and_the_run_comple
     inside, go = threading.Event(), threading.Event()
     factories = [lambda i=i: GateEnv(i, 1 if i == 0 else -1, inside, go) for i in range(2)]
     loop = MultiEnvLoop(factories, CountingPolicy(), envs_per_thread=2, lookahead=False)
-    box: dict[str, object] = {}
-
-    def owner() -> None:
-        try:
-            box["shape"] = tuple(loop.run_env_steps(3).shape)
-        except BaseException as exc:  # reported below
-            box["error"] = exc
-
-    thread = threading.Thread(target=owner, name="test-owner")
-    thread.start()
+    owner = InThread(lambda: tuple(loop.run_env_steps(3).shape), name="test-owner")
     try:
         assert inside.wait(BOUND), "the owner's run never reached the gate"
         for call in (lambda: loop.run_env_steps(1), lambda: loop.run_steps(2), lambda: loop.run_episodes(1),
@@ -248,10 +227,8 @@ def test_second_thread_calling_a_loop_during_a_run_is_refused_and_the_run_comple
                 bounded(call, BOUND, "a second driver")
     finally:
         go.set()
-        thread.join(BOUND)
     try:
-        assert not thread.is_alive() and "error" not in box, box.get("error")
-        assert box["shape"] == (2, 3)
+        assert owner.result(BOUND, "the owner's run") == (2, 3)  # completed, without an error
         assert tuple(loop.run_env_steps(2).shape) == (2, 2)  # free again once the run ended
     finally:
         loop.close()
