@@ -299,21 +299,27 @@ class _StopAfter:
 
 
 @SETTINGS
-@given(num_envs=st.integers(1, 4), epts=st.sampled_from([1, 2]), lookahead=st.booleans(),
+@given(num_envs=st.integers(1, 4), epts=st.sampled_from([1, 2, "all"]), lookahead=st.booleans(),
        steps_per_env=st.integers(2, 12), stop_after=st.integers(0, 30), fail_env=st.integers(0, 3),
        fail_at=st.integers(0, 20), mode=st.sampled_from(["interrupt", "env_error"]),
        length_seed=st.integers(0, 10_000), max_len=st.integers(1, 6),
-       parallel=st.sampled_from([False, True, "free"]))
-def test_env_time_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
+       parallel=st.sampled_from([False, True, "free"]), flat_extra=st.one_of(st.none(), st.integers(0, 3)))
+def test_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
         num_envs, epts, lookahead, steps_per_env, stop_after, fail_env, fail_at, mode, length_seed, max_len,
-        parallel):
+        parallel, flat_extra):
     """Mid-quota interrupts resume without losing or duplicating a step; mid-quota env errors arrive within the
     bound with ``exc.partial`` holding only complete, continuous steps, and leave no thread behind. With
-    ``parallel_steps="free"`` a block's envs run free within the quota (each at its own pace), and the same holds."""
+    ``parallel_steps="free"`` a block's envs run free within the quota (each at its own pace), and the same holds.
+    ``flat_extra`` (not None): the calls are ``run_steps(steps_per_env * num_envs + flat_extra)`` instead, whose
+    whole rounds one env thread (``epts="all"``) writes as one quota, the extra rows of a block kept for the
+    next call."""
     from lightning_rollout import EnvError, Interrupter
 
+    epts = num_envs if epts == "all" else epts
     if num_envs % epts:
         epts = 1
+    if flat_extra is not None and parallel == "free":
+        parallel = True  # free-running envs apply to run_env_steps only
     fail_env %= num_envs
     length = length_fn_for(length_seed, max_len)
     interrupter = Interrupter()
@@ -333,17 +339,29 @@ def test_env_time_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
     try:
         for _ in range(3):
             try:
-                td = bounded(lambda: loop.run_env_steps(steps_per_env, interrupter=interrupter), BOUND, "quota")
+                if flat_extra is None:
+                    td = bounded(lambda: loop.run_env_steps(steps_per_env, interrupter=interrupter), BOUND, "quota")
+                else:
+                    n = steps_per_env * num_envs + flat_extra
+                    td = bounded(lambda: loop.run_steps(n, interrupter=interrupter), BOUND, "steps")
             except EnvError as exc:
                 assert mode == "env_error" and exc.env_id == fail_env
-                if exc.partial is not None:  # complete steps only: a rectangle every env delivered
+                if exc.partial is not None and flat_extra is None:  # complete steps only: a rectangle
                     assert exc.partial.batch_dims == 2 and exc.partial.shape[0] == num_envs
                     ledger.step_rows(rows_of(exc.partial.transpose(0, 1).reshape(-1)))
+                elif exc.partial is not None:
+                    ledger.step_rows(rows_of(exc.partial))
                 assert loop.closed
                 break
-            assert td.batch_size[0] == num_envs and td.batch_size[1] <= steps_per_env
-            if td.batch_size.numel():  # (tensordict cannot reshape(-1) an empty batch with a time dim)
-                ledger.step_rows(rows_of(td.transpose(0, 1).reshape(-1)))
+            if flat_extra is not None:
+                assert td.batch_dims == 1 and td.numel() <= n
+                if td.numel() < n:
+                    assert mode == "interrupt"
+                ledger.step_rows(rows_of(td))
+            else:
+                assert td.batch_size[0] == num_envs and td.batch_size[1] <= steps_per_env
+                if td.batch_size.numel():  # (tensordict cannot reshape(-1) an empty batch with a time dim)
+                    ledger.step_rows(rows_of(td.transpose(0, 1).reshape(-1)))
             interrupter.reset()
             counter.n = counter.steps + stop_after  # the next interrupt, further on
     finally:

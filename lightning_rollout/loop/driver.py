@@ -757,15 +757,30 @@ class MultiEnvLoop:
                     break
                 slot, r0 = self._partials.pop(w)
                 filled = self._take(out, filled, n, w, slot, r0, processor)
+            # 2. one env thread: its whole rounds in one quota, written straight into ``out`` in time order
+            # (the order the steps below would deliver them in), with no hand-off per step
+            if len(self._workers) == 1 and n - filled >= g:
+                if interrupter is not None and interrupter.should_stop():
+                    return self._finish_flat(out, filled)  # stopped first: nothing is asked, nothing is lost
+                T = (n - filled) // g
+                rounds = {k: np.moveaxis(v[filled:filled + T * g].reshape(T, 1, g, *v.shape[1:]), 0, 2)
+                          for k, v in out.items()}  # views [1, g, T] of rows filled + t * g + j
+                done, error = self._run_quotas(rounds, T, interrupter)
+                self._after_take(out, range(filled, filled + done * g), processor)
+                filled += done * g
+                if error is not None:
+                    raise error
+                if done < T:  # interrupted
+                    return self._finish_flat(out, filled)
             in_flight_rows = g * sum(self._in_flight)
-            # 2. ask idle workers, oldest idle first
+            # 3. ask idle workers, oldest idle first
             self._deferred = []
             while self._idle and filled + in_flight_rows < n:
                 w = self._idle.popleft()
                 self._request_step(w)
                 in_flight_rows += g
             self._send_deferred()
-            # 3. consume arrivals, re-asking while more is needed
+            # 4. consume arrivals, re-asking while more is needed
             while filled < n:
                 arrival = self._next_step(interrupter)
                 if arrival is None:
@@ -842,6 +857,18 @@ class MultiEnvLoop:
         if interrupter is not None and interrupter.should_stop():
             T = 0  # stopped before the call: nothing is asked, nothing is lost
         out = self._layout.allocate((W, g, T))
+        done, error = self._run_quotas(out, T, interrupter)
+        result = self._finish_env_time(out, done, processor)
+        if error is not None:
+            self._fail(error, result)
+        return result
+
+    def _run_quotas(self, out: dict[NestedKey, np.ndarray], T: int, interrupter: Interrupter | None
+                    ) -> tuple[int, CollectionError | None]:
+        """Fill ``out[w, j, t]`` (``[workers, envs_per_thread, T]`` views, any strides) with ``T`` steps of
+        every env, one quota request per worker; return the steps every env delivered and the error that
+        cut the call (the loop is then closed). Emits no events."""
+        W = len(self._workers)
         t = [0] * W  # steps of each worker written into ``out``
         quotas: set[int] = set()  # workers writing a quota into ``out``
         interrupted = False
@@ -881,13 +908,13 @@ class MultiEnvLoop:
             self.close()  # workers stopped (a hung one only ever writes at its quota_end, past what is kept)
             for w in quotas:
                 t[w] = max(t[w], self._workers[w].quota_end)
-            self._fail(exc, self._finish_env_time(out, self._settle_env_time(out, t), processor))
+            return self._settle_env_time(out, t), exc
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
         finally:
             self._cut.clear()
-        return self._finish_env_time(out, self._settle_env_time(out, t), processor)
+        return self._settle_env_time(out, t), None
 
     def _settle_env_time(self, out: dict[NestedKey, np.ndarray], t: list[int]) -> int:
         """Steps every env delivered; steps of faster workers beyond that are carried to the next call."""
