@@ -52,7 +52,7 @@ from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import LayoutChoice, is_auto, resolve_layout
+from .loop.auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 
 __all__ = ["ThreadedCollector"]
 
@@ -285,12 +285,10 @@ class ThreadedCollector(BaseCollector):
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
             max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
             step_timeout=step_timeout, name=name)
-        if is_auto(parallel_steps):
-            parallel_steps = self.layout_choice is not None and self.layout_choice.parallel_steps
-        if self.layout_choice is not None:
-            num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
-            if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
-                envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
+        num_workers, envs_per_thread, parallel_steps = apply_choice(
+            self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
+        if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
+            envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                              f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")

@@ -46,7 +46,7 @@ import torch
 from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
 
-__all__ = ["EnvTiming", "LayoutChoice", "choose_layout", "measure_env", "usable_cores"]
+__all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "choose_layout", "measure_env", "usable_cores"]
 
 log = logging.getLogger("lightning_rollout")
 
@@ -253,6 +253,18 @@ def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str
     return auto_layout(factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
                        max_episode_steps=max_episode_steps, expected_frames=expected_frames, name=name,
                        timeout=10.0 if step_timeout is None else min(10.0, float(step_timeout)))
+
+
+def apply_choice(choice: LayoutChoice | None, *, num_workers: int | str, envs_per_thread: int | str,
+                 parallel_steps: bool | str) -> tuple[Any, Any, Any]:
+    """The knobs a loop runs with, given :func:`resolve_layout`'s ``choice``: its layout when there is one,
+    and for ``parallel_steps="auto"`` what it picked (False without a choice: with the layout set, envs step
+    one after the other). ``(num_workers, envs_per_thread, parallel_steps)``; other values pass through."""
+    if is_auto(parallel_steps):
+        parallel_steps = choice is not None and choice.parallel_steps
+    if choice is not None:
+        num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
+    return num_workers, envs_per_thread, parallel_steps
 
 
 def _picklable(factory: EnvFactory) -> bool:

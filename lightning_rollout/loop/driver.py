@@ -15,10 +15,15 @@ Threads and what they own
 Messages (only small tuples cross threads; data stays in the slots)
 --------------------------------------------------------------------
 * driver -> worker, on the worker's ``SimpleQueue``: ``("step",)``,
-  ``("episode", env_index, request_index)`` or ``("stop",)``.
+  ``("steps", out, start, count)`` (a quota: write ``count`` steps of the block
+  straight into the driver's batch ``out[w, j, start:]``, which the driver does not
+  read until the worker reports; :meth:`MultiEnvLoop.run_env_steps`, and
+  :meth:`MultiEnvLoop.run_steps` with one env thread, whose ``out`` is a view of its
+  flat batch), ``("episode", env_index, request_index)`` or ``("stop",)``.
 * worker -> driver, on the loop's shared ``SimpleQueue``:
   ``("step", worker, slot)`` (a block of ``envs_per_thread`` transitions is ready in
-  that slot), ``("episode", worker, request_index, columns, length)`` or
+  that slot), ``("steps", worker, quota_end)`` (a quota ended, possibly cut),
+  ``("episode", worker, request_index, columns, length)`` or
   ``("error", worker, exception)``.
 
 Double batching
@@ -72,7 +77,7 @@ from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
-from .auto import LayoutChoice, is_auto, resolve_layout
+from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
 from .block import EnvBlock
@@ -268,11 +273,9 @@ class MultiEnvLoop:
         self.layout_choice: LayoutChoice | None = resolve_layout(
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
             max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
-        if self.layout_choice is not None:
-            num_workers, envs_per_thread = self.layout_choice.num_workers, self.layout_choice.envs_per_thread
-        if is_auto(parallel_steps):
-            parallel_steps = self.layout_choice is not None and self.layout_choice.parallel_steps
-        elif not (isinstance(parallel_steps, bool) or parallel_steps == "free"):
+        num_workers, envs_per_thread, parallel_steps = apply_choice(
+            self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
+        if not (isinstance(parallel_steps, bool) or parallel_steps == "free"):
             raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         if parallel_steps and num_workers > 1:
             raise ValueError(f"parallel_steps={parallel_steps!r} steps envs in helper threads of this process; worker "
@@ -721,7 +724,14 @@ class MultiEnvLoop:
                   interrupter: Interrupter | None = None) -> TensorDict:
         """Collect exactly ``n`` transitions (fewer only if interrupted), in arrival order.
 
-        Each env's own transitions keep their order; envs are served fairly.
+        Each env's own transitions keep their order; envs are served fairly. With one
+        env thread (``envs_per_thread == num_envs``, what the ``"auto"`` layouts
+        choose) arrival order is time order, env by env within a step, and the
+        thread writes the call's whole rounds straight into the batch as one quota
+        (as :meth:`run_env_steps` does), with no hand-off to this thread per step;
+        the rows of a last, partial round come as below. With several env threads,
+        each step of a block is handed to this thread as it arrives, so faster blocks
+        deliver more rows.
 
         Args:
             n: number of transitions (``>= 0``).
