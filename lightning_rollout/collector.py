@@ -125,9 +125,10 @@ class ThreadedCollector(BaseCollector):
             ``"auto"`` (default): more than one only when an env step holds the GIL.
         parallel_steps: step each env of a thread's block in its own helper thread (see
             :class:`MultiEnvLoop`); ``"free"``: also let each env run at its own pace within a
-            batch (``layout="env_time"``; for uneven step times, not reproducible with a
-            stochastic policy); ``"auto"`` (default): what the ``"auto"`` layout chose (True
-            for envs whose step releases the GIL), False when the layout is given.
+            batch (``layout="env_time"``, or ``"flat"`` with one env thread; for uneven step
+            times, not reproducible with a stochastic policy); ``"auto"`` (default): what the
+            ``"auto"`` layout chose (True for envs whose step releases the GIL), False when
+            the layout is given.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"``: batch size ``[num_envs, frames_per_batch // num_envs]``,
             names ``[None, "time"]``, each row one env's consecutive steps (for

@@ -20,7 +20,7 @@ from torchrl.envs.utils import ExplorationType
 
 from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, EpisodeEnd, EventProcessor,
                                Interrupter, MultiEnvLoop, PolicyError, TimeStep)
-from conftest import CountingPolicy, MockEnv, called_from_probe, default_length, default_reward, mock_envs
+from conftest import ArgmaxNet, CountingPolicy, MockEnv, called_from_probe, default_length, default_reward, mock_envs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,6 +203,22 @@ def test_run_steps_with_several_envs_per_thread(num_envs, autobatch_size, envs_p
                       envs_per_thread=envs_per_thread) as loop:
         run_steps_matrix(loop)
         assert len(list(loop.threads())) == num_envs // envs_per_thread
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "on_policy"])
+def test_run_steps_from_one_env_thread_is_run_env_steps_read_in_time_order(lookahead):
+    """With every env in one thread, ``run_steps`` writes its whole rounds as one quota: its rows are
+    ``run_env_steps``' batch read in time order (env by env within a step), value for value, including
+    when a call is not a whole number of rounds (the rest of its last round opens the next call)."""
+    net = ArgmaxNet()
+    with (MultiEnvLoop(mock_envs(3), net, envs_per_thread=3, lookahead=lookahead) as flat_loop,
+          MultiEnvLoop(mock_envs(3), net, envs_per_thread=3, lookahead=lookahead) as grid_loop):
+        rows = torch.cat([flat_loop.run_steps(n) for n in (12, 7, 5, 0, 6)])  # 30 rows: 10 rounds
+        grid = grid_loop.run_env_steps(10)
+    expected = grid.transpose(0, 1).reshape(-1)
+    assert rows["next", "done"].any()
+    for key in expected.keys(True, True):
+        assert torch.equal(rows[key], expected[key]), key
 
 
 def run_episodes_matrix(loop: MultiEnvLoop) -> None:

@@ -311,15 +311,13 @@ def test_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
     bound with ``exc.partial`` holding only complete, continuous steps, and leave no thread behind. With
     ``parallel_steps="free"`` a block's envs run free within the quota (each at its own pace), and the same holds.
     ``flat_extra`` (not None): the calls are ``run_steps(steps_per_env * num_envs + flat_extra)`` instead, whose
-    whole rounds one env thread (``epts="all"``) writes as one quota, the extra rows of a block kept for the
-    next call."""
+    whole rounds one env thread (``epts="all"``) writes as one quota (free-running too), the extra rows of a
+    block kept for the next call."""
     from lightning_rollout import EnvError, Interrupter
 
     epts = num_envs if epts == "all" else epts
     if num_envs % epts:
         epts = 1
-    if flat_extra is not None and parallel == "free":
-        parallel = True  # free-running envs apply to run_env_steps only
     fail_env %= num_envs
     length = length_fn_for(length_seed, max_len)
     interrupter = Interrupter()

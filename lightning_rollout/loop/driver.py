@@ -154,8 +154,9 @@ class MultiEnvLoop:
             while the block's bookkeeping and policy call stay once per step in its
             thread: for envs whose step releases the GIL (C simulators, sleeps, I/O).
             Resets run in the block's thread. Not with worker processes. ``"free"``: the
-            same, and within :meth:`run_env_steps` each env runs at its own pace (its next
-            step starts as soon as its last one ended and the policy answered it; the
+            same, and within a quota (:meth:`run_env_steps`, and :meth:`run_steps` with one
+            env thread) each env runs at its own pace (its next step starts as soon as its
+            last one ended and the policy answered it; the
             policy is still called on the whole block), for envs whose step times vary
             (stragglers); how many policy calls a batch takes then depends on timing, so
             a stochastic policy's draws are not reproducible from run to run. ``"auto"``
