@@ -338,7 +338,7 @@ class EnvBlock:
         failure: EnvFailure | None = None
         gym = self._gym
         obs_out = out["observation"] if gym else None
-        nan_check = gym and self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
+        nan_check = gym and self._checks_nan(obs_out)
         for j in envs:
             i = len(written)
             try:
@@ -426,9 +426,13 @@ class EnvBlock:
                 self._accepted_dtypes.add(obs.dtype)  # e.g. float64 observations of a float32 space
         return obs
 
+    def _checks_nan(self, obs_out: np.ndarray) -> bool:
+        """Whether observations written to ``obs_out`` are checked for NaN (validated float observations)."""
+        return self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
+
     def _check_nan(self, obs_out: np.ndarray, envs: Sequence[int]) -> None:
         """No NaN in the first ``len(envs)`` rows of ``obs_out`` (validated float observations)."""
-        if self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f":
+        if self._checks_nan(obs_out):
             n = len(envs)
             # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
             # row-wise isnan on every step, which is only needed to name the env.
