@@ -303,7 +303,9 @@ class GymAdapter:
         """Rows of ``action`` (``[n, *action_shape]``) -> what ``env.step`` takes, one per row, converted
         and validated for the rows at once where the space allows it. Raises :class:`ActionError`."""
         if self._discrete_n > 1 and action.ndim == 2 and action.shape[1] == self._discrete_n:  # one-hot rows
-            return (action.argmax(1) + self._start).tolist()
+            # numpy scalars of the space's dtype, as a gymnasium vector env passes them (Discrete.contains
+            # checks a Python int against the dtype's range first, which costs more than the step's physics)
+            return list((action.argmax(1) + self._start).astype(self.action_space.dtype, copy=False))
         if self._box_bounds is not None and action.shape[1:] == self.action_space.shape:
             if self.validate:
                 low, high = self._box_bounds

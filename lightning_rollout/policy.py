@@ -138,6 +138,10 @@ class Agent:
         self._done = threading.Event()
         self._answer: PolicyAnswer | None = None
         self._error: BaseException | None = None
+        # True while this agent's own thread runs the forward pass of its request (caller-runs flush):
+        # the answer is then stored without ``_done`` (no Event.set / wait for a thread that is already
+        # awake). Written and read by the owning thread only; False whenever another thread may answer.
+        self._inline = False
 
     # -- registration -------------------------------------------------------------
     def park(self) -> None:
@@ -180,9 +184,11 @@ class Agent:
         """
         mode = exploration_type if exploration_type is not None else (
             ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM)
-        self._done.clear()
+        if self._done.is_set():
+            self._done.clear()
         self._answer = None
         self._error = None
+        self._inline = False
         self._policy._enqueue(_Request(self, dict(obs), self.rows, mode))
 
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
@@ -206,6 +212,17 @@ class Agent:
             CollectionError: the policy was closed while waiting.
             _Stopped: ``stop`` was set (internal; loops turn it into a return).
         """
+        if self._inline:  # answered in this thread, during submit
+            self._inline = False
+        else:
+            self._wait_answer(stop)
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
+
+    def _wait_answer(self, stop: threading.Event | None) -> None:
+        """Block until another thread answers the last request (see :meth:`result`)."""
         done, policy = self._done, self._policy
         while not done.wait(_POLL_S):
             if policy._closed:
@@ -235,15 +252,12 @@ class Agent:
                 error = PolicyError(failure.reason, env_ids=failure.env_ids or self.env_ids)
                 error.__cause__ = failure.__cause__
                 raise error
-        if self._error is not None:
-            raise self._error
-        assert self._answer is not None
-        return self._answer
 
     def _resolve(self, answer: PolicyAnswer | None, error: BaseException | None) -> None:
         self._answer = answer
         self._error = error
-        self._done.set()
+        if not self._inline:
+            self._done.set()
 
 
 class AutobatchPolicy:
@@ -331,6 +345,10 @@ class AutobatchPolicy:
         # thread that built the policy (an OpenMP team of torch's default size would spin on every core).
         self._torch_threads = torch.get_num_threads()
         self._rng_state: torch.Tensor | None = None
+        # The contexts of a forward pass, built once and reused: passes run one at a time (under
+        # _weights_lock), and each context keeps its previous state on itself only from enter to exit.
+        self._no_grad = torch.no_grad()
+        self._modes: dict[ExplorationType, set_exploration_type] = {}
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
             self._rng_state = generator.get_state()
@@ -464,6 +482,7 @@ class AutobatchPolicy:
                 self._cond.notify()
                 return
             batch = self._take_batch()
+            request.agent._inline = True  # the batch is this request alone: answered in this thread
         try:
             self._flush_locked(batch)
         finally:
@@ -780,7 +799,11 @@ class AutobatchPolicy:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
         if self.device.type != "cpu":
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
-        with torch.no_grad(), set_exploration_type(batch[0].mode), self._own_rng():
+        mode = batch[0].mode
+        explore = self._modes.get(mode)
+        if explore is None:
+            explore = self._modes[mode] = set_exploration_type(mode)
+        with self._no_grad, explore, self._own_rng():
             if self._direct is not None:
                 one = self.unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
                 args = [stacked[k][0] if one else stacked[k] for k in self._direct_in]
@@ -1111,8 +1134,9 @@ def _to_numpy(value: Any, key: NestedKey = "action") -> np.ndarray:
             raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}; a tensor function must "
                               "return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
         raise PolicyError(f"the policy returned {type(value).__name__} for {key!r}, not a tensor")
-    value = value.detach()
-    if value.device.type != "cpu":
+    if value.requires_grad:  # not under no_grad: a tensor the policy kept (a parameter, a cached output)
+        value = value.detach()
+    if not value.is_cpu:
         value = value.cpu()
     return value.numpy()
 

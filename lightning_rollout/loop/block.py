@@ -436,7 +436,8 @@ class EnvBlock:
             n = len(envs)
             # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
             # row-wise isnan on every step, which is only needed to name the env.
-            if np.isnan(obs_out[:n].sum()):
+            total = np.add.reduce(obs_out[:n], axis=None)  # ndarray.sum without its Python wrapper
+            if total != total:  # NaN
                 bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
                 if bad.any():
                     i = int(bad.argmax())

@@ -260,7 +260,10 @@ class Worker:
         ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
         self._load_root(cols, 0, slice(None))
         self._act(cols, 0, self.rows, range(self.rows))
-        for j in np.flatnonzero(self._step_block(cols, 0, range(self.rows))):
+        done = self._step_block(cols, 0, range(self.rows))
+        if not done.any():
+            return
+        for j in np.flatnonzero(done):
             try:
                 self._reset_env(int(j))
             except EnvError as exc:
