@@ -44,7 +44,7 @@ def test_worker_processes_give_the_same_batches_as_threads_value_for_value(envs_
     kwargs = dict(num_envs=4, envs_per_thread=envs_per_thread, seed=3, lookahead=False)
     before = _children()
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_workers=2, **kwargs) as remote:
-        assert remote.num_workers == 2 and len(_children() - before) >= 2
+        assert remote.num_workers == 2 and len(_children() - before) == 1  # this process steps the first share
         ours = [remote.run_env_steps(30), remote.run_env_steps(30)]
         episodes = remote.run_episodes(2)
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **kwargs) as local:
@@ -81,6 +81,32 @@ def test_failed_reset_in_the_second_process_of_a_split_block_names_that_env_afte
     assert "(in worker process 1)" in str(info.value)
     partial = info.value.partial
     assert partial is not None and partial.shape == (4, 5) and partial["next", "done"][3, -1].item()
+
+
+@pytest.mark.parametrize("envs_per_thread", [2, 4], ids=["whole blocks", "one block split over both"])
+def test_the_main_process_steps_the_first_share_of_the_envs_and_a_child_the_rest(envs_per_thread):
+    """``num_workers`` counts the processes that step envs, this one included: with two, envs 0-1 step here
+    and envs 2-3 in worker process 1. An error of an env stepped here names no process and keeps what was
+    collected."""
+    pids = {}
+    for failing in range(4):
+        factories = count_envs(4, fail_at={failing: 6})
+        with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=envs_per_thread,
+                          lookahead=False) as loop:
+            with pytest.raises(EnvError, match=rf"env {failing} failed in step at step 6") as info:
+                loop.run_env_steps(50)
+        pids[failing] = int(str(info.value).split("in process ")[1].split()[0].rstrip(")"))
+        assert ("(in worker process 1)" in str(info.value)) == (failing >= 2)
+        assert info.value.partial is not None and info.value.partial.shape == (4, 6)
+    assert pids[0] == pids[1] == os.getpid()
+    assert os.getpid() not in (pids[2], pids[3])  # a child (each loop spawns its own)
+
+
+def test_env_failing_its_first_reset_in_the_main_processs_share_is_reported_by_the_constructor():
+    before = _children()
+    with pytest.raises(EnvError, match=r"env 1 failed in reset at step 0: RuntimeError: env 1 reset 0 broke"):
+        MultiEnvLoop(count_envs(4, fail_reset={1: 0}), zero_policy, num_workers=2, envs_per_thread=4)
+    assert not (_children() - before), "the child started before the failure is closed"
 
 
 def test_env_failing_its_first_reset_in_a_worker_process_is_reported_by_the_constructor():
@@ -123,7 +149,7 @@ from lightning_rollout import MultiEnvLoop
 from process_helpers import count_envs, zero_policy
 
 if __name__ == "__main__":
-    loop = MultiEnvLoop(count_envs(2), zero_policy, num_workers=2)
+    loop = MultiEnvLoop(count_envs(3), zero_policy, num_workers=3)  # this process and two children
     loop.run_env_steps(3)
     print(" ".join(str(p.pid) for p in loop._pool.processes), flush=True)
     time.sleep(60)  # killed here
@@ -159,10 +185,15 @@ def test_auto_layout_rule():
     releasing_slow = EnvTiming(step_s=2e-3, gil_release=0.98)
     releasing_fast = EnvTiming(step_s=200e-6, gil_release=0.9)
     assert (choose_layout(16, cheap, cores=2).num_workers, choose_layout(16, cheap, cores=2).envs_per_thread) == (1, 16)
-    choice = choose_layout(16, gil_bound, cores=5)  # the main process keeps a core: 4 workers, one thread drives them
-    assert (choice.num_workers, choice.envs_per_thread) == (4, 16) and "holds the GIL" in choice.reason
-    two = choose_layout(16, gil_bound, cores=2)  # two cores: two workers (measured 1.3x one thread)
+    choice = choose_layout(16, gil_bound, cores=5)  # a process a core, this one included; one thread drives them
+    assert (choice.num_workers, choice.envs_per_thread) == (5, 16)
+    assert "the main process and 4 worker processes" in choice.reason
+    two = choose_layout(16, gil_bound, cores=2)  # two cores: this process and one worker (measured 1.5x one thread)
     assert (two.num_workers, two.envs_per_thread) == (2, 16)
+    mujoco = EnvTiming(step_s=60e-6, gil_release=float("nan"))  # HalfCheetah: under cheap_s, not measured
+    assert choose_layout(16, mujoco, cores=2).num_workers == 2  # 480 us a step for the other process: worth it
+    assert choose_layout(4, mujoco, cores=2).num_workers == 1  # 120 us: less than a round trip to a child
+    assert choose_layout(16, mujoco, cores=2, round_trip_s=1e-3).num_workers == 1
     assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
     assert choose_layout(3, gil_bound, cores=16).num_workers == 3  # at most one process per env
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
@@ -174,7 +205,7 @@ def test_auto_layout_rule():
     assert (threads_only.envs_per_thread, threads_only.parallel_steps) == (16, False)
     assert choose_layout(16, releasing_slow, cores=2, envs_per_thread=4).parallel_steps is False  # given: kept
     kept = choose_layout(16, gil_bound, cores=3, envs_per_thread=4)
-    assert (kept.num_workers, kept.envs_per_thread) == (2, 4)
+    assert (kept.num_workers, kept.envs_per_thread) == (3, 4)
 
 
 def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
@@ -208,6 +239,6 @@ def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factor
     monkeypatch.setattr(auto, "measure_env", lambda *a, **k: EnvTiming(step_s=300e-6, gil_release=0.0))
     monkeypatch.setattr(auto, "usable_cores", lambda: 3)
     choice = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto")
-    assert (choice.num_workers, choice.envs_per_thread) == (2, 4) and "worker processes" in choice.reason
+    assert (choice.num_workers, choice.envs_per_thread) == (3, 4) and "2 worker processes" in choice.reason
     short = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto", expected_frames=1000)
     assert short.num_workers == 1 and "too few" in short.reason

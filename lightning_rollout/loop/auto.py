@@ -6,23 +6,29 @@ counts in a tight Python loop: the share of its solo count rate it keeps while
 the env steps is the share of a step spent without the GIL. :func:`choose_layout`
 applies the rule documented in ``docs/tuning.rst``:
 
-* a cheap step (under ``cheap_s``, 100 us: CartPole, most classic control):
-  all envs in one thread of the main process; thread hand-offs would cost more
-  than the step;
-* a step that clearly holds the GIL (under 30% of it released) and costs more
-  than that, with at least two cores: worker processes, one per core but the
-  main process's (two on two cores, at most one per env), all driven by one
-  thread of the main process that sends every process its share of each step at
-  once and gathers the replies (the main process sleeps while they step); unless
-  the run is known to be too short to repay their start-up (``expected_frames``
+* worker processes, with at least two cores, when the env time of a step of all
+  envs that the other processes would take off the main process (``num_envs x
+  step time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (200 us, what a round
+  trip to the children and back costs per step), unless the step releases the GIL
+  and takes at least ``cheap_s`` (100 us; then threads, below). ``num_workers`` is
+  the core count (at most one process per env): the main process steps the first
+  share itself and ``num_workers - 1`` children the others, all driven by one
+  thread of the main process that sends every child its share of each step, steps
+  its own, and gathers the replies. This covers envs that hold the GIL (pure
+  Python, ALE; a step under ``cheap_s`` is not measured and counts as holding it)
+  and short steps of many envs (MuJoCo: 16 HalfCheetahs of 60 us). Not when the run
+  is known to be too short to repay the children's start-up (``expected_frames``
   steps would save less than ``startup_s``, 10 s: spawning a process that imports
-  torch takes seconds), or the env factory cannot be pickled (then threads, and
-  the log says why). On two cores the main process and the two workers share the
-  cores, and the gain measured 1.3x, not 2x (``docs/performance.rst``);
-* a step that releases the GIL: threads of the main process, every env in one
-  block whose envs step concurrently, each in its own helper thread
-  (``parallel_steps``): the block's bookkeeping and policy call run once a step,
-  and only ``env.step`` itself runs in the helpers.
+  torch takes seconds), or when the env factory cannot be pickled (then threads,
+  and the log says why). On two cores the gain measured 1.5x on a GIL-bound env
+  and 1.3x on HalfCheetah, not 2x: the policy and the bookkeeping run in the main
+  process while the child waits (``docs/performance.rst``);
+* otherwise a cheap step (CartPole, most classic control): all envs in one thread
+  of the main process; thread hand-offs would cost more than the step;
+* a step that releases the GIL and takes at least ``cheap_s``: threads of the main
+  process, every env in one block whose envs step concurrently, each in its own
+  helper thread (``parallel_steps``): the block's bookkeeping and policy call run
+  once a step, and only ``env.step`` itself runs in the helpers.
 
 The measuring env is created and closed here, in the calling thread, and its random
 actions do not touch torch's global generator (it is forked around the measure).
@@ -50,9 +56,9 @@ __all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "choose_layout", "measur
 
 log = logging.getLogger("lightning_rollout")
 
-# Measured on a 2-core VM (docs/performance.rst, gil_bound): two worker processes driven by one thread
-# against one thread for every env, 100 us GIL-holding steps, 16 envs.
-_TWO_CORE_SPEEDUP = 1.3
+# Measured on a 2-core VM (docs/performance.rst, gil_bound): the main process and one worker process
+# driven by one thread against one thread for every env, 100 us GIL-holding steps, 16 envs.
+_TWO_CORE_SPEEDUP = 1.45
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class LayoutChoice:
     """The layout chosen for a loop, and why.
 
     Attributes:
-        num_workers: worker processes (1: envs in threads of the main process).
+        num_workers: processes stepping the envs, the main process included (1: envs in threads of
+            the main process; ``n``: the main process and ``n - 1`` worker processes).
         envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
         reason: one sentence, logged at INFO.
         parallel_steps: the envs of a block step concurrently, one helper thread each.
@@ -152,8 +159,9 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
-                  thread_s: float = 1e-3, startup_s: float = 10.0, expected_frames: int | None = None,
-                  num_workers: int | str = "auto", envs_per_thread: int | str = "auto") -> LayoutChoice:
+                  thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 200e-6,
+                  expected_frames: int | None = None, num_workers: int | str = "auto",
+                  envs_per_thread: int | str = "auto") -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
 
     A value other than ``"auto"`` for ``num_workers`` or ``envs_per_thread`` is kept, and the other
@@ -163,22 +171,24 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     step_us = timing.step_s * 1e6
     if num_workers == "auto":
         holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
-        processes = min(max(2, cores - 1), num_envs)
+        processes = min(cores, num_envs)
         speedup = _TWO_CORE_SPEEDUP if cores == 2 else processes
+        spread_s = num_envs * timing.step_s * (1 - 1 / processes)  # env time a step the children take over
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
-        if holds_gil and timing.step_s >= cheap_s and cores >= 2 and num_envs > 1 and saved_s is not None \
-                and saved_s < startup_s:
+        helpers = not holds_gil and timing.step_s >= cheap_s  # long steps that release the GIL: helper threads
+        gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
+               else f"{timing.gil_release:.0%} of it without the GIL")
+        if cores < 2 or num_envs < 2 or helpers or spread_s < round_trip_s:
             num_workers = 1
-            why = (f"the env step takes {step_us:.0f} us and holds the GIL, but {expected_frames} frames are too few to "
-                   f"repay starting worker processes: threads of the main process")
-        elif holds_gil and timing.step_s >= cheap_s and cores >= 2 and num_envs > 1:
-            num_workers = processes
-            why = (f"the env step takes {step_us:.0f} us and holds the GIL ({timing.gil_release:.0%} released): "
-                   f"{num_workers} worker processes on {cores} cores")
+            why = f"the env step takes {step_us:.0f} us ({gil}): threads of the main process"
+        elif saved_s is not None and saved_s < startup_s:
+            num_workers = 1
+            why = (f"the env step takes {step_us:.0f} us, but {expected_frames} frames are too few to repay starting "
+                   f"worker processes: threads of the main process")
         else:
-            num_workers = 1
-            why = (f"the env step takes {step_us:.0f} us and {'holds' if holds_gil else 'releases'} the GIL "
-                   f"({timing.gil_release:.0%} released): threads of the main process")
+            num_workers = processes
+            why = (f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each step of the {num_envs} envs for other processes: the main "
+                   f"process and {num_workers - 1} worker process{'es' if num_workers > 2 else ''} on {cores} cores")
     elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
         num_workers = 1
         why = "the env factory cannot be pickled for worker processes: threads of the main process"
