@@ -121,8 +121,8 @@ class ThreadedCollector(BaseCollector):
         envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`);
             ``"auto"`` (default): chosen with ``num_workers`` from a few timed steps of one
             env (``docs/tuning.rst``; the choice is logged at INFO and kept in ``layout_choice``).
-        num_workers: processes stepping the envs, this one included (1: threads of this process;
-            ``n``: this process and ``n - 1`` worker processes, see :class:`MultiEnvLoop`);
+        num_workers: processes stepping the envs (1: threads of this process; ``n``: with one env
+            thread, this process and ``n - 1`` worker processes, see :class:`MultiEnvLoop`);
             ``"auto"`` (default): more than one only when the env time of a step of all envs is
             worth spreading over the cores and the step does not release the GIL for long.
         parallel_steps: step each env of a thread's block in its own helper thread (see

@@ -44,7 +44,8 @@ def test_worker_processes_give_the_same_batches_as_threads_value_for_value(envs_
     kwargs = dict(num_envs=4, envs_per_thread=envs_per_thread, seed=3, lookahead=False)
     before = _children()
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_workers=2, **kwargs) as remote:
-        assert remote.num_workers == 2 and len(_children() - before) == 1  # this process steps the first share
+        # one env thread: this process steps the first share and one worker the other; two: two workers
+        assert remote.num_workers == 2 and len(_children() - before) == (1 if envs_per_thread == 4 else 2)
         ours = [remote.run_env_steps(30), remote.run_env_steps(30)]
         episodes = remote.run_episodes(2)
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **kwargs) as local:
@@ -84,21 +85,28 @@ def test_failed_reset_in_the_second_process_of_a_split_block_names_that_env_afte
 
 
 @pytest.mark.parametrize("envs_per_thread", [2, 4], ids=["whole blocks", "one block split over both"])
-def test_the_main_process_steps_the_first_share_of_the_envs_and_a_child_the_rest(envs_per_thread):
-    """``num_workers`` counts the processes that step envs, this one included: with two, envs 0-1 step here
-    and envs 2-3 in worker process 1. An error of an env stepped here names no process and keeps what was
-    collected."""
+def test_one_env_thread_steps_the_first_share_in_this_process_several_leave_every_env_to_workers(envs_per_thread):
+    """``num_workers`` counts the processes that step envs. With one env thread (a block split over the
+    processes) this process is one of them: envs 0-1 step here and envs 2-3 in worker process 1, and an
+    error of an env stepped here names no process and keeps what was collected. With two env threads,
+    two workers step every env."""
     pids = {}
     for failing in range(4):
         factories = count_envs(4, fail_at={failing: 6})
+        before = _children()
         with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=envs_per_thread,
                           lookahead=False) as loop:
+            assert len(_children() - before) == (1 if envs_per_thread == 4 else 2)
             with pytest.raises(EnvError, match=rf"env {failing} failed in step at step 6") as info:
                 loop.run_env_steps(50)
         pids[failing] = int(str(info.value).split("in process ")[1].split()[0].rstrip(")"))
-        assert ("(in worker process 1)" in str(info.value)) == (failing >= 2)
+        process = failing // 2 if envs_per_thread == 2 else (1 if failing >= 2 else None)
+        assert (f"(in worker process {process})" in str(info.value)) == (process is not None)
         assert info.value.partial is not None and info.value.partial.shape == (4, 6)
-    assert pids[0] == pids[1] == os.getpid()
+    if envs_per_thread == 4:
+        assert pids[0] == pids[1] == os.getpid()
+    else:
+        assert os.getpid() not in (pids[0], pids[1])
     assert os.getpid() not in (pids[2], pids[3])  # a child (each loop spawns its own)
 
 
@@ -149,7 +157,7 @@ from lightning_rollout import MultiEnvLoop
 from process_helpers import count_envs, zero_policy
 
 if __name__ == "__main__":
-    loop = MultiEnvLoop(count_envs(3), zero_policy, num_workers=3)  # this process and two children
+    loop = MultiEnvLoop(count_envs(2), zero_policy, num_workers=2)  # one env per thread: two workers
     loop.run_env_steps(3)
     print(" ".join(str(p.pid) for p in loop._pool.processes), flush=True)
     time.sleep(60)  # killed here

@@ -143,13 +143,13 @@ class MultiEnvLoop:
             ``"auto"``: chosen with ``num_workers`` from a few timed steps of one
             env (:mod:`lightning_rollout.loop.auto`; logged at INFO, kept in
             ``layout_choice``).
-        num_workers: processes stepping the envs (:mod:`lightning_rollout.loop.process`), this
-            one included: this process steps the first share of the envs and ``num_workers - 1``
-            worker processes the others, each its share of whole blocks of ``envs_per_thread``
-            envs; with fewer blocks than processes, each env thread's block is split over the
-            processes, which step it in parallel (``envs_per_thread=num_envs``: one thread
-            drives every process and steps this process's share while the workers step theirs).
-            1: every env in threads of this process. Needs picklable env factories.
+        num_workers: processes stepping the envs (:mod:`lightning_rollout.loop.process`). With
+            one env thread (``envs_per_thread=num_envs``) this process is one of them: the thread
+            sends ``num_workers - 1`` worker processes their share of each step, steps the first
+            share itself, and gathers their replies. With several env threads, ``num_workers``
+            worker processes run every env: each its share of whole blocks of ``envs_per_thread``
+            envs, or, with fewer blocks than processes, a part of every block, stepped in
+            parallel. 1: every env in threads of this process. Needs picklable env factories.
             ``"auto"``: see ``envs_per_thread``.
         parallel_steps: True: the envs of each thread's block step concurrently, each
             ``env.step`` in its own helper thread (``lightning_rollout-<name>-env<i>-step``),

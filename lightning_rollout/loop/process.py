@@ -1,18 +1,22 @@
 """Worker processes: env blocks stepped in child processes, crossing in shared memory.
 
 With ``num_workers > 1`` a :class:`~lightning_rollout.MultiEnvLoop` splits its envs
-across that many processes: the main process (process 0) and ``num_workers - 1``
-child processes (worker processes 1, 2, ...). Everything but the env calls of the
-children's envs stays in the main process: the env threads (one per block of
-``envs_per_thread`` envs), their bookkeeping and double batching, the one
-:class:`~lightning_rollout.AutobatchPolicy`, events and errors. An env thread hands
-its block's step to the block's server thread in a child and waits for it without
-holding the GIL, so envs whose step holds the GIL (pure Python, ALE) run on every
-core. The main process's share (:class:`LocalEnvs`) is stepped by its env thread
-itself: for a block split over processes, after every child was sent its part of
-the step and before their replies are gathered, so the main process steps envs
-while the children do instead of sleeping (measured on 2 cores: 1.3x the same
-block over two children and an idle main process on HalfCheetah, 1.2x on Pong).
+across that many processes. With one env thread (``envs_per_thread=num_envs``, what
+the ``"auto"`` layout picks) they are the main process (process 0) and
+``num_workers - 1`` child processes (worker processes 1, 2, ...); with several env
+threads, ``num_workers`` child processes (0, 1, ...), since an env thread stepping
+envs that hold the GIL in the main process would starve the other env threads of
+it. Everything but the env calls of the children's envs stays in the main
+process: the env threads (one per block of ``envs_per_thread`` envs), their
+bookkeeping and double batching, the one :class:`~lightning_rollout.AutobatchPolicy`,
+events and errors. An env thread hands its block's step to the block's server
+thread in a child and waits for it without holding the GIL, so envs whose step
+holds the GIL (pure Python, ALE) run on every core. The main process's share
+(:class:`LocalEnvs`) is stepped by the env thread itself, after every child was
+sent its part of the step and before their replies are gathered, so the main
+process steps envs while the children do instead of sleeping (measured on 2
+cores against the same block over two children and an idle main process:
+``docs/performance.rst``).
 
 Protocol (one duplex ``Pipe`` per block; a block server thread in the child owns
 the child end, the env thread in the parent owns the other):
@@ -503,9 +507,11 @@ class WorkerProcesses:
 
     Args:
         factories: one env factory per env (picklable).
-        num_workers: processes stepping envs, the main process included (``2 <= num_workers <=
-            len(factories)``): the main process (process 0, :class:`LocalEnvs`) takes the first share
-            of the envs, and ``num_workers - 1`` child processes the others.
+        num_workers: processes stepping envs (``2 <= num_workers <= len(factories)``). With one block
+            (``envs_per_thread == len(factories)``) the main process is one of them: process 0
+            (:class:`LocalEnvs`) takes the first share of the envs and ``num_workers - 1`` child
+            processes the others. With several blocks, ``num_workers`` child processes (0 to
+            ``num_workers - 1``) run them all.
         envs_per_thread: envs per block, stepped by one env thread in the parent. With at least
             ``num_workers`` blocks each process runs whole blocks; with fewer, a block is split
             over processes and its thread steps the parts concurrently (:class:`RemoteGroup`).
@@ -531,10 +537,16 @@ class WorkerProcesses:
         g = envs_per_thread
         num_envs = len(factories)
         num_blocks = num_envs // g
-        # Parts: a block's envs within one process, one pipe and one server thread each. With at least
-        # num_workers blocks, process p runs whole blocks; with fewer, every block is split over the
-        # processes, which step their parts of it at once. (Splitting when there are blocks enough was
-        # measured slower on 2 cores: more hand-offs for the same parallelism.)
+        # Parts: a block's envs within one process, one pipe and one server thread each (a part of the
+        # main process: a LocalEnvs). With at least num_workers blocks, process p runs whole blocks; with
+        # fewer, every block is split over the processes, which step their parts of it at once. (Splitting
+        # when there are blocks enough was measured slower on 2 cores: more hand-offs for the same
+        # parallelism.) With one block (one env thread drives every process), the main process is process 0
+        # and its env thread steps that share while the children step theirs; with several env threads the
+        # processes are all children: a thread stepping envs that hold the GIL here would starve the others
+        # of it for the interpreter's switch interval (5 ms) at a time (measured: 5.7k against 8.2k steps/s
+        # on the GIL-bound env, two blocks of 8).
+        self.local = num_blocks == 1
         plans: list[_BlockPlan] = []
         part_of: list[tuple[int, int, int]] = []  # (process, block, offset in the block)
         if num_blocks >= num_workers:
@@ -549,12 +561,12 @@ class WorkerProcesses:
                                         tuple(seeds[start:stop])))
                 part_of.append((p, b, start - b * g))
         self.blocks: list[RemoteEnvs | LocalEnvs] = []  # every part, in env order (the main process's first)
-        self.processes: list[Any] = []  # the children: worker processes 1 to num_workers - 1
-        self.process_of: list[int] = []  # part -> process index (0: the main process)
+        self.processes: list[Any] = []  # the children (worker processes 1 to num_workers - 1 when self.local)
+        self.process_of: list[int] = []  # part -> process index (0: the main process when self.local)
         self._closed = False
         self._remote: list[RemoteEnvs] = []  # the children's parts (closed by close() even if construction fails)
         try:
-            for p in range(1, num_workers):  # the children first: they build their envs while we build ours
+            for p in range(1 if self.local else 0, num_workers):  # children first: they build while we do
                 mine = [plan for plan, (q, _, _) in zip(plans, part_of) if q == p]
                 pairs = [ctx.Pipe(duplex=True) for _ in mine]
                 process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
@@ -565,8 +577,8 @@ class WorkerProcesses:
                 for (parent_end, child_end), plan in zip(pairs, mine):
                     child_end.close()
                     self._remote.append(RemoteEnvs(self, process, parent_end, len(plan.env_ids), p))
-            for b, (plan, (q, _, _)) in enumerate(zip(plans, part_of)):
-                if q == 0:
+            for plan, (q, _, _) in zip(plans, part_of):
+                if self.local and q == 0:
                     try:
                         self.blocks.append(LocalEnvs(plan, max_episode_steps=max_episode_steps, validate=validate,
                                                      info_keys=info_keys))
