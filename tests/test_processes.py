@@ -201,13 +201,18 @@ def test_auto_layout_rule():
     mujoco = EnvTiming(step_s=60e-6, gil_release=float("nan"))  # HalfCheetah: under cheap_s, not measured
     assert choose_layout(16, mujoco, cores=2).num_workers == 2  # 480 us a step for the other process: worth it
     assert choose_layout(4, mujoco, cores=2).num_workers == 1  # 120 us: less than a round trip to a child
+    assert choose_layout(32, cheap, cores=2).num_workers == 1  # 32 CartPoles: 160 us, not worth it either
     assert choose_layout(16, mujoco, cores=2, round_trip_s=1e-3).num_workers == 1
     assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
-    assert choose_layout(3, gil_bound, cores=16).num_workers == 3  # at most one process per env
+    assert choose_layout(8, gil_bound, cores=16).num_workers == 8  # at most one process per env
+    assert choose_layout(3, gil_bound, cores=16).num_workers == 1  # 200 us a step to spread: not worth it
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
-    for releasing in (releasing_slow, releasing_fast):  # one block, each env stepped in its own helper thread
-        choice = choose_layout(16, releasing, cores=2)
-        assert (choice.num_workers, choice.envs_per_thread, choice.parallel_steps) == (1, 16, True)
+    choice = choose_layout(16, releasing_slow, cores=2)  # one block, each env stepped in its own helper thread
+    assert (choice.num_workers, choice.envs_per_thread, choice.parallel_steps) == (1, 16, True)
+    choice = choose_layout(16, releasing_fast, cores=2)  # 200 us of C: two processes step it on two cores
+    assert (choice.num_workers, choice.envs_per_thread, choice.parallel_steps) == (2, 16, False)
+    choice = choose_layout(16, releasing_fast, cores=1)  # one core: no processes; helpers overlap what waits
+    assert (choice.num_workers, choice.envs_per_thread, choice.parallel_steps) == (1, 16, True)
     assert not choose_layout(16, cheap, cores=2).parallel_steps
     threads_only = choose_layout(16, gil_bound, cores=2, num_workers="threads")  # ~1 ms of env time per thread
     assert (threads_only.envs_per_thread, threads_only.parallel_steps) == (16, False)

@@ -8,9 +8,10 @@ applies the rule documented in ``docs/tuning.rst``:
 
 * worker processes, with at least two cores, when the env time of a step of all
   envs that the other processes would take off the main process (``num_envs x
-  step time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (200 us, what a round
-  trip to the children and back costs per step), unless the step releases the GIL
-  and takes at least ``cheap_s`` (100 us; then threads, below). ``num_workers`` is
+  step time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (300 us: a round
+  trip to the children and back, and the copies out, cost 100-400 us a step
+  here), unless the step releases the GIL and takes at least ``helper_s`` (500 us:
+  a wait or a long C call; then threads, below). ``num_workers`` is
   the core count (at most one process per env): the main process steps the first
   share itself and ``num_workers - 1`` children the others, all driven by one
   thread of the main process that sends every child its share of each step, steps
@@ -25,7 +26,7 @@ applies the rule documented in ``docs/tuning.rst``:
   process while the child waits (``docs/performance.rst``);
 * otherwise a cheap step (CartPole, most classic control): all envs in one thread
   of the main process; thread hand-offs would cost more than the step;
-* a step that releases the GIL and takes at least ``cheap_s``: threads of the main
+* a step that releases the GIL and takes at least ``helper_s``: threads of the main
   process, every env in one block whose envs step concurrently, each in its own
   helper thread (``parallel_steps``): the block's bookkeeping and policy call run
   once a step, and only ``env.step`` itself runs in the helpers.
@@ -159,7 +160,8 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
-                  thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 200e-6,
+                  thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 300e-6,
+                  helper_s: float = 500e-6,
                   expected_frames: int | None = None, num_workers: int | str = "auto",
                   envs_per_thread: int | str = "auto") -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
@@ -175,7 +177,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         speedup = _TWO_CORE_SPEEDUP if cores == 2 else processes
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)  # env time a step the children take over
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
-        helpers = not holds_gil and timing.step_s >= cheap_s  # long steps that release the GIL: helper threads
+        helpers = not holds_gil and timing.step_s >= helper_s  # long steps that release the GIL: helper threads
         gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
                else f"{timing.gil_release:.0%} of it without the GIL")
         if cores < 2 or num_envs < 2 or helpers or spread_s < round_trip_s:
