@@ -139,6 +139,29 @@ def test_hung_env_in_a_worker_process_times_out_and_its_process_is_ended():
     assert not (_children() - before), "the stuck process is terminated, not left running"
 
 
+def test_hung_env_in_the_main_processs_share_times_out_and_every_worker_process_is_ended():
+    """One env thread over this process and a worker: env 0 steps here and hangs; the step times out
+    like an in-process env's (its thread abandoned, with a warning) and close() still ends the worker."""
+    import threading
+
+    before = _children()
+    loop = MultiEnvLoop(count_envs(2, hang_at={0: 4}, hang_s=4.0), zero_policy, num_workers=2, envs_per_thread=2,
+                        step_timeout=1.0, lookahead=False)
+    try:
+        assert len(_children() - before) == 1
+        with pytest.warns(RuntimeWarning, match="abandoned"):
+            with pytest.raises(StepTimeoutError, match="env 0"):
+                loop.run_env_steps(20)
+    finally:
+        loop.close()
+    assert not (_children() - before), "the worker is closed although the env thread is stuck here"
+    stuck = [t for t in threading.enumerate() if t.name == "lightning_rollout-loop-env0"]
+    assert stuck and all(t.daemon for t in stuck)  # abandoned inside the env's step, as an in-process env's thread
+    for t in stuck:  # the env's sleep ends; the thread then sees the closed loop and leaves
+        t.join(30.0)
+        assert not t.is_alive()
+
+
 def test_collector_with_worker_processes_yields_torchrl_batches():
     collector = ThreadedCollector(GymMaker("CartPole-v1"), None, frames_per_batch=32, total_frames=64, num_envs=4,
                                   num_workers=2, envs_per_thread=2)
