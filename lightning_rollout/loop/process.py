@@ -333,10 +333,10 @@ class LocalEnvs:
 
     Built in the main process like a worker's block (envs created and first reset at
     construction, an :class:`~lightning_rollout.loop.block.EnvBlock` once the loop's column
-    layout is known, :meth:`attach`), and used like a :class:`RemoteEnvs`: a whole block is
-    stepped by its env thread; as the first part of a :class:`RemoteGroup`, :meth:`send_step`
-    only keeps the request and :meth:`finish_step` steps the envs, so they step while the
-    children step theirs. Errors are :class:`EnvFailure` without a process index.
+    layout is known, :meth:`attach`), and used like a :class:`RemoteEnvs` part: it is the first
+    part of the loop's one :class:`RemoteGroup`, where :meth:`send_step` only keeps the request
+    and :meth:`finish_step` steps the envs, so they step while the children step theirs.
+    Errors are :class:`EnvFailure` without a process index.
 
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
 
@@ -397,11 +397,6 @@ class LocalEnvs:
         """Second half of a group's step: step the envs kept by :meth:`send_step`, in this thread."""
         assert self._sent is not None and self.block is not None
         (inputs, envs), self._sent = self._sent, None
-        self.block.step(inputs, envs, out, rewards, terminated, truncated, stop)
-
-    def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event) -> None:
-        assert self.block is not None
         self.block.step(inputs, envs, out, rewards, terminated, truncated, stop)
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
@@ -589,10 +584,10 @@ class WorkerProcesses:
             self.blocks += self._remote
             self.process_of += [part.index for part in self._remote]
             # What each env thread steps: its block's one part, or a group of parts in several processes.
-            grouped: list[list[tuple[int, RemoteEnvs]]] = [[] for _ in range(num_blocks)]
+            grouped: list[list[tuple[int, RemoteEnvs | LocalEnvs]]] = [[] for _ in range(num_blocks)]
             for part, (_, b, offset) in zip(self.blocks, part_of):
                 grouped[b].append((offset, part))
-            self.groups: list[RemoteEnvs | LocalEnvs | RemoteGroup] = [
+            self.groups: list[RemoteEnvs | RemoteGroup] = [  # a LocalEnvs is always in a group
                 parts[0][1] if len(parts) == 1 else RemoteGroup(parts) for parts in grouped]
             self.first_roots: list[dict[NestedKey, np.ndarray]] = []
             ready = []

@@ -6,9 +6,9 @@ TorchRL's carrier as one row per env), counters, two staging slots, and the envs
 themselves: an :class:`~lightning_rollout.loop.block.EnvBlock` in this process
 (stepped by this thread, or by its helper threads with ``parallel_steps``), or, with
 worker processes, a :class:`~lightning_rollout.loop.process.RemoteEnvs` block in a
-worker process, the main process's :class:`~lightning_rollout.loop.process.LocalEnvs`
-share, or a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in several
-processes. All take the same calls. It answers the driver's requests (see
+worker process, or a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in
+several processes (the main process's share, a
+:class:`~lightning_rollout.loop.process.LocalEnvs`, among them). All take the same calls. It answers the driver's requests (see
 :mod:`lightning_rollout.loop.driver` for the messages): a step of the whole block
 into a slot, a quota of steps straight into the driver's batch, a reset, or one
 fresh episode of one env. Each step asks the autobatching policy for the block's
@@ -41,7 +41,7 @@ from .buffers import (_ENV_ID, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERM
 
 if TYPE_CHECKING:
     from .driver import MultiEnvLoop
-    from .process import LocalEnvs, RemoteEnvs, RemoteGroup
+    from .process import RemoteEnvs, RemoteGroup
 
 __all__ = ["Worker"]
 
@@ -52,12 +52,12 @@ class Worker:
     """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
 
     def __init__(self, loop: MultiEnvLoop, index: int, env_ids: list[int], *, adapters: list[EnvAdapter] | None = None,
-                 remote: RemoteEnvs | LocalEnvs | RemoteGroup | None = None) -> None:
+                 remote: RemoteEnvs | RemoteGroup | None = None) -> None:
         self.loop = loop
         self.index = index
         layout = loop._layout
         # The block's envs: in-process (stepped by this thread) or in worker processes.
-        self.envs: EnvBlock | RemoteEnvs | LocalEnvs | RemoteGroup = remote if remote is not None else EnvBlock(
+        self.envs: EnvBlock | RemoteEnvs | RemoteGroup = remote if remote is not None else EnvBlock(
             adapters or [], validate=loop.validate, checked_next=layout.checked_next if loop.validate else {},
             checked_root=layout.checked_root if loop.validate else {},
             zero_done={k: layout.keys.done[k] for k in loop._env_input_done}, parallel=loop.parallel_steps,
