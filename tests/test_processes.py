@@ -242,6 +242,7 @@ def test_auto_layout_rule():
     assert choose_layout(16, releasing_slow, cores=2, envs_per_thread=4).parallel_steps is False  # given: kept
     kept = choose_layout(16, gil_bound, cores=3, envs_per_thread=4)
     assert (kept.num_workers, kept.envs_per_thread) == (3, 4)
+    assert kept.reason.endswith("(3 worker processes)")  # four env threads: every env in a worker
 
 
 def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):

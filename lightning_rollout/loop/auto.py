@@ -80,8 +80,9 @@ class LayoutChoice:
     """The layout chosen for a loop, and why.
 
     Attributes:
-        num_workers: processes stepping the envs, the main process included (1: envs in threads of
-            the main process; ``n``: the main process and ``n - 1`` worker processes).
+        num_workers: processes stepping the envs (1: envs in threads of the main process; ``n``: with
+            one env thread the main process and ``n - 1`` worker processes, with several ``n`` worker
+            processes; see :class:`~lightning_rollout.MultiEnvLoop`).
         envs_per_thread: envs stepped together by one thread (divides ``num_envs``).
         reason: one sentence, logged at INFO.
         parallel_steps: the envs of a block step concurrently, one helper thread each.
@@ -189,8 +190,8 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
                    f"worker processes: threads of the main process")
         else:
             num_workers = processes
-            why = (f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each step of the {num_envs} envs for other processes: the main "
-                   f"process and {num_workers - 1} worker process{'es' if num_workers > 2 else ''} on {cores} cores")
+            why = (f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each step of the "
+                   f"{num_envs} envs for other processes: {num_workers} processes on {cores} cores")
     elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
         num_workers = 1
         why = "the env factory cannot be pickled for worker processes: threads of the main process"
@@ -215,6 +216,10 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
             why += f", {want} env{'s' if want > 1 else ''} per thread"
     else:
         why += f", envs_per_thread={envs_per_thread} as given"
+    if int(num_workers) > 1:  # which processes step envs (see WorkerProcesses)
+        n = int(num_workers)
+        why += (f" (the main process and {n - 1} worker process{'es' if n > 2 else ''})"
+                if num_envs // int(envs_per_thread) == 1 else f" ({n} worker processes)")
     return LayoutChoice(int(num_workers), int(envs_per_thread), why, parallel)
 
 
