@@ -8,7 +8,7 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   :meth:`AutobatchPolicy.close`. With ``flush_in_caller=True`` (default) a
   client whose request makes the queue flushable runs that forward pass in its
   own thread instead when that request is the whole batch (one wake-up less
-  each way); forward passes never overlap
+  each way; the answer is stored for it without an ``Event``); forward passes never overlap
   (they run under ``_weights_lock``).
 * A client (one per env thread) is an :class:`Agent` obtained from
   :meth:`AutobatchPolicy.register`; it stands for ``rows`` observations per
@@ -140,7 +140,8 @@ class Agent:
         self._error: BaseException | None = None
         # True while this agent's own thread runs the forward pass of its request (caller-runs flush):
         # the answer is then stored without ``_done`` (no Event.set / wait for a thread that is already
-        # awake). Written and read by the owning thread only; False whenever another thread may answer.
+        # awake). Written by the owning thread only (False in submit, True in _enqueue under _cond when
+        # it takes its own request), so it is False whenever another thread answers and reads it.
         self._inline = False
 
     # -- registration -------------------------------------------------------------

@@ -8,8 +8,9 @@ themselves: an :class:`~lightning_rollout.loop.block.EnvBlock` in this process
 worker processes, a :class:`~lightning_rollout.loop.process.RemoteEnvs` block in a
 worker process, or a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in
 several processes (the main process's share, a
-:class:`~lightning_rollout.loop.process.LocalEnvs`, among them). All take the same calls. It answers the driver's requests (see
-:mod:`lightning_rollout.loop.driver` for the messages): a step of the whole block
+:class:`~lightning_rollout.loop.process.LocalEnvs`, among them). All take the same
+calls. It answers the driver's requests (see :mod:`lightning_rollout.loop.driver`
+for the messages): a step of the whole block
 into a slot, a quota of steps straight into the driver's batch, a reset, or one
 fresh episode of one env. Each step asks the autobatching policy for the block's
 rows, steps the envs, writes the transition into its columns with one vectorised
