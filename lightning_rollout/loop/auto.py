@@ -52,6 +52,7 @@ import torch
 
 from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
+from .process import steps_in_main_process
 
 __all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "choose_layout", "measure_env", "usable_cores"]
 
@@ -219,7 +220,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     if int(num_workers) > 1:  # which processes step envs (see WorkerProcesses)
         n = int(num_workers)
         why += (f" (the main process and {n - 1} worker process{'es' if n > 2 else ''})"
-                if num_envs // int(envs_per_thread) == 1 else f" ({n} worker processes)")
+                if steps_in_main_process(num_envs, int(envs_per_thread)) else f" ({n} worker processes)")
     return LayoutChoice(int(num_workers), int(envs_per_thread), why, parallel)
 
 

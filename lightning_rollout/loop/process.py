@@ -67,11 +67,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..envs import ActionError, EnvFactory, InfoKeys, make_adapter
+from ..envs import ActionError, EnvAdapter, EnvFactory, InfoKeys, make_adapter
 from ..specs import ArraySpec, EnvKeys, NestedKey
 from .block import EnvBlock, EnvFailure, RemoteTraceback
 
-__all__ = ["EnvFailure", "LocalEnvs", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses"]
+__all__ = ["EnvFailure", "LocalEnvs", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses", "steps_in_main_process"]
 
 _POLL_S = 0.05
 _POLL_MS = int(_POLL_S * 1000)
@@ -103,32 +103,53 @@ def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None
     return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc)))
 
 
+def steps_in_main_process(num_envs: int, envs_per_thread: int) -> bool:
+    """Whether the main process steps a share of the envs of a loop with worker processes: only with one
+    env thread (one block, split over the processes). With several, an env thread stepping envs that hold
+    the GIL here would starve the others of it, so the worker processes step every env."""
+    return num_envs // envs_per_thread == 1
+
+
+def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_steps: int | None, validate: bool,
+                info_keys: InfoKeys | None) -> tuple[Any, ...]:
+    """Build ``plan``'s envs into ``adapters`` and reset each with its seed; return the ``("ready", ...)``
+    message of the block (see the module docs), in a child or for the main process's share.
+
+    Raises:
+        EnvFailure: for the first env that failed to build (``"create"``) or to reset (``"reset"``),
+            whatever it raised as the cause; ``adapters`` then holds the envs built so far.
+    """
+    for j, factory in enumerate(plan.factories):
+        try:
+            adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
+                                         info_keys=info_keys))
+        except BaseException as exc:
+            raise EnvFailure(j, "create", "env", exc) from exc
+    roots = []
+    for j, (adapter, seed) in enumerate(zip(adapters, plan.seeds)):
+        try:
+            roots.append({k: np.asarray(v) for k, v in adapter.reset(seed).items()})
+        except BaseException as exc:
+            raise EnvFailure(j, "reset", "env", exc) from exc
+    first = adapters[0]
+    return ("ready", first.keys, first.observation_spec, first.action_spec, first.loop_keys, roots)
+
+
 class _BlockServer:
     """Serves one block's commands in the child (its own thread)."""
 
     def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool,
                  info_keys: InfoKeys | None = None) -> None:
         self.plan, self.conn, self.validate = plan, conn, validate
-        self.adapters = []
-        for j, factory in enumerate(plan.factories):
-            try:
-                self.adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
-                                                  info_keys=info_keys))
-            except BaseException as exc:
-                conn.send(_error_reply(j, "create", exc))
-                raise
-        keys = self.adapters[0].keys
-        roots = []
-        for j, (adapter, seed) in enumerate(zip(self.adapters, plan.seeds)):
-            try:
-                roots.append(adapter.reset(seed))
-            except BaseException as exc:
-                conn.send(_error_reply(j, "reset", exc))
-                raise
-        first = self.adapters[0]
-        conn.send(("ready", keys, first.observation_spec, first.action_spec, first.loop_keys,
-                   [{k: np.asarray(v) for k, v in r.items()} for r in roots]))
-        self.keys: EnvKeys = keys
+        self.adapters: list[EnvAdapter] = []
+        try:
+            ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
+                                info_keys=info_keys)
+        except EnvFailure as failure:
+            conn.send(_error_reply(failure.j, failure.phase, failure.cause))
+            raise
+        conn.send(ready)
+        self.keys: EnvKeys = ready[1]
 
     def attach(self, message: tuple[Any, ...]) -> None:
         _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
@@ -347,28 +368,17 @@ class LocalEnvs:
     def __init__(self, plan: _BlockPlan, *, max_episode_steps: int | None, validate: bool,
                  info_keys: InfoKeys | None) -> None:
         self.validate = validate
-        self.adapters = []
+        self.adapters: list[EnvAdapter] = []
         self.block: EnvBlock | None = None
         self._sent: tuple[dict[NestedKey, np.ndarray], Sequence[int]] | None = None
         try:
-            for j, factory in enumerate(plan.factories):
-                try:
-                    self.adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps,
-                                                      validate=validate, info_keys=info_keys))
-                except Exception as exc:
-                    raise EnvFailure(j, "create", "env", exc) from exc
-            roots = []
-            for j, (adapter, seed) in enumerate(zip(self.adapters, plan.seeds)):
-                try:
-                    roots.append({k: np.asarray(v) for k, v in adapter.reset(seed).items()})
-                except Exception as exc:
-                    raise EnvFailure(j, "reset", "env", exc) from exc
-        except BaseException:
+            self.ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
+                                     info_keys=info_keys)
+        except BaseException as exc:
             self.close()
+            if isinstance(exc, EnvFailure) and not isinstance(exc.cause, Exception):
+                raise exc.cause  # KeyboardInterrupt, SystemExit: not an env's failure in this process
             raise
-        first = self.adapters[0]
-        # What a child's block server reports once its envs are built (see the module docs).
-        self.ready = ("ready", first.keys, first.observation_spec, first.action_spec, first.loop_keys, roots)
         self.rows = len(self.adapters)
 
     def attach(self, checked_next: dict[NestedKey, ArraySpec], checked_root: dict[NestedKey, ArraySpec],
@@ -541,7 +551,7 @@ class WorkerProcesses:
         # processes are all children: a thread stepping envs that hold the GIL here would starve the others
         # of it for the interpreter's switch interval (5 ms) at a time (measured: 5.7k against 8.2k steps/s
         # on the GIL-bound env, two blocks of 8).
-        self.local = num_blocks == 1
+        local = steps_in_main_process(num_envs, g)
         plans: list[_BlockPlan] = []
         part_of: list[tuple[int, int, int]] = []  # (process, block, offset in the block)
         if num_blocks >= num_workers:
@@ -556,12 +566,12 @@ class WorkerProcesses:
                                         tuple(seeds[start:stop])))
                 part_of.append((p, b, start - b * g))
         self.blocks: list[RemoteEnvs | LocalEnvs] = []  # every part, in env order (the main process's first)
-        self.processes: list[Any] = []  # the children (worker processes 1 to num_workers - 1 when self.local)
-        self.process_of: list[int] = []  # part -> process index (0: the main process when self.local)
+        self.processes: list[Any] = []  # the children (worker processes 1 to num_workers - 1 when local)
+        self.process_of: list[int] = []  # part -> process index (0: the main process when local)
         self._closed = False
         self._remote: list[RemoteEnvs] = []  # the children's parts (closed by close() even if construction fails)
         try:
-            for p in range(1 if self.local else 0, num_workers):  # children first: they build while we do
+            for p in range(1 if local else 0, num_workers):  # children first: they build while we do
                 mine = [plan for plan, (q, _, _) in zip(plans, part_of) if q == p]
                 pairs = [ctx.Pipe(duplex=True) for _ in mine]
                 process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
@@ -573,7 +583,7 @@ class WorkerProcesses:
                     child_end.close()
                     self._remote.append(RemoteEnvs(self, process, parent_end, len(plan.env_ids), p))
             for plan, (q, _, _) in zip(plans, part_of):
-                if self.local and q == 0:
+                if local and q == 0:
                     try:
                         self.blocks.append(LocalEnvs(plan, max_episode_steps=max_episode_steps, validate=validate,
                                                      info_keys=info_keys))
