@@ -79,7 +79,7 @@ from ..policy import AutobatchPolicy, _is_real, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
-                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout)
+                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
 from .block import EnvBlock
 from .process import WorkerProcesses
 from .worker import Worker
@@ -358,6 +358,7 @@ class MultiEnvLoop:
                                               device=device, name=name, seed=seed, policy_timeout=policy_timeout)
                 self._owns_policy = True
             self._layout = self._probe_layout(keys, roots, loop_keys)
+            self._batches = BatchPool(self._layout)  # the driver's calls' batch columns, recycled
             g = envs_per_thread
             if self._pool is not None:
                 layout = self._layout
@@ -761,7 +762,7 @@ class MultiEnvLoop:
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         g = self.envs_per_thread
-        out = self._layout.allocate(n)
+        out = self._batches.allocate(n)
         filled = 0
         try:
             # 1. rows left over from a block consumed in part by the previous call
@@ -869,7 +870,7 @@ class MultiEnvLoop:
         g, W, T = self.envs_per_thread, len(self._workers), steps_per_env
         if interrupter is not None and interrupter.should_stop():
             T = 0  # stopped before the call: nothing is asked, nothing is lost
-        out = self._layout.allocate((W, g, T))
+        out = self._batches.allocate((W, g, T))
         done, error = self._run_quotas(out, T, interrupter)
         result = self._finish_env_time(out, done, processor)
         if error is not None:
@@ -1075,6 +1076,8 @@ class MultiEnvLoop:
         pool = getattr(self, "_pool", None)
         if pool is not None:  # after the env threads: none is still talking to a worker process
             pool.close(self.join_timeout)
+        if hasattr(self, "_batches"):
+            self._batches.clear()
         if stuck:
             warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
                           f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",
