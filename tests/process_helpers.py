@@ -6,8 +6,12 @@ import functools
 import os
 import time
 
+from typing import Any
+
 import gymnasium as gym
 import numpy as np
+
+from conftest import MockEnv
 
 
 class CountEnv(gym.Env):
@@ -79,3 +83,21 @@ class BusyEnv(CountEnv):
         while time.perf_counter() < end:
             pass
         return super().step(action)
+
+
+class FrameEnv(MockEnv):
+    """:class:`MockEnv` with a 12 KB image observation: every pixel is ``[env_id, episode, t]`` coded as
+    ``10000 * env_id + 100 * episode + t``, channel ``c`` adding ``c``."""
+
+    def __init__(self, env_id: int = 0, **kwargs: Any) -> None:
+        super().__init__(env_id, **kwargs)
+        self.observation_space = gym.spaces.Box(-1e9, 1e9, shape=(3, 32, 32), dtype=np.float32)
+
+    def _obs(self) -> np.ndarray:
+        code = 10000 * self.env_id + 100 * self.episode + self.t
+        return (np.full((3, 32, 32), code, dtype=np.float32) + np.arange(3, dtype=np.float32)[:, None, None])
+
+
+def frame_envs(n: int) -> list:
+    """``n`` picklable factories of :class:`FrameEnv` (env ``i`` gets ``env_id=i``)."""
+    return [functools.partial(FrameEnv, i) for i in range(n)]

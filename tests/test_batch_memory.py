@@ -1,5 +1,6 @@
-"""Batch memory is recycled (``BatchPool``): a batch's columns are written again only once nothing
-references them, and a recycled batch holds the same values as a fresh one."""
+"""Batch memory: a batch's columns are recycled (``BatchPool``) only once nothing references them, and
+big carried entries (images) are read from the rows the last step wrote instead of copied into the
+carrier; both give the same values as fresh arrays and copies."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from tensordict import TensorDict
 
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from lightning_rollout.envs import GymMaker
+from lightning_rollout.loop import worker as worker_module
 from lightning_rollout.loop.buffers import BatchPool
 from collector_helpers import balance_policy
+from process_helpers import frame_envs
 
 
 class _Columns:
@@ -119,3 +122,75 @@ def test_batches_a_training_loop_keeps_are_never_overwritten_and_dropped_ones_ar
     for batch, copy in kept:
         for key in copy.keys(True, True):
             assert torch.equal(batch[key], copy[key]), key
+
+
+def frame_policy(obs: torch.Tensor) -> torch.Tensor:
+    """Deterministic: an action read off the observation's code."""
+    return (obs[:, 0, 0, 0].long() // 3) % 2
+
+
+def _decode(obs: torch.Tensor) -> torch.Tensor:
+    """``[..., 3, 32, 32]`` frames -> their codes (checking every pixel carries the same one)."""
+    base = obs - torch.arange(3, dtype=obs.dtype)[:, None, None]
+    code = base[..., 0, 0, 0]
+    assert torch.equal(base, code[..., None, None, None].expand_as(base)), "a frame mixes two steps"
+    return code.long()
+
+
+def _frame_batches(lazy: bool, call: str, *, num_workers: int = 1, envs_per_thread: int = 2, episodes_after: int = 5,
+                   **kwargs: Any) -> list[TensorDict]:
+    """Six calls of ``call`` on 4 FrameEnvs, copied as they come, with a reset of two envs after the
+    fifth and two fresh episodes after call ``episodes_after`` (checked here: which envs play them is
+    not reproducible, so batches after them differ from run to run)."""
+    saved = worker_module._LAZY_BYTES
+    worker_module._LAZY_BYTES = saved if lazy else 1 << 62
+    try:
+        out: list[TensorDict] = []
+        with MultiEnvLoop(frame_envs(4), frame_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
+                          seed=2, **kwargs) as loop:
+            assert all(bool(w._lazy) == lazy for w in loop._workers)
+            for i in range(6):
+                batch = loop.run_env_steps(9) if call == "run_env_steps" else loop.run_steps(36)
+                out.append(batch.clone())
+                batch.get(("next", "observation")).fill_(-5.0)  # the caller's to change: never read again
+                del batch
+                if i == episodes_after:
+                    for episode in loop.run_episodes(2):
+                        obs, nxt = _decode(episode["observation"]), _decode(episode["next", "observation"])
+                        assert obs[0] % 100 == 0 and torch.equal(obs[1:], nxt[:-1])
+                if i == 4:
+                    loop.reset_envs([1, 2])
+        return out
+    finally:
+        worker_module._LAZY_BYTES = saved
+
+
+@pytest.mark.parametrize(("call", "kwargs"), [
+    ("run_env_steps", {}),
+    ("run_env_steps", {"lookahead": False}),
+    ("run_steps", {"envs_per_thread": 4}),
+    ("run_env_steps", {"envs_per_thread": 4, "parallel_steps": "free"}),
+    ("run_env_steps", {"envs_per_thread": 4, "num_workers": 2}),
+], ids=["env_time", "no lookahead", "flat, one thread", "free-running helpers",
+        "worker process"])
+def test_big_entries_read_from_the_last_steps_rows_equal_a_copied_carrier(call: str, kwargs: dict[str, Any]):
+    lazy, copied = _frame_batches(True, call, **kwargs), _frame_batches(False, call, **kwargs)
+    for a, b in zip(lazy, copied):
+        for key in b.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_first():
+    batches = _frame_batches(True, "run_env_steps", episodes_after=2)
+    previous_next: torch.Tensor | None = None
+    for batch in batches:
+        obs, nxt = _decode(batch["observation"]), _decode(batch["next", "observation"])
+        done = batch["next", "done"].squeeze(-1)
+        first = obs[:, 0]
+        if previous_next is not None:  # across calls: where the last call left each env (or a reset)
+            carried = first == previous_next
+            fresh = first % 100 == 0
+            assert (carried | fresh).all()
+        assert torch.equal(obs[:, 1:][~done[:, :-1]], nxt[:, :-1][~done[:, :-1]])
+        assert (obs[:, 1:][done[:, :-1]] % 100 == 0).all(), "after a done step: a reset's t = 0"
+        previous_next = nxt[:, -1]
