@@ -4,7 +4,9 @@ carrier; both give the same values as fresh arrays and copies."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,3 +196,31 @@ def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_f
         assert torch.equal(obs[:, 1:][~done[:, :-1]], nxt[:, :-1][~done[:, :-1]])
         assert (obs[:, 1:][done[:, :-1]] % 100 == 0).all(), "after a done step: a reset's t = 0"
         previous_next = nxt[:, -1]
+
+
+def test_a_big_recurrent_state_is_carried_as_the_copied_carrier_carries_it():
+    """An LSTM state of 1024 floats (4 KB a row) is a big carried entry too: same batches either way."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import ppo_lstm_cartpole
+
+    def batches(lazy: bool) -> list[TensorDict]:
+        saved = worker_module._LAZY_BYTES
+        worker_module._LAZY_BYTES = saved if lazy else 1 << 62
+        try:
+            torch.manual_seed(0)
+            actor, _ = ppo_lstm_cartpole.make_networks(obs_dim=2, n_actions=2, hidden=1024, memory="lstm")
+            collector = ThreadedCollector(ppo_lstm_cartpole.make_env, actor, frames_per_batch=4 * 24,
+                                          total_frames=3 * 4 * 24, num_envs=4, envs_per_thread=4, seed=0)
+            try:
+                assert bool(collector.loop._workers[0]._lazy) == lazy
+                return [batch.clone() for batch in collector]
+            finally:
+                collector.shutdown()
+        finally:
+            worker_module._LAZY_BYTES = saved
+
+    lazy, copied = batches(True), batches(False)
+    assert any(b["next", "done"].any() for b in copied) and not (lazy[1]["recurrent_state_h"][:, 0] == 0).all()
+    for a, b in zip(lazy, copied):
+        for key in b.keys(True, True):
+            assert torch.equal(a[key], b[key]), key
