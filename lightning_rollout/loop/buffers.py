@@ -132,7 +132,8 @@ class BatchPool:
     full before it is read, as with ``np.empty``. Holds up to ``keep`` batches' columns
     after the caller dropped them (memory the kernel would otherwise take back).
 
-    Not thread-safe: used by one driver call at a time.
+    :meth:`allocate` is not thread-safe: one driver call at a time uses it. :meth:`clear` may run
+    in any thread meanwhile (``MultiEnvLoop.close``): it swaps the list, never mutates it.
 
     Args:
         layout: the columns.
@@ -148,21 +149,22 @@ class BatchPool:
     def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         """Columns with leading dims ``rows``: recycled ones nothing references, else fresh ones."""
         lead = (rows,) if isinstance(rows, int) else tuple(rows)
-        for i, (shape, columns) in enumerate(self._kept):
+        kept = self._kept
+        for i, (shape, columns) in enumerate(kept):
             if shape == lead and _max_refcount(columns) <= _UNREFERENCED:
-                del self._kept[i]
-                self._kept.append((lead, columns))
+                del kept[i]
+                kept.append((lead, columns))
                 self.reused += 1
                 return columns
         columns = self.layout.allocate(lead)
         if self.keep:
-            self._kept.append((lead, columns))
-            del self._kept[:-self.keep]
+            kept.append((lead, columns))
+            del kept[:-self.keep]
         return columns
 
     def clear(self) -> None:
         """Drop every kept batch's columns (the loop is closing)."""
-        self._kept.clear()
+        self._kept = []
 
 
 def check_entries(values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> str | None:
