@@ -23,7 +23,7 @@ from process_helpers import frame_envs
 
 
 class _Columns:
-    """A stand-in layout: one float column of 3 per row."""
+    """A stand-in layout: a float column of 3 per row and a flag column."""
 
     def allocate(self, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
         return {"x": np.empty((*lead, 3)), "flag": np.empty(lead, dtype=bool)}
