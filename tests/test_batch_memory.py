@@ -4,8 +4,9 @@ carrier; both give the same values as fresh arrays and copies."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,14 +140,23 @@ def _decode(obs: torch.Tensor) -> torch.Tensor:
     return code.long()
 
 
+@contextlib.contextmanager
+def _carried_lazily(lazy: bool) -> Iterator[None]:
+    """Loops built inside read big entries from the last step's rows (``lazy``) or copy them (the old path)."""
+    saved = worker_module._LAZY_BYTES
+    worker_module._LAZY_BYTES = saved if lazy else 1 << 62
+    try:
+        yield
+    finally:
+        worker_module._LAZY_BYTES = saved
+
+
 def _frame_batches(lazy: bool, call: str, *, num_workers: int = 1, envs_per_thread: int = 2, episodes_after: int = 5,
                    **kwargs: Any) -> list[TensorDict]:
     """Six calls of ``call`` on 4 FrameEnvs, copied as they come, with a reset of two envs after the
     fifth and two fresh episodes after call ``episodes_after`` (checked here: which envs play them is
     not reproducible, so batches after them differ from run to run)."""
-    saved = worker_module._LAZY_BYTES
-    worker_module._LAZY_BYTES = saved if lazy else 1 << 62
-    try:
+    with _carried_lazily(lazy):
         out: list[TensorDict] = []
         with MultiEnvLoop(frame_envs(4), frame_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
                           seed=2, **kwargs) as loop:
@@ -163,8 +173,6 @@ def _frame_batches(lazy: bool, call: str, *, num_workers: int = 1, envs_per_thre
                 if i == 4:
                     loop.reset_envs([1, 2])
         return out
-    finally:
-        worker_module._LAZY_BYTES = saved
 
 
 @pytest.mark.parametrize(("call", "kwargs"), [
@@ -204,20 +212,16 @@ def test_a_big_recurrent_state_is_carried_as_the_copied_carrier_carries_it():
     import ppo_lstm_cartpole
 
     def batches(lazy: bool) -> list[TensorDict]:
-        saved = worker_module._LAZY_BYTES
-        worker_module._LAZY_BYTES = saved if lazy else 1 << 62
-        try:
+        with _carried_lazily(lazy):
             torch.manual_seed(0)
             actor, _ = ppo_lstm_cartpole.make_networks(obs_dim=2, n_actions=2, hidden=1024, memory="lstm")
             collector = ThreadedCollector(ppo_lstm_cartpole.make_env, actor, frames_per_batch=4 * 24,
                                           total_frames=3 * 4 * 24, num_envs=4, envs_per_thread=4, seed=0)
-            try:
-                assert bool(collector.loop._workers[0]._lazy) == lazy
-                return [batch.clone() for batch in collector]
-            finally:
-                collector.shutdown()
+        try:
+            assert bool(collector.loop._workers[0]._lazy) == lazy
+            return [batch.clone() for batch in collector]
         finally:
-            worker_module._LAZY_BYTES = saved
+            collector.shutdown()
 
     lazy, copied = batches(True), batches(False)
     assert any(b["next", "done"].any() for b in copied) and not (lazy[1]["recurrent_state_h"][:, 0] == 0).all()

@@ -94,6 +94,7 @@ class Worker:
         # before anything else reads or writes them, and before a batch is handed over.
         self._lazy = [(k, src) for k, src in layout.advance
                       if int(np.prod(layout.carried[k].shape)) * layout.carried[k].dtype.itemsize >= _LAZY_BYTES]
+        self._eager = [pair for pair in layout.advance if pair not in self._lazy]  # copied into ``cur`` each step
         self._carry: dict[NestedKey, np.ndarray] | None = None
         self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
         self.step_count = np.zeros(self.rows, dtype=np.int64)
@@ -261,13 +262,12 @@ class Worker:
         stats[:, _S_TRUNCATED] = truncated
         stats[:, _S_DONE] = done
         if self._lazy and isinstance(sel, slice):  # the whole block: big entries stay where the step wrote them
-            self._carry = carry = {k: cols[src][rows] for k, src in self._lazy}
-            for k, src in layout.advance:
-                if k not in carry:
-                    self.cur[k][sel] = cols[src][rows]
-            return done
-        self._settle_carry()
-        for k, src in layout.advance:
+            self._carry = {k: cols[src][rows] for k, src in self._lazy}
+            advance = self._eager
+        else:
+            self._settle_carry()
+            advance = layout.advance
+        for k, src in advance:
             self.cur[k][sel] = cols[src][rows]
         return done
 
