@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop.auto import EnvTiming, choose_layout
+from lightning_rollout.loop.process import _SPIN_S, spin_seconds
 from process_helpers import CountEnv as CountEnvFactory
 from process_helpers import balance_policy, count_envs, zero_policy
 
@@ -82,6 +84,34 @@ def test_failed_reset_in_the_second_process_of_a_split_block_names_that_env_afte
     assert "(in worker process 1)" in str(info.value)
     partial = info.value.partial
     assert partial is not None and partial.shape == (4, 5) and partial["next", "done"][3, -1].item()
+
+
+def test_a_child_spins_for_its_next_request_only_with_one_part_and_a_core_for_every_busy_process():
+    assert spin_seconds(1, 1, 2) == _SPIN_S > 0  # one worker + this process on two cores: spins
+    assert spin_seconds(1, 3, 4) == _SPIN_S
+    assert spin_seconds(2, 1, 8) == 0.0  # two server threads in one child: a spin would hold the other's GIL
+    assert spin_seconds(1, 2, 2) == 0.0  # more busy processes than cores: a spin would take a core another needs
+    assert spin_seconds(1, 1, 1) == 0.0
+
+
+def test_an_idle_worker_process_stops_spinning_and_blocks(monkeypatch):
+    """A spinning child polls its pipe for at most ``_SPIN_S`` after each request: left idle for half a
+    second (the caller training between batches), it uses a few milliseconds of CPU, not the half second."""
+    import psutil
+
+    from lightning_rollout.loop import auto
+
+    monkeypatch.setattr(auto, "usable_cores", lambda: 8)  # a core for each process, whatever runs the tests
+    with MultiEnvLoop(count_envs(4), zero_policy, num_workers=2, envs_per_thread=4, lookahead=False) as loop:
+        assert loop._pool.spins == [_SPIN_S]
+        batch = loop.run_env_steps(20)
+        assert batch["next", "observation"][:, -1, 2].tolist() == [5.0, 5.0, 5.0, 5.0]  # episodes of 5 steps
+        child = psutil.Process(loop._pool.processes[0].pid)
+        before = sum(child.cpu_times()[:2])
+        threading.Event().wait(0.5)  # idle
+        used = sum(child.cpu_times()[:2]) - before
+        assert used < 0.1, f"the idle worker process used {used:.3f} s of CPU in 0.5 s"
+        assert loop.run_env_steps(5)["next", "observation"].shape == (4, 5, 3)  # and still answers
 
 
 @pytest.mark.parametrize("envs_per_thread", [2, 4], ids=["whole blocks", "one block split over both"])
