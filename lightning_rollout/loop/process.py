@@ -44,13 +44,14 @@ reads.
 Waiting: a child that serves one part, on a machine with a core for each process
 that steps envs (the main process counted), polls its pipe for up to ``_SPIN_S``
 (2 ms) before it blocks on it, so the next step's request finds it running. Each
-step's request is on the critical path of the round, and on a virtual machine
-waking a vCPU that went idle costs tens to hundreds of microseconds (measured on 2
-cores: HalfCheetah +18%, the GIL-bound env +4-8%, Pong unchanged;
-``docs/performance.rst``). The poll releases the GIL at each call, the spin is
-bounded, and with fewer cores than busy processes, or several parts (server threads)
-in one child, nobody spins: a spinning thread would take the core or the GIL another
-needs. Every other wait blocks.
+step's request is on the critical path of the round, and waking a blocked child
+costs more than the poll (on a virtual machine an idle vCPU halts and is woken
+through the hypervisor). Measured on 2 cores, ``num_workers=2``: HalfCheetah +15-30%,
+the GIL-bound env +11%, Pong +2-7% (``benchmarks/PROFILE.md``, round seven). The poll
+releases the GIL at each call, the spin is bounded, and with fewer cores than busy
+processes, or several parts (server threads) in one child, nobody spins: a spinning
+thread would take the core or the GIL another needs. Every other wait blocks (a
+spin in the parent while it waits for a reply measured within noise).
 
 Lifetime: children start with the ``spawn`` method (safe with CUDA in the parent),
 ignore SIGINT (Ctrl-C is the parent's to handle), run torch with one thread, and
@@ -597,7 +598,7 @@ class WorkerProcesses:
         self.process_of: list[int] = []  # part -> process index (0: the main process when local)
         self._closed = False
         self._remote: list[RemoteEnvs] = []  # the children's parts (closed by close() even if construction fails)
-        from .auto import usable_cores
+        from .auto import usable_cores  # here: auto imports this module
 
         children = num_workers - 1 if local else num_workers
         cores = usable_cores()
