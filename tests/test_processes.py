@@ -19,7 +19,7 @@ import torch
 
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
-from lightning_rollout.loop.auto import EnvTiming, choose_layout
+from lightning_rollout.loop.auto import EnvTiming, cgroup_cpu_limit, choose_layout
 from lightning_rollout.loop.process import _SPIN_S, spin_seconds
 from process_helpers import CountEnv as CountEnvFactory
 from process_helpers import balance_policy, count_envs, zero_policy
@@ -238,6 +238,45 @@ def test_worker_processes_exit_when_the_main_process_is_killed():
         if proc.poll() is None:
             proc.kill()
         script.unlink(missing_ok=True)
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> float | None:
+    """:func:`cgroup_cpu_limit` of a process whose ``/proc/self/cgroup`` reads ``proc``, over ``files``."""
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(proc)
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+
+
+def test_cgroup_cpu_limit_reads_v2_and_v1_quotas_and_none_without_one(tmp_path):
+    v2 = "0::/kubepods/pod1\n"
+    assert _cgroup(tmp_path / "a", v2, {"kubepods/pod1/cpu.max": "150000 100000\n"}) == 1.5
+    assert _cgroup(tmp_path / "b", v2, {"kubepods/pod1/cpu.max": "max 100000\n"}) is None
+    assert _cgroup(tmp_path / "c", "0::/\n", {"cpu.max": "200000 100000"}) == 2.0  # a container: its own root
+    v1 = "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"  # hybrid: the cpu controller is v1
+    assert _cgroup(tmp_path / "d", v1, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
+                                        "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}) == 3.0
+    assert _cgroup(tmp_path / "e", "3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}) is None
+    assert _cgroup(tmp_path / "f", v1, {}) is None  # no cgroup files
+    assert _cgroup(tmp_path / "g", v2, {"kubepods/pod1/cpu.max": "garbage"}) is None
+    assert cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path)) is None  # not Linux
+
+
+def test_usable_cores_are_capped_by_a_containers_cpu_limit(monkeypatch):
+    from lightning_rollout.loop import auto
+
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: None)
+    affinity = auto.usable_cores()  # the CPU affinity alone
+    assert affinity >= 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1.5)  # --cpus=1.5: one whole core
+    assert auto.usable_cores() == 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 0.5)
+    assert auto.usable_cores() == 1  # at least one
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1000.0)
+    assert auto.usable_cores() == affinity  # a limit above the affinity changes nothing
 
 
 def test_auto_layout_rule():

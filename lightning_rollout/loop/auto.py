@@ -54,7 +54,8 @@ from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
 from .process import steps_in_main_process
 
-__all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "choose_layout", "measure_env", "usable_cores"]
+__all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "cgroup_cpu_limit", "choose_layout", "measure_env",
+           "usable_cores"]
 
 log = logging.getLogger("lightning_rollout")
 
@@ -96,11 +97,63 @@ class LayoutChoice:
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on."""
+    """CPU cores this process may run on: its CPU affinity, capped by its cgroup's CPU limit when one is set
+    (a container's ``--cpus``, a Kubernetes CPU limit: whole cores, at least 1; see :func:`cgroup_cpu_limit`)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return cores if limit is None else max(1, min(cores, int(limit)))
+
+
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU limit of this process's cgroup, in cores (quota / period), or ``None`` when there is none or it
+    cannot be read (not Linux, no cgroup files).
+
+    Reads cgroup v2's ``cpu.max`` (``"max 100000"``: no limit; ``"150000 100000"``: 1.5 cores) under the
+    process's cgroup path or at the mount root (a container sees its own cgroup there), else cgroup v1's
+    ``cpu.cfs_quota_us`` (``-1``: no limit) and ``cpu.cfs_period_us`` under the ``cpu`` controller. Never raises.
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        path = path.lstrip("/")
+        if controllers == "":  # cgroup v2
+            for folder in (os.path.join(root, path), root):
+                text = _read_text(os.path.join(folder, "cpu.max"))
+                if text is not None:
+                    quota, _, period = text.partition(" ")
+                    return None if quota == "max" else _ratio(quota, period)
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for mount in (os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")):
+                for folder in (os.path.join(mount, path), mount):
+                    quota = _read_text(os.path.join(folder, "cpu.cfs_quota_us"))
+                    period = _read_text(os.path.join(folder, "cpu.cfs_period_us"))
+                    if quota is not None and period is not None:
+                        return _ratio(quota, period)
+    return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    """``quota / period`` when both are positive integers, else ``None`` (no limit, or unreadable)."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def _count_for(seconds: float, stop: threading.Event | None = None) -> int:
