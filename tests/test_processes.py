@@ -262,6 +262,9 @@ def test_cgroup_cpu_limit_reads_v2_and_v1_quotas_and_none_without_one(tmp_path):
     assert _cgroup(tmp_path / "e", "3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}) is None
     assert _cgroup(tmp_path / "f", v1, {}) is None  # no cgroup files
     assert _cgroup(tmp_path / "g", v2, {"kubepods/pod1/cpu.max": "garbage"}) is None
+    # the kernel enforces every ancestor's limit: the smallest applies
+    assert _cgroup(tmp_path / "h", v2, {"kubepods/pod1/cpu.max": "max 100000", "kubepods/cpu.max": "400000 100000",
+                                        "cpu.max": "800000 100000"}) == 4.0
     assert cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path)) is None  # not Linux
 
 

@@ -111,32 +111,42 @@ def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
     """The CPU limit of this process's cgroup, in cores (quota / period), or ``None`` when there is none or it
     cannot be read (not Linux, no cgroup files).
 
-    Reads cgroup v2's ``cpu.max`` (``"max 100000"``: no limit; ``"150000 100000"``: 1.5 cores) under the
-    process's cgroup path or at the mount root (a container sees its own cgroup there), else cgroup v1's
-    ``cpu.cfs_quota_us`` (``-1``: no limit) and ``cpu.cfs_period_us`` under the ``cpu`` controller. Never raises.
+    Reads cgroup v2's ``cpu.max`` (``"max 100000"``: no limit; ``"150000 100000"``: 1.5 cores), else cgroup
+    v1's ``cpu.cfs_quota_us`` (``-1``: no limit) and ``cpu.cfs_period_us`` under the ``cpu`` controller, in
+    the process's cgroup folder and every folder above it up to the mount root (a container sees its own
+    cgroup there); the smallest limit found applies, as the kernel enforces every ancestor's. Never raises.
     """
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
+    limits: list[float] = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        path = path.lstrip("/")
+        parts = [p for p in path.split("/") if p]
         if controllers == "":  # cgroup v2
-            for folder in (os.path.join(root, path), root):
-                text = _read_text(os.path.join(folder, "cpu.max"))
-                if text is not None:
-                    quota, _, period = text.partition(" ")
-                    return None if quota == "max" else _ratio(quota, period)
+            mounts, read = [root], _v2_limit
         elif "cpu" in controllers.split(","):  # cgroup v1
-            for mount in (os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")):
-                for folder in (os.path.join(mount, path), mount):
-                    quota = _read_text(os.path.join(folder, "cpu.cfs_quota_us"))
-                    period = _read_text(os.path.join(folder, "cpu.cfs_period_us"))
-                    if quota is not None and period is not None:
-                        return _ratio(quota, period)
-    return None
+            mounts, read = [os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")], _v1_limit
+        else:
+            continue
+        for mount in mounts:
+            for depth in range(len(parts), -1, -1):  # the process's folder, then each one above it
+                limit = read(os.path.join(mount, *parts[:depth]))
+                if limit is not None:
+                    limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _v2_limit(folder: str) -> float | None:
+    quota, _, period = (_read_text(os.path.join(folder, "cpu.max")) or "").partition(" ")
+    return _ratio(quota, period)
+
+
+def _v1_limit(folder: str) -> float | None:
+    return _ratio(_read_text(os.path.join(folder, "cpu.cfs_quota_us")) or "",
+                  _read_text(os.path.join(folder, "cpu.cfs_period_us")) or "")
 
 
 def _read_text(path: str) -> str | None:
@@ -148,7 +158,8 @@ def _read_text(path: str) -> str | None:
 
 
 def _ratio(quota: str, period: str) -> float | None:
-    """``quota / period`` when both are positive integers, else ``None`` (no limit, or unreadable)."""
+    """``quota / period`` when both are positive integers, else ``None`` (``"max"``, ``-1``: no limit; or
+    unreadable)."""
     try:
         q, p = int(quota), int(period)
     except ValueError:
