@@ -259,7 +259,8 @@ def test_cgroup_cpu_limit_reads_v2_and_v1_quotas_and_none_without_one(tmp_path):
     v1 = "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"  # hybrid: the cpu controller is v1
     assert _cgroup(tmp_path / "d", v1, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
                                         "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}) == 3.0
-    assert _cgroup(tmp_path / "e", "3:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}) is None
+    unlimited_v1 = {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    assert _cgroup(tmp_path / "e", "3:cpu:/\n", unlimited_v1) is None
     assert _cgroup(tmp_path / "f", v1, {}) is None  # no cgroup files
     assert _cgroup(tmp_path / "g", v2, {"kubepods/pod1/cpu.max": "garbage"}) is None
     # the kernel enforces every ancestor's limit: the smallest applies
