@@ -117,6 +117,16 @@ def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None
     return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc)))
 
 
+def _pipe_poller(conn: Any) -> Any:
+    """A ``select.poll`` object watching ``conn`` for input, made once per pipe (``Connection.poll``
+    builds a selector on every call); ``None`` where ``select.poll`` is missing (Windows)."""
+    if not hasattr(select, "poll"):
+        return None
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return poller
+
+
 def spin_seconds(parts: int, children: int, cores: int) -> float:
     """How long a child serving ``parts`` parts spins for its next request (see "Waiting" in the module
     docs): ``_SPIN_S`` when it serves one part and the ``children`` worker processes and the main
@@ -181,9 +191,7 @@ class _BlockServer:
 
     def serve(self) -> None:
         conn, spin = self.conn, self.spin
-        poller = select.poll() if spin and hasattr(select, "poll") else None
-        if poller is not None:
-            poller.register(conn.fileno(), select.POLLIN)
+        poller = _pipe_poller(conn) if spin else None
         while True:
             if poller is not None:  # poll for the next request a little before blocking on it (module docs)
                 deadline = time.perf_counter() + spin
@@ -301,10 +309,7 @@ class RemoteEnvs:
     def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int, index: int) -> None:
         self.pool, self.process, self.conn, self.rows = pool, process, conn, rows
         self.index = index  # the worker process's index, named in errors
-        # One poll object for the pipe, made once (Connection.poll builds a selector on every call).
-        self._poller = select.poll() if hasattr(select, "poll") else None
-        if self._poller is not None:
-            self._poller.register(conn.fileno(), select.POLLIN)
+        self._poller = _pipe_poller(conn)
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
         self.root: dict[NestedKey, np.ndarray] = {}
