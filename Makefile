@@ -7,7 +7,7 @@ CONSTRAINTS ?= .ci/constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install test test-slow demo docs bench bench-quick bench-real clean
+.PHONY: help install test test-slow demo docs bench bench-quick bench-real bench-gpu bench-scaling clean
 
 help:
 	@echo "make demo       train PPO on CartPole for a short budget, TensorBoard logs + learning curve"
@@ -16,6 +16,8 @@ help:
 	@echo "make docs       build the Sphinx docs (warnings are errors) into docs/_build/html"
 	@echo "make bench      benchmarks against the peers; writes benchmarks/results/"
 	@echo "make bench-real the same on real envs (MuJoCo HalfCheetah, ALE Pong, envpool); installs the bench-real extra"
+	@echo "make bench-gpu  the heavy-policy scenario with every policy on the GPU (needs a CUDA build of torch)"
+	@echo "make bench-scaling  1-16 worker processes on a GIL-bound env (for a machine with 16 cores or more)"
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +45,12 @@ bench: $(STAMP)
 bench-real: $(STAMP)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[bench-real]'
 	$(PY) -m benchmarks --group real --out benchmarks/results/real
+
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks --scenario heavy_policy --policy-device cuda --out benchmarks/results/gpu
+
+bench-scaling: $(STAMP)
+	$(PY) -m benchmarks --group scaling --out benchmarks/results/scaling
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick --out benchmarks/results/quick

@@ -16,13 +16,15 @@ __all__ = ["main", "run_scenario"]
 
 
 def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[str] | None = None,
-                 processes: bool = True, frames_scale: float = 1.0, log: Any = print) -> dict[str, Any]:
-    """Run every contender of ``scenario`` (filtered by glob patterns ``contenders``) in this process tree."""
+                 processes: bool = True, frames_scale: float = 1.0, policy_device: str = "cpu",
+                 log: Any = print) -> dict[str, Any]:
+    """Run every contender of ``scenario`` (filtered by glob patterns ``contenders``) in this process tree,
+    every policy on ``policy_device``."""
     from .harness import measure
     from .report import evaluate_targets
     from .scenarios import PROCESS_CONTENDERS
 
-    workload = scenario.workload(quick)
+    workload = scenario.workload(quick, policy_device=policy_device)
     frames = scenario.frame_count(workload, quick)
     if not quick and frames_scale != 1.0:
         frames = max(workload.frames_per_batch, round(frames * frames_scale / workload.frames_per_batch)
@@ -30,7 +32,7 @@ def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[s
     entry: dict[str, Any] = {
         "name": scenario.name, "title": scenario.title, "env_id": scenario.env_id, "num_envs": scenario.num_envs,
         "hidden": list(scenario.hidden), "frames": frames, "frames_per_batch": workload.frames_per_batch,
-        "repeats": repeats, "track_memory": scenario.track_memory, "note": scenario.note,
+        "repeats": repeats, "policy_device": policy_device, "track_memory": scenario.track_memory, "note": scenario.note,
         "targets": [dataclasses.asdict(t) for t in scenario.targets], "extras": {}, "results": {}}
     reason = scenario.requires()
     if reason:
@@ -60,9 +62,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny frame counts: a smoke run of seconds per scenario")
-    parser.add_argument("--group", choices=("core", "real", "all"), default="core",
+    parser.add_argument("--group", choices=("core", "real", "scaling", "all"), default="core",
                         help="which scenarios run by default: core (synthetic envs, CartPole; default), real "
-                             "(MuJoCo, ALE, envpool: the bench-real extra) or all")
+                             "(MuJoCo, ALE, envpool: the bench-real extra), scaling (1-16 worker processes: a "
+                             "machine with 16 cores) or all")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), metavar="NAME",
                         help=f"run only these (repeatable; default all: {', '.join(SCENARIOS)})")
     parser.add_argument("--contender", action="append", metavar="GLOB",
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads in this process (default %(default)s: the small policies lose "
                              "far more to thread wake-ups than they gain, and every contender gets the same)")
+    parser.add_argument("--policy-device", default="cpu",
+                        help="where every contender's policy runs, e.g. cuda (default %(default)s); the envs stay "
+                             "on the CPU and each step's observations and actions cross to and from that device")
     parser.add_argument("--out", default="benchmarks/results", help="output folder (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3; 2 with --quick)")
     args = parser.parse_args(argv)
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         report["scenarios"].append(run_scenario(SCENARIOS[name], quick=args.quick, repeats=repeats,
                                                 contenders=args.contender, processes=not args.no_processes,
-                                                frames_scale=args.frames_scale))
+                                                frames_scale=args.frames_scale,
+                                                policy_device=args.policy_device))
     paths = write_all(report, args.out)
     print("wrote " + ", ".join(paths.values()))
     return report

@@ -6,7 +6,7 @@ A :class:`Session` is built once (setup is not timed), warmed up, then asked
 transitions were delivered and returns how many were.
 
 Policy: :func:`make_mlp` builds the MLP (``4-64-64-2`` or wider) once per
-workload. TorchRL-protocol contenders (ours included) get it as a
+workload, on the workload's ``policy_device`` (the CPU unless ``--policy-device``). TorchRL-protocol contenders (ours included) get it as a
 ``TensorDictModule`` actor writing a one-hot greedy ``action`` (torchrl's
 CartPole action format); the gymnasium loops call the same weights as a plain
 batched callable returning action indices.
@@ -89,11 +89,12 @@ class Workload:
     num_envs: int
     frames_per_batch: int
     hidden: tuple[int, ...] = (64, 64)
+    policy_device: str = "cpu"  # where every contender's policy runs ("cuda": ``--policy-device cuda``)
     net: torch.nn.Module = field(init=False)
 
     def __post_init__(self) -> None:
         obs_dim, n_actions, self.continuous, self.pixels = env_shape(self.env_id)
-        self.net = make_mlp(self.hidden, obs_dim=obs_dim, n_actions=n_actions)
+        self.net = make_mlp(self.hidden, obs_dim=obs_dim, n_actions=n_actions).to(self.policy_device)
 
     def actor(self, *, torchrl_env: bool = False) -> TensorDictModule:
         """The TorchRL actor (one-hot ``action``, or a continuous one). It reads ``"observation"``, or
@@ -105,12 +106,17 @@ class Workload:
     def callable_policy(self) -> Callable[[np.ndarray], np.ndarray]:
         """The same weights as a plain batched callable ``obs[N, ...] -> actions[N, ...]`` (indices if discrete)."""
         actor = GreedyActor(self.net, one_hot=False, continuous=self.continuous, pixels=self.pixels)
+        device = torch.device(self.policy_device)
 
         def act(obs: np.ndarray) -> np.ndarray:
             with torch.no_grad():
                 return actor(torch.from_numpy(np.asarray(obs))).numpy()
 
-        return act
+        def act_on_device(obs: np.ndarray) -> np.ndarray:  # observations in, actions back: every step, as ours
+            with torch.no_grad():
+                return actor(torch.from_numpy(np.asarray(obs)).to(device)).cpu().numpy()
+
+        return act if device.type == "cpu" else act_on_device
 
     def gym_envs(self) -> list[Callable[[], gym.Env]]:
         return [bench_envs.gym_factory(self.env_id)] * self.num_envs
@@ -160,13 +166,19 @@ def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int | st
 
 
 # -- torchrl --------------------------------------------------------------------------------------------------
+def _devices(w: Workload) -> dict[str, str]:
+    """TorchRL's collectors need ``policy_device`` named to move each step's data to a policy off the CPU."""
+    return {} if w.policy_device == "cpu" else {"policy_device": w.policy_device}
+
+
 def torchrl_serial(w: Workload) -> Session:
     """torchrl ``Collector(SerialEnv(num_envs))``."""
     from torchrl.collectors import Collector
     from torchrl.envs import SerialEnv
 
     env = SerialEnv(w.num_envs, w.torchrl_envs(1)[0])
-    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1))
+    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch,
+                                        total_frames=-1, **_devices(w)))
 
 
 def torchrl_parallel(w: Workload) -> Session:
@@ -175,7 +187,8 @@ def torchrl_parallel(w: Workload) -> Session:
     from torchrl.envs import ParallelEnv
 
     env = ParallelEnv(w.num_envs, w.torchrl_envs(1)[0])
-    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1))
+    return _collector_session(Collector(env, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch,
+                                        total_frames=-1, **_devices(w)))
 
 
 def torchrl_multisync(w: Workload) -> Session:
@@ -186,7 +199,8 @@ def torchrl_multisync(w: Workload) -> Session:
     while w.num_envs % workers:
         workers -= 1
     make = [_SerialFactory(w.num_envs // workers, w.env_id)] * workers
-    collector = MultiSyncCollector(make, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1)
+    collector = MultiSyncCollector(make, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1,
+                                   **_devices(w))
     return _collector_session(collector)
 
 

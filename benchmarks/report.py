@@ -32,7 +32,8 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
             "torch": torch.__version__, "torchrl": torchrl.__version__, "tensordict": tensordict.__version__,
-            "gymnasium": gymnasium.__version__, "torch_threads": torch.get_num_threads()}
+            "gymnasium": gymnasium.__version__, "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def _is_ours(name: str) -> bool:
@@ -80,6 +81,8 @@ def _scenario_table(s: dict[str, Any]) -> list[str]:
     if "ideal_steps_per_s" in extras:
         lines.append(f"Measured step time {extras['step_time_s'] * 1e3:.3f} ms: ideal "
                      f"num_envs / step_time = {extras['ideal_steps_per_s']:,.0f} steps/s.")
+    if s.get("policy_device", "cpu") != "cpu":
+        lines.append(f"Every contender's policy runs on `{s['policy_device']}`; the envs run on the CPU.")
     if s.get("note"):
         lines.append(s["note"])
     lines.append("")
@@ -125,7 +128,7 @@ def write_table(report: dict[str, Any], path: str) -> None:
     lines = ["# lightning_rollout benchmarks", "",
              f"Machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, torch {m['torch']} "
              f"({m['torch_threads']} intra-op threads), torchrl {m['torchrl']}, tensordict {m['tensordict']}, "
-             f"gymnasium {m['gymnasium']}.", f"Command: `{report['command']}`"
+             f"gymnasium {m['gymnasium']}." + (f" GPU: {m['gpu']}." if m.get("gpu") else ""), f"Command: `{report['command']}`"
              + (" (quick: tiny frame counts, figures are not meaningful)" if report["quick"] else ""), ""]
     for s in report["scenarios"]:
         lines += _scenario_table(s)

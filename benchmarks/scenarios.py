@@ -36,7 +36,7 @@ PEERS: dict[str, Builder] = {
 NEXT_STEP = "gym SyncVectorEnv loop (NEXT_STEP autoreset)"  # reset steps counted as frames: see contenders.gym_sync
 # Peers that start worker processes (slow to start; ``--no-processes`` leaves them out).
 PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollector", "gym AsyncVectorEnv loop",
-                      "threaded num_workers=2"}
+                      "threaded num_workers=2 ept=8", *(f"threaded num_workers={w}" for w in (2, 4, 8, 16))}
 LOCK_STEP = ["gym SyncVectorEnv loop", "torchrl Collector(SerialEnv)", "torchrl Collector(ParallelEnv)"]
 
 
@@ -71,11 +71,12 @@ class Scenario:
     ideal_from_step_time: bool = False
     requires: Callable[[], str | None] = lambda: None  # a reason to skip, or None
     note: str = ""
-    group: str = "core"  # "core": `make bench`; "real": `make bench-real` (the bench-real extra)
+    group: str = "core"  # "core": `make bench`; "real": `make bench-real` (the bench-real extra); "scaling"
 
-    def workload(self, quick: bool) -> c.Workload:
+    def workload(self, quick: bool, policy_device: str = "cpu") -> c.Workload:
         per_env = 2 if quick else self.steps_per_env_per_batch
-        return c.Workload(self.env_id, self.num_envs, self.num_envs * per_env, hidden=self.hidden)
+        return c.Workload(self.env_id, self.num_envs, self.num_envs * per_env, hidden=self.hidden,
+                          policy_device=policy_device)
 
     def frame_count(self, workload: c.Workload, quick: bool) -> int:
         return workload.frames_per_batch * self.quick_batches if quick else self.frames
@@ -194,6 +195,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         requires=real_envs_available, group="real")
       for name, env_id, frames, a, b in (("halfcheetah", "HalfCheetah-v5", 32_000, 0.8, 1.2),
                                          ("pong", "ALE/Pong-v5", 16_000, 1.0, 1.3))],
+    *[Scenario(
+        name, f"Scaling: GIL-bound env (100 us of pure Python a step), {n} envs, one block over 1-16 processes",
+        GIL_BOUND, n, frames, per_env,
+        {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
+         **{f"threaded num_workers={w}": _threaded(num_workers=w, envs_per_thread=n) for w in (1, 2, 4, 8, 16)},
+         **{k: PEERS[k] for k in ("gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
+        group="scaling",
+        note="Checks the projection in docs/performance.rst (a step costs about env / w + the main process's "
+             "serial part): run it on a machine with 16 or more cores (`python -m benchmarks --group scaling`).")
+      for name, n, frames, per_env in (("scaling", 16, 32_000, 32), ("scaling64", 64, 64_000, 16))],
     Scenario(
         "lightning", "Lightning overhead: Trainer.fit + RolloutDataModule vs plain loop, CartPole, 8 envs",
         CARTPOLE, 8, 51_200, 128,

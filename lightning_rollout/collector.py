@@ -137,10 +137,13 @@ class ThreadedCollector(BaseCollector):
             GAE / on-policy losses). ``"flat"``: ``[frames_per_batch]`` in arrival
             order (for replay buffers).
         device: default for ``policy_device`` and ``storing_device``.
-        storing_device: where batches are delivered (default CPU).
+        storing_device: where batches are delivered (default: ``device``, else
+            ``env_device``, else the CPU, as TorchRL's collectors deliver them).
         policy_device: where the policy runs (default: where its parameters are).
             A device other than the policy's own makes the collector act with a copy.
-        env_device: accepted for TorchRL compatibility; envs run on the CPU in their threads.
+        env_device: accepted for TorchRL compatibility: envs run on the CPU in their
+            threads, and batches are delivered there when ``storing_device`` and
+            ``device`` are unset (TorchRL's collectors leave them on the env's device).
         create_env_kwargs: keyword arguments for ``create_env_fn``.
         max_frames_per_traj: truncate episodes at this length (TorchRL's ``StepCounter``
             for a TorchRL env).
@@ -325,7 +328,7 @@ class ThreadedCollector(BaseCollector):
         self.postproc = postproc
         self.on_policy = on_policy
         self.max_frames_per_traj = max_frames_per_traj
-        self.storing_device = torch.device(storing_device or device or "cpu")
+        self.storing_device = torch.device(storing_device or device or env_device or "cpu")
         self.env_device = torch.device(env_device) if env_device is not None else None
         self.processor = processor
         self.interrupter = interrupter

@@ -108,11 +108,15 @@ class FlippingAgent(pl.LightningModule):
         return torch.optim.SGD([self.bias], lr=10.0)
 
 
-def test_on_policy_batches_are_acted_by_the_weights_of_the_latest_optimizer_step():
+@pytest.mark.parametrize("accelerator", [
+    "cpu",
+    pytest.param("gpu", marks=[pytest.mark.cuda,
+                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_on_policy_batches_are_acted_by_the_weights_of_the_latest_optimizer_step(accelerator):
     dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32,
                            exploration_type=ExplorationType.DETERMINISTIC)
     model = FlippingAgent()
-    make_trainer(max_steps=4).fit(model, datamodule=dm)
+    make_trainer(max_steps=4, accelerator=accelerator).fit(model, datamodule=dm)
 
     records = model.records
     assert len(records) == 4

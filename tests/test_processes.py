@@ -300,7 +300,14 @@ def test_auto_layout_rule():
     assert choose_layout(32, cheap, cores=2).num_workers == 1  # 32 CartPoles: 160 us, not worth it either
     assert choose_layout(16, mujoco, cores=2, round_trip_s=1e-3).num_workers == 1
     assert choose_layout(16, gil_bound, cores=2, expected_frames=20_000).num_workers == 1  # 0.3 s saved: not worth it
-    assert choose_layout(8, gil_bound, cores=16).num_workers == 8  # at most one process per env
+    assert choose_layout(4, gil_bound, cores=16, share_s=50e-6).num_workers == 4  # at most one process per env
+    # many cores: at most as many processes as give each 200 us of env time a step
+    assert choose_layout(8, gil_bound, cores=16).num_workers == 4
+    many = choose_layout(16, gil_bound, cores=16)
+    assert many.num_workers == 8 and "(a share of at least 200 us of env time each)" in many.reason
+    assert choose_layout(64, gil_bound, cores=16).num_workers == 16  # 6.4 ms a step: a process a core
+    assert choose_layout(16, mujoco, cores=16).num_workers == 4  # 960 us a step
+    assert choose_layout(32, cheap, cores=16).num_workers == 1  # two shares of 160 us: less than a round trip
     assert choose_layout(3, gil_bound, cores=16).num_workers == 1  # 200 us a step to spread: not worth it
     assert (choose_layout(16, gil_bound, cores=1).num_workers) == 1
     choice = choose_layout(16, releasing_slow, cores=2)  # one block, each env stepped in its own helper thread

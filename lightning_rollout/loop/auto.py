@@ -12,12 +12,17 @@ applies the rule documented in ``docs/tuning.rst``:
   trip to the children and back, and the copies out, cost 100-400 us a step
   here), unless the step releases the GIL and takes at least ``helper_s`` (500 us:
   a wait or a long C call; then threads, below). ``num_workers`` is
-  the core count (at most one process per env): the main process steps the first
+  the core count (at most one process per env, and see ``share_s`` below): the main process steps the first
   share itself and ``num_workers - 1`` children the others, all driven by one
   thread of the main process that sends every child its share of each step, steps
   its own, and gathers the replies. This covers envs that hold the GIL (pure
   Python, ALE; a step under ``cheap_s`` is not measured and counts as holding it)
-  and short steps of many envs (MuJoCo: 16 HalfCheetahs of 60 us). Not when the run
+  and short steps of many envs (MuJoCo: 16 HalfCheetahs of 60 us). At most as many
+  processes as give each a share of at least ``share_s`` (200 us) of env time a step
+  (16 envs of 100 us: 8 processes): each process adds its send, reply and copy out to
+  the driving thread's serial part of every step, and on 16 cores 16 processes of one
+  such env each measured slower than 8 (``docs/performance.rst``). On two cores this
+  changes nothing: two processes whenever processes pay. Not when the run
   is known to be too short to repay the children's start-up (``expected_frames``
   steps would save less than ``startup_s``, 10 s: spawning a process that imports
   torch takes seconds), or when the env factory cannot be pickled (then threads,
@@ -227,7 +232,7 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
                   thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 300e-6,
-                  helper_s: float = 500e-6,
+                  helper_s: float = 500e-6, share_s: float = 200e-6,
                   expected_frames: int | None = None, num_workers: int | str = "auto",
                   envs_per_thread: int | str = "auto") -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
@@ -239,7 +244,9 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     step_us = timing.step_s * 1e6
     if num_workers == "auto":
         holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
-        processes = min(cores, num_envs)
+        # every process's share of a step at least share_s of env time: past that, each further process adds
+        # its send, reply and copy out to the one driving thread's serial part more than it takes off the others
+        processes = min(cores, num_envs, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
         speedup = _TWO_CORE_SPEEDUP if cores == 2 else processes
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)  # env time a step the children take over
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
@@ -256,7 +263,9 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         else:
             num_workers = processes
             why = (f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each step of the "
-                   f"{num_envs} envs for other processes: {num_workers} processes on {cores} cores")
+                   f"{num_envs} envs for other processes: {num_workers} processes on {cores} cores"
+                   + ("" if num_workers == min(cores, num_envs) else
+                      f" (a share of at least {share_s * 1e6:.0f} us of env time each)"))
     elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
         num_workers = 1
         why = "the env factory cannot be pickled for worker processes: threads of the main process"
