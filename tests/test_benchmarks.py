@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +65,29 @@ def test_quick_run_of_every_scenario(tmp_path):
     out = str(tmp_path / "quick")
     report = _run(out, "--no-processes", timeout=180)
     _check_report(report, out, [name for name, s in SCENARIOS.items() if s.group == "core"])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_policy_device_runs_every_contenders_policy_there_and_the_report_says_so(tmp_path, device):
+    out = str(tmp_path / "quick")
+    report = _run(out, "--scenario", "heavy_policy", "--contender", "threaded env_time",
+                  "--contender", "gym SyncVectorEnv loop", "--policy-device", device, timeout=180)
+    _check_report(report, out, ["heavy_policy"])
+    assert report["scenarios"][0]["policy_device"] == device
+    assert set(report["scenarios"][0]["results"]) == {"threaded env_time", "gym SyncVectorEnv loop"}
+    table = open(os.path.join(out, "table.md")).read()
+    assert (f"policy runs on `{device}`" in table) == (device != "cpu")
+
+
+def test_scaling_group_runs_its_scenarios_only(tmp_path):
+    out = str(tmp_path / "quick")
+    report = _run(out, "--group", "scaling", "--no-processes", timeout=240)  # 1 process, and the defaults
+    _check_report(report, out, ["scaling", "scaling64"])
+    for s in report["scenarios"]:
+        assert set(s["results"]) == {"threaded auto (defaults)", "threaded num_workers=1"}
 
 
 @pytest.mark.slow
