@@ -32,7 +32,8 @@ def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[s
     entry: dict[str, Any] = {
         "name": scenario.name, "title": scenario.title, "env_id": scenario.env_id, "num_envs": scenario.num_envs,
         "hidden": list(scenario.hidden), "frames": frames, "frames_per_batch": workload.frames_per_batch,
-        "repeats": repeats, "policy_device": policy_device, "track_memory": scenario.track_memory, "note": scenario.note,
+        "repeats": repeats, "policy_device": policy_device, "track_memory": scenario.track_memory,
+        "note": scenario.note,
         "targets": [dataclasses.asdict(t) for t in scenario.targets], "extras": {}, "results": {}}
     reason = scenario.requires()
     if reason:

@@ -6,7 +6,8 @@ A :class:`Session` is built once (setup is not timed), warmed up, then asked
 transitions were delivered and returns how many were.
 
 Policy: :func:`make_mlp` builds the MLP (``4-64-64-2`` or wider) once per
-workload, on the workload's ``policy_device`` (the CPU unless ``--policy-device``). TorchRL-protocol contenders (ours included) get it as a
+workload, on the workload's ``policy_device`` (the CPU unless
+``--policy-device``). TorchRL-protocol contenders (ours included) get it as a
 ``TensorDictModule`` actor writing a one-hot greedy ``action`` (torchrl's
 CartPole action format); the gymnasium loops call the same weights as a plain
 batched callable returning action indices.
@@ -199,8 +200,8 @@ def torchrl_multisync(w: Workload) -> Session:
     while w.num_envs % workers:
         workers -= 1
     make = [_SerialFactory(w.num_envs // workers, w.env_id)] * workers
-    collector = MultiSyncCollector(make, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch, total_frames=-1,
-                                   **_devices(w))
+    collector = MultiSyncCollector(make, w.actor(torchrl_env=True), frames_per_batch=w.frames_per_batch,
+                                   total_frames=-1, **_devices(w))
     return _collector_session(collector)
 
 

@@ -128,7 +128,8 @@ def write_table(report: dict[str, Any], path: str) -> None:
     lines = ["# lightning_rollout benchmarks", "",
              f"Machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, torch {m['torch']} "
              f"({m['torch_threads']} intra-op threads), torchrl {m['torchrl']}, tensordict {m['tensordict']}, "
-             f"gymnasium {m['gymnasium']}." + (f" GPU: {m['gpu']}." if m.get("gpu") else ""), f"Command: `{report['command']}`"
+             f"gymnasium {m['gymnasium']}." + (f" GPU: {m['gpu']}." if m.get("gpu") else ""),
+             f"Command: `{report['command']}`"
              + (" (quick: tiny frame counts, figures are not meaningful)" if report["quick"] else ""), ""]
     for s in report["scenarios"]:
         lines += _scenario_table(s)

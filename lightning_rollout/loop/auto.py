@@ -7,28 +7,29 @@ the env steps is the share of a step spent without the GIL. :func:`choose_layout
 applies the rule documented in ``docs/tuning.rst``:
 
 * worker processes, with at least two cores, when the env time of a step of all
-  envs that the other processes would take off the main process (``num_envs x
-  step time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (300 us: a round
-  trip to the children and back, and the copies out, cost 100-400 us a step
-  here), unless the step releases the GIL and takes at least ``helper_s`` (500 us:
-  a wait or a long C call; then threads, below). ``num_workers`` is
-  the core count (at most one process per env, and see ``share_s`` below): the main process steps the first
-  share itself and ``num_workers - 1`` children the others, all driven by one
-  thread of the main process that sends every child its share of each step, steps
-  its own, and gathers the replies. This covers envs that hold the GIL (pure
+  envs that the other processes would take off the main process (``num_envs x step
+  time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (300 us: a round trip to
+  the children and back, and the copies out, cost 100-400 us a step here), unless
+  the step releases the GIL and takes at least ``helper_s`` (500 us: a wait or a
+  long C call; then threads, below). ``num_workers`` is the core count (at most
+  one process per env, and see ``share_s`` below): the main process steps the
+  first share itself and ``num_workers - 1`` children the others, all driven by
+  one thread of the main process that sends every child its share of each step,
+  steps its own, and gathers the replies. This covers envs that hold the GIL (pure
   Python, ALE; a step under ``cheap_s`` is not measured and counts as holding it)
   and short steps of many envs (MuJoCo: 16 HalfCheetahs of 60 us). At most as many
-  processes as give each a share of at least ``share_s`` (200 us) of env time a step
-  (16 envs of 100 us: 8 processes): each process adds its send, reply and copy out to
-  the driving thread's serial part of every step, and on 16 cores 16 processes of one
-  such env each measured slower than 8 (``docs/performance.rst``). On two cores this
-  changes nothing: two processes whenever processes pay. Not when the run
-  is known to be too short to repay the children's start-up (``expected_frames``
-  steps would save less than ``startup_s``, 10 s: spawning a process that imports
-  torch takes seconds), or when the env factory cannot be pickled (then threads,
-  and the log says why). On two cores the gain measured 1.5x on a GIL-bound env
-  and 1.3x on HalfCheetah, not 2x: the policy and the bookkeeping run in the main
-  process while the child waits (``docs/performance.rst``);
+  processes as give each a share of at least ``share_s`` (200 us) of env time a
+  step (16 envs of 100 us: 8 processes): each process adds its send, reply and
+  copy out to the driving thread's serial part of every step, and on 16 cores, 16
+  processes over 16 such envs measured slower than 8 (``docs/performance.rst``).
+  On two cores this changes nothing: two processes whenever processes pay. Not
+  when the run is known to be too short to repay the children's start-up
+  (``expected_frames`` steps would save less than ``startup_s``, 10 s: spawning a
+  process that imports torch takes seconds), or when the env factory cannot be
+  pickled (then threads, and the log says why). On two cores the gain measured
+  1.5x on a GIL-bound env and 1.3x on HalfCheetah, not 2x: the policy and the
+  bookkeeping run in the main process while the child waits
+  (``docs/performance.rst``);
 * otherwise a cheap step (CartPole, most classic control): all envs in one thread
   of the main process; thread hand-offs would cost more than the step;
 * a step that releases the GIL and takes at least ``helper_s``: threads of the main
