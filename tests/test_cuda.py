@@ -1,5 +1,6 @@
-"""A policy on a CUDA device: the same batches as on the CPU, weights pushed from a GPU learner, worker
-processes that never touch CUDA, and ``Trainer.fit`` on a GPU.
+"""A policy on a CUDA device: the same batches as on the CPU, batches stored on the GPU where asked (or
+where TorchRL would leave them), weights pushed from a GPU learner, and worker processes stepping envs for
+a GPU policy in the main process. ``test_lightning.py`` runs ``Trainer.fit`` on a GPU.
 
 Every test here needs a CUDA device and is skipped without one (``pytest -m cuda`` selects them). The
 policies are exact on either device (integer arithmetic on small floats), so a GPU run is compared with
@@ -37,8 +38,7 @@ def _actor() -> TensorDictModule:
 
 
 def _collect(n_batches: int = 3, **kwargs) -> list:
-    collector = ThreadedCollector(mock_envs(4), kwargs.pop("policy", None) or _actor(), frames_per_batch=24,
-                                  total_frames=24 * n_batches, **kwargs)
+    collector = ThreadedCollector(mock_envs(4), _actor(), frames_per_batch=24, total_frames=24 * n_batches, **kwargs)
     try:
         return [batch.clone() for batch in collector]
     finally:
