@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="benchmarks/results", help="output folder (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3; 2 with --quick)")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.policy_device)
+    except RuntimeError as exc:
+        parser.error(f"--policy-device {args.policy_device!r}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--policy-device {args.policy_device}: this torch ({torch.__version__}) sees no CUDA device")
     repeats = args.repeats or (2 if args.quick else 3)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

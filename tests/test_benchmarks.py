@@ -82,6 +82,17 @@ def test_policy_device_runs_every_contenders_policy_there_and_the_report_says_so
     assert (f"policy runs on `{device}`" in table) == (device != "cpu")
 
 
+@pytest.mark.parametrize("device, message", [
+    ("gpu0", "--policy-device 'gpu0'"),
+    pytest.param("cuda", "sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"))])
+def test_a_policy_device_that_is_not_one_or_not_here_is_refused_before_anything_runs(tmp_path, device, message):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path / "no"),
+                           "--policy-device", device], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "no").exists()
+
+
 def test_scaling_group_runs_its_scenarios_only(tmp_path):
     out = str(tmp_path / "quick")
     report = _run(out, "--group", "scaling", "--no-processes", timeout=240)  # 1 process, and the defaults
