@@ -8,6 +8,7 @@ import fnmatch
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,9 +18,10 @@ __all__ = ["main", "run_scenario"]
 
 def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[str] | None = None,
                  processes: bool = True, frames_scale: float = 1.0, policy_device: str = "cpu",
-                 log: Any = print) -> dict[str, Any]:
+                 log: Any = print, on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every contender of ``scenario`` (filtered by glob patterns ``contenders``) in this process tree,
-    every policy on ``policy_device``."""
+    every policy on ``policy_device``. ``on_result(entry)`` is called after each contender with the
+    scenario's entry so far (its targets evaluated on what ran), so a run cut short keeps what it measured."""
     from .harness import measure
     from .report import evaluate_targets
     from .scenarios import PROCESS_CONTENDERS
@@ -52,6 +54,9 @@ def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[s
         entry["results"][name] = result
         figure = f"{result['median']:,.0f} steps/s" if result.get("median") else f"FAILED {result['error']}"
         log(f"[{scenario.name}] {name}: {figure} ({time.perf_counter() - t0:.1f} s)")
+        entry["target_results"] = evaluate_targets(entry)
+        if on_result is not None:
+            on_result(entry)
     entry["target_results"] = evaluate_targets(entry)
     return entry
 
@@ -98,11 +103,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = args.scenario or [n for n, s in SCENARIOS.items() if args.group in ("all", s.group)]
     report: dict[str, Any] = {"command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "quick": args.quick, "machine": machine(), "scenarios": []}
+    def write_so_far(entry: dict[str, Any]) -> None:  # the report and table after every contender; no plot
+        write_all({**report, "scenarios": [*report["scenarios"], entry]}, args.out, plot=False)
+
     for name in names:
         report["scenarios"].append(run_scenario(SCENARIOS[name], quick=args.quick, repeats=repeats,
                                                 contenders=args.contender, processes=not args.no_processes,
                                                 frames_scale=args.frames_scale,
-                                                policy_device=args.policy_device))
+                                                policy_device=args.policy_device, on_result=write_so_far))
     paths = write_all(report, args.out)
     print("wrote " + ", ".join(paths.values()))
     return report

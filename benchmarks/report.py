@@ -168,13 +168,16 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_all(report: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write the three files; returns their paths."""
+def write_all(report: dict[str, Any], out_dir: str, *, plot: bool = True) -> dict[str, str]:
+    """Write ``results.json``, ``table.md`` and (with ``plot``) ``plot.png``; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f) for k, f in
              (("json", "results.json"), ("table", "table.md"), ("plot", "plot.png"))}
     with open(paths["json"], "w") as f:
         json.dump(report, f, indent=2, default=str)
     write_table(report, paths["table"])
-    write_plot(report, paths["plot"])
+    if plot:
+        write_plot(report, paths["plot"])
+    else:
+        del paths["plot"]
     return paths

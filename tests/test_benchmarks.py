@@ -93,6 +93,30 @@ def test_a_policy_device_that_is_not_one_or_not_here_is_refused_before_anything_
     assert not (tmp_path / "no").exists()
 
 
+def test_each_contender_is_reported_as_it_finishes_so_a_run_cut_short_keeps_what_it_measured(tmp_path):
+    from benchmarks.cli import run_scenario
+    from benchmarks.report import write_all
+    from benchmarks.scenarios import SCENARIOS
+
+    seen: list[list[str]] = []
+
+    def on_result(entry: dict) -> None:
+        seen.append(list(entry["results"]))
+        paths = write_all({"command": "test", "quick": True, "machine": {"cpu": "x", "cores": 1, "python": "3",
+                                                                       "torch": "t", "torch_threads": 1,
+                                                                       "torchrl": "r", "tensordict": "d",
+                                                                       "gymnasium": "g"},
+                           "scenarios": [entry]}, str(tmp_path), plot=False)
+        assert set(paths) == {"json", "table"}
+        assert all(f"| {name} |" in open(paths["table"]).read() for name in entry["results"])
+
+    entry = run_scenario(SCENARIOS["cheap"], quick=True, repeats=1, log=lambda *_: None, on_result=on_result,
+                         contenders=["threaded env_time", "gym SyncVectorEnv loop"])
+    assert seen == [["threaded env_time"], ["threaded env_time", "gym SyncVectorEnv loop"]]
+    assert [t["passed"] for t in entry["target_results"]].count(None) < len(entry["target_results"])
+    assert not (tmp_path / "plot.png").exists()
+
+
 def test_scaling_group_runs_its_scenarios_only(tmp_path):
     out = str(tmp_path / "quick")
     report = _run(out, "--group", "scaling", "--no-processes", timeout=240)  # 1 process, and the defaults
