@@ -168,7 +168,9 @@ def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int | st
 
 # -- torchrl --------------------------------------------------------------------------------------------------
 def _devices(w: Workload) -> dict[str, str]:
-    """TorchRL's collectors need ``policy_device`` named to move each step's data to a policy off the CPU."""
+    """``policy_device`` for TorchRL's collectors when the policy is off the CPU (they cast each step's data to
+    it). With a CUDA policy, ``Collector(SerialEnv)`` still failed on a device mismatch in round eight
+    (``docs/performance.rst``, "A GPU and sixteen cores")."""
     return {} if w.policy_device == "cpu" else {"policy_device": w.policy_device}
 
 
