@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -103,6 +103,16 @@ class MockEnv(gym.Env):
         terminated = self.t >= self.length_fn(self.env_id, self.episode)
         truncated = (not terminated and self.truncate_at is not None and self.t >= self.truncate_at)
         return self._obs(), reward, terminated, truncated, {}
+
+
+def assert_batches_equal(ours: Sequence, reference: Sequence) -> None:
+    """As many batches, each with the reference's keys and every entry equal value for value (``ours`` may
+    live on another device: compared on the CPU)."""
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference):
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in b.keys(True, True):
+            assert torch.equal(a[key].cpu(), b[key]), key
 
 
 def mock_envs(n: int, **kwargs) -> list[Callable[[], MockEnv]]:

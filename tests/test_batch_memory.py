@@ -20,6 +20,7 @@ from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop import worker as worker_module
 from lightning_rollout.loop.buffers import BatchPool
 from collector_helpers import balance_policy
+from conftest import assert_batches_equal
 from process_helpers import frame_envs
 
 
@@ -104,10 +105,7 @@ def test_recycled_batches_equal_fresh_ones_value_for_value(call: str, envs_per_t
 
     recycled, fresh = batches(True), batches(False)
     assert any(b["next", "done"].any() for b in fresh), "episodes end (resets inside batches) are covered"
-    for a, b in zip(recycled, fresh):
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in b.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_batches_equal(recycled, fresh)
 
 
 def test_batches_a_training_loop_keeps_are_never_overwritten_and_dropped_ones_are_reused():
@@ -185,9 +183,7 @@ def _frame_batches(lazy: bool, call: str, *, num_workers: int = 1, envs_per_thre
         "worker process"])
 def test_big_entries_read_from_the_last_steps_rows_equal_a_copied_carrier(call: str, kwargs: dict[str, Any]):
     lazy, copied = _frame_batches(True, call, **kwargs), _frame_batches(False, call, **kwargs)
-    for a, b in zip(lazy, copied):
-        for key in b.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_batches_equal(lazy, copied)
 
 
 def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_first():
@@ -225,6 +221,4 @@ def test_a_big_recurrent_state_is_carried_as_the_copied_carrier_carries_it():
 
     lazy, copied = batches(True), batches(False)
     assert any(b["next", "done"].any() for b in copied) and not (lazy[1]["recurrent_state_h"][:, 0] == 0).all()
-    for a, b in zip(lazy, copied):
-        for key in b.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_batches_equal(lazy, copied)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensordict.nn import TensorDictModule
 
-from conftest import mock_envs
+from conftest import assert_batches_equal, mock_envs
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from process_helpers import count_envs
 
@@ -45,21 +45,13 @@ def _collect(n_batches: int = 3, **kwargs) -> list:
         collector.shutdown()
 
 
-def _assert_same(ours: list, reference: list) -> None:
-    assert len(ours) == len(reference)
-    for a, b in zip(ours, reference):
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in b.keys(True, True):
-            assert torch.equal(a[key].cpu(), b[key]), key
-
-
 @pytest.mark.parametrize("on_policy", [True, False], ids=["on-policy", "off-policy copy"])
 def test_a_policy_on_the_gpu_gives_the_cpu_policys_batches_on_the_cpu(on_policy):
     reference = _collect(on_policy=on_policy)
     collector_batches = _collect(policy_device="cuda", on_policy=on_policy)
     # storing_device defaults to the CPU
     assert all(not t.is_cuda for b in collector_batches for t in b.values(True, True))
-    _assert_same(collector_batches, reference)
+    assert_batches_equal(collector_batches, reference)
 
 
 def test_a_policy_whose_weights_live_on_the_gpu_acts_there_without_policy_device():
@@ -70,13 +62,13 @@ def test_a_policy_whose_weights_live_on_the_gpu_acts_there_without_policy_device
         batches = [batch.clone() for batch in collector]
     finally:
         collector.shutdown()
-    _assert_same(batches, _collect(n_batches=2))
+    assert_batches_equal(batches, _collect(n_batches=2))
 
 
 def test_storing_device_cuda_delivers_every_batch_on_the_gpu():
     batches = _collect(policy_device="cuda", storing_device="cuda")
     assert all(b.device.type == "cuda" and b["next", "observation"].is_cuda for b in batches)
-    _assert_same(batches, _collect())
+    assert_batches_equal(batches, _collect())
 
 
 def test_weights_pushed_from_a_gpu_learner_reach_the_acting_copy_with_a_new_version():
@@ -106,10 +98,10 @@ def test_worker_processes_step_envs_for_a_gpu_policy_in_the_main_process():
         ours = [remote.run_env_steps(12), remote.run_env_steps(12)]
     with MultiEnvLoop(count_envs(4), _actor(), **kwargs) as local:
         reference = [local.run_env_steps(12), local.run_env_steps(12)]
-    _assert_same(ours, reference)
+    assert_batches_equal(ours, reference)
 
 
 def test_env_device_cuda_without_storing_device_delivers_batches_there_as_torchrl_does():
     batches = _collect(env_device="cuda")  # TorchRL's collectors leave the data on the env's device
     assert all(b.device.type == "cuda" for b in batches)
-    _assert_same(batches, _collect())
+    assert_batches_equal(batches, _collect())

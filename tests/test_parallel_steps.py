@@ -12,6 +12,7 @@ import torch
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop.auto import EnvTiming, choose_layout
+from conftest import assert_batches_equal
 from process_helpers import balance_policy, count_envs, zero_policy
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,10 +56,7 @@ def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_valu
         episode = parallel.run_episodes(1)[0]
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=False, **kwargs) as sequential:
         reference = [sequential.run_env_steps(40), sequential.run_env_steps(40)]
-    for a, b in zip(ours, reference):
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in b.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_batches_equal(ours, reference)
     assert episode["next", "done"][-1].item()
 
 

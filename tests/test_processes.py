@@ -21,6 +21,7 @@ from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, Threaded
 from lightning_rollout.envs import GymMaker
 from lightning_rollout.loop.auto import EnvTiming, cgroup_cpu_limit, choose_layout
 from lightning_rollout.loop.process import _SPIN_S, spin_seconds
+from conftest import assert_batches_equal
 from process_helpers import CountEnv as CountEnvFactory
 from process_helpers import balance_policy, count_envs, zero_policy
 
@@ -52,10 +53,7 @@ def test_worker_processes_give_the_same_batches_as_threads_value_for_value(envs_
         episodes = remote.run_episodes(2)
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **kwargs) as local:
         reference = [local.run_env_steps(30), local.run_env_steps(30)]
-    for a, b in zip(ours, reference):
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in b.keys(True, True):
-            assert torch.equal(a[key], b[key]), key
+    assert_batches_equal(ours, reference)
     assert ours[0]["next", "done"].any() or ours[1]["next", "done"].any()
     assert all(e["next", "done"][-1].item() for e in episodes)
     assert not (_children() - before), "close() joins every worker process"
