@@ -54,8 +54,8 @@ def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[s
         entry["results"][name] = result
         figure = f"{result['median']:,.0f} steps/s" if result.get("median") else f"FAILED {result['error']}"
         log(f"[{scenario.name}] {name}: {figure} ({time.perf_counter() - t0:.1f} s)")
-        entry["target_results"] = evaluate_targets(entry)
         if on_result is not None:
+            entry["target_results"] = evaluate_targets(entry)
             on_result(entry)
     entry["target_results"] = evaluate_targets(entry)
     return entry

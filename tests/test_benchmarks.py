@@ -95,18 +95,15 @@ def test_a_policy_device_that_is_not_one_or_not_here_is_refused_before_anything_
 
 def test_each_contender_is_reported_as_it_finishes_so_a_run_cut_short_keeps_what_it_measured(tmp_path):
     from benchmarks.cli import run_scenario
-    from benchmarks.report import write_all
+    from benchmarks.report import machine, write_all
     from benchmarks.scenarios import SCENARIOS
 
     seen: list[list[str]] = []
 
     def on_result(entry: dict) -> None:
         seen.append(list(entry["results"]))
-        paths = write_all({"command": "test", "quick": True, "machine": {"cpu": "x", "cores": 1, "python": "3",
-                                                                       "torch": "t", "torch_threads": 1,
-                                                                       "torchrl": "r", "tensordict": "d",
-                                                                       "gymnasium": "g"},
-                           "scenarios": [entry]}, str(tmp_path), plot=False)
+        report = {"command": "test", "quick": True, "machine": machine(), "scenarios": [entry]}
+        paths = write_all(report, str(tmp_path), plot=False)
         assert set(paths) == {"json", "table"}
         assert all(f"| {name} |" in open(paths["table"]).read() for name in entry["results"])
 

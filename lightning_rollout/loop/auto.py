@@ -247,7 +247,8 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
         # every process's share of a step at least share_s of env time: past that, each further process adds
         # its send, reply and copy out to the one driving thread's serial part more than it takes off the others
-        processes = min(cores, num_envs, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
+        most = min(cores, num_envs)  # a process a core, at most one per env
+        processes = min(most, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
         speedup = _TWO_CORE_SPEEDUP if cores == 2 else processes
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)  # env time a step the children take over
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
@@ -265,7 +266,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
             num_workers = processes
             why = (f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each step of the "
                    f"{num_envs} envs for other processes: {num_workers} processes on {cores} cores"
-                   + ("" if num_workers == min(cores, num_envs) else
+                   + ("" if num_workers == most else
                       f" (a share of at least {share_s * 1e6:.0f} us of env time each)"))
     elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
         num_workers = 1
