@@ -270,6 +270,15 @@ def _vector_loop(vec: Any, policy: Callable[[np.ndarray], np.ndarray], seed: boo
     return Session(run, vec.close)
 
 
+def helper_threads(w: Workload, *, free: bool) -> Session:
+    """One helper thread per env and the batched policy in the calling thread, no collector: the ceiling of
+    threads for GIL-releasing envs (:class:`benchmarks.helper_threads.HelperThreads`)."""
+    from .helper_threads import HelperThreads
+
+    session = HelperThreads([factory() for factory in w.gym_envs()], w.callable_policy(), free=free)
+    return Session(session.run, session.close)
+
+
 # Every frame a contender reports is a transition. gymnasium's default NEXT_STEP autoreset spends the
 # step after each episode's end on the reset, returning no transition (reward 0, the first observation),
 # so its loop would count those reset steps as frames (about 1 in 10 with CartPole's short greedy episodes).

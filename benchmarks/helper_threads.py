@@ -1,14 +1,19 @@
-"""The ceiling of helper threads on two cores: 16 GIL-releasing envs, one helper thread each, no collector.
+"""The ceiling of helper threads: GIL-releasing envs, one helper thread each, and no collector.
 
 ``python -m benchmarks.helper_threads [--env sleep|stragglers] [--policy]``
 
-Each helper steps its env when its lock is released and reports on a queue; the owner either releases all
-and waits for all (``lock-step``), or gives each env its next step as soon as its last one ended (``free``,
-gathering the envs that ended together). With ``--policy`` the owner runs the benchmarks' small MLP on the
-envs it answers, as the collector's block thread does. What is left between these figures and the ideal
-``num_envs / step_time`` is the GIL hand-offs of the helpers (gymnasium's wrappers run in Python before and
-after each wait) and of the policy's forward pass (each torch op releases the GIL, and a helper waking
-meanwhile takes it). ``docs/performance.rst`` compares them with the collector's.
+Each helper steps its env when its lock is released (resetting it at an episode's end, as a ``SAME_STEP``
+vector env does) and reports on a queue; the owner either releases all and waits for all (``lock-step``), or
+gives each env its next step as soon as its last one ended (``free``, gathering the envs that end within
+``gather_s`` of the first, up to half of them, as the collector's free-running blocks do). The owner runs the
+batched policy on every env's observation and hands the answered envs their actions, as the collector's block
+thread does. What is left between these figures and the ideal ``num_envs / step_time`` is the GIL hand-offs of
+the helpers (gymnasium's wrappers run in Python before and after each wait) and of the policy's forward pass
+(each torch op releases the GIL, and a helper waking meanwhile takes it).
+
+The ``gil`` and ``stragglers`` scenarios run :class:`HelperThreads` as two contenders of their own
+(``helper threads lock-step`` and ``helper threads free``, :func:`benchmarks.contenders.helper_threads`), so
+the collector is compared with this ceiling in the same run; ``docs/performance.rst`` reads them.
 """
 
 from __future__ import annotations
@@ -17,81 +22,160 @@ import argparse
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from .contenders import GreedyActor, make_mlp
-from .envs import SLEEP, STRAGGLER, measure_step_time
+from .envs import SLEEP, STRAGGLER, gym_factory, measure_step_time
+
+__all__ = ["HelperThreads", "main", "run"]
+
+_POLL_S = 0.05  # every wait wakes this often to see whether the owner is closing
+
+
+class HelperThreads:
+    """``len(envs)`` envs, each stepped in its own helper thread and answered by the thread that calls
+    :meth:`run` (the owner).
+
+    Args:
+        envs: the envs (one array observation each, stacked into one ``[num_envs, ...]`` batch).
+        policy: ``obs[num_envs, ...] -> actions[num_envs, ...]``, called by the owner on every env's latest
+            observation (``None``: every action 0, no policy call).
+        free: each env's next step starts as soon as its last one ended and the policy answered it (else
+            lock-step: every env steps, the owner waits for all of them, then answers all).
+        gather_s: free-running only: after the first env ends, wait up to this long (seconds) for more, up to
+            half the envs, to answer them with one policy call.
+
+    Threading: helper ``j`` touches only ``envs[j]``, ``results[j]`` and its lock; the owner reads a result
+    after the helper has put ``j`` on the queue, and writes an action before releasing the helper's lock.
+    Between :meth:`run` calls no step is in flight. :meth:`close` stops and joins the helpers.
+    """
+
+    def __init__(self, envs: Sequence[gym.Env], policy: Callable[[np.ndarray], np.ndarray] | None, *, free: bool,
+                 gather_s: float = 0.0005) -> None:
+        self.envs, self.policy, self.free, self.gather_s = list(envs), policy, free, gather_s
+        n = len(self.envs)
+        self.obs = np.stack([env.reset(seed=j)[0] for j, env in enumerate(self.envs)])
+        self.actions: list[object] = [0] * n
+        self.results: list[tuple[np.ndarray, bool] | BaseException | None] = [None] * n
+        self._go = [threading.Lock() for _ in range(n)]
+        for go in self._go:
+            go.acquire()  # held: nothing to do
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._closing = False
+        self._helpers = [threading.Thread(target=self._serve, args=(j,), name=f"bench-helper-env{j}", daemon=True)
+                         for j in range(n)]
+        for helper in self._helpers:
+            helper.start()
+
+    def _serve(self, j: int) -> None:
+        env, go = self.envs[j], self._go[j]
+        while True:
+            if not go.acquire(timeout=_POLL_S):
+                if self._closing:
+                    return
+                continue
+            if self._closing:
+                return
+            try:
+                obs, _, terminated, truncated, _ = env.step(self.actions[j])
+                if terminated or truncated:
+                    obs, _ = env.reset()
+                self.results[j] = (obs, True)
+            except BaseException as exc:  # re-raised by the owner
+                self.results[j] = exc
+            self._done.put(j)
+
+    def _ended(self, want: int) -> list[int]:
+        """At least one ended env (then, free-running, more for up to ``gather_s``, at most ``want``)."""
+        while True:
+            try:
+                ended = [self._done.get(timeout=_POLL_S)]
+                break
+            except queue.Empty:
+                if not any(helper.is_alive() for helper in self._helpers):
+                    raise RuntimeError("every helper thread has ended") from None
+        deadline = time.perf_counter() + self.gather_s
+        while len(ended) < want:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                ended.append(self._done.get(timeout=left))
+            except queue.Empty:
+                break
+        for j in ended:
+            result = self.results[j]
+            if isinstance(result, BaseException):
+                raise result
+            self.obs[j] = result[0]
+        return ended
+
+    def _answer(self, envs: Sequence[int]) -> None:
+        """Act on every env's observation, then start the steps of ``envs``."""
+        if self.policy is not None:
+            chosen = self.policy(self.obs)
+            for j in envs:
+                self.actions[j] = chosen[j]
+        for j in envs:
+            self._go[j].release()
+
+    def run(self, frames: int) -> int:
+        """Step until at least ``frames`` transitions ended; returns how many did (every step started ends)."""
+        n = len(self.envs)
+        taken = 0
+        self._answer(range(n))
+        if self.free:
+            in_flight = n
+            while taken < frames:
+                ended = self._ended(max(1, n // 2))
+                taken, in_flight = taken + len(ended), in_flight - len(ended)
+                if taken + in_flight < frames:
+                    self._answer(ended)
+                    in_flight += len(ended)
+            while in_flight:  # let every step in flight end: none is left running between runs
+                ended = self._ended(in_flight)
+                taken, in_flight = taken + len(ended), in_flight - len(ended)
+        else:
+            while True:
+                got = 0
+                while got < n:
+                    got += len(self._ended(n - got))
+                taken += n
+                if taken >= frames:
+                    break
+                self._answer(range(n))
+        return taken
+
+    def close(self) -> None:
+        """Stop the helpers (between runs: none is stepping) and join them; then close the envs."""
+        self._closing = True
+        for go in self._go:
+            try:
+                go.release()
+            except RuntimeError:  # not held: that helper is stepping (a run that raised) and sees the flag next
+                pass
+        for helper in self._helpers:
+            helper.join(5.0)
+        for env in self.envs:
+            env.close()
 
 
 def run(env_id: str, *, free: bool, policy: bool, num_envs: int = 16, steps: int = 6400) -> float:
-    """Steps per second of ``num_envs`` envs of ``env_id`` stepped by helper threads."""
-    envs = [gym.make(env_id) for _ in range(num_envs)]
-    obs = np.stack([env.reset(seed=i)[0] for i, env in enumerate(envs)])
-    actor = GreedyActor(make_mlp((64, 64), obs_dim=obs.shape[1], n_actions=2), one_hot=False)
-    go = [threading.Lock() for _ in envs]
-    for lock in go:
-        lock.acquire()
-    actions, results = [0] * num_envs, [None] * num_envs
-    done: queue.SimpleQueue[int] = queue.SimpleQueue()
-    closing = False
+    """Steps per second of ``num_envs`` envs of ``env_id`` stepped by helper threads (with the benchmarks'
+    small MLP when ``policy``)."""
+    from .contenders import Workload
 
-    def serve(j: int) -> None:
-        while True:
-            go[j].acquire()
-            if closing:
-                return
-            results[j] = envs[j].step(actions[j])
-            done.put(j)
-
-    helpers = [threading.Thread(target=serve, args=(j,), name=f"helper{j}", daemon=True) for j in range(num_envs)]
-    for helper in helpers:
-        helper.start()
-
-    def answer(ready: list[int]) -> None:
-        for j in ready:
-            obs[j] = results[j][0]
-        if policy:
-            with torch.no_grad():
-                chosen = actor(torch.from_numpy(obs)).numpy()
-            for j in ready:
-                actions[j] = int(chosen[j])
-        for j in ready:
-            go[j].release()
-
-    start, taken = time.perf_counter(), 0
-    if free:
-        answer([])
-        for lock in go:
-            lock.release()
-        while taken < steps:
-            ready = [done.get()]
-            deadline = time.perf_counter() + 0.0005  # gather the envs that end close together
-            while len(ready) < num_envs // 2:
-                try:
-                    ready.append(done.get(timeout=max(0.0, deadline - time.perf_counter())))
-                except queue.Empty:
-                    break
-            taken += len(ready)
-            answer(ready)
-    else:
-        for lock in go:
-            lock.release()
-        while taken < steps:
-            ready = [done.get() for _ in range(num_envs)]
-            taken += num_envs
-            answer(ready)
-    rate = taken / (time.perf_counter() - start)
-    for _ in range(num_envs):  # every helper finishes the step it was given, then leaves
-        done.get()
-    closing = True
-    for lock in go:
-        lock.release()
-    for helper in helpers:
-        helper.join(1.0)
-    return rate
+    act = Workload(env_id, num_envs, num_envs).callable_policy() if policy else None
+    session = HelperThreads([gym_factory(env_id)() for _ in range(num_envs)], act, free=free)
+    try:
+        start = time.perf_counter()
+        taken = session.run(steps)
+        return taken / (time.perf_counter() - start)
+    finally:
+        session.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -140,4 +142,48 @@ def test_helper_thread_ceiling_steps_every_env_and_joins_its_threads(free):
 
     before = set(threading.enumerate())
     assert run(SLEEP, free=free, policy=True, num_envs=4, steps=16) > 0
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+
+
+class _CountSteps(gym.Wrapper):
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        return self.env.step(action)
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["lock-step", "free"])
+def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_between_runs(free):
+    """The no-collector ceiling the GIL-releasing scenarios run as contenders: each run returns at least the
+    frames asked, every step it started has ended and is counted when it returns (episodes end and reset
+    every 2 steps here), and the policy sees every env's row on each call."""
+    import threading
+
+    from benchmarks.envs import SLEEP
+    from benchmarks.helper_threads import HelperThreads
+
+    envs = [_CountSteps(gym.make(SLEEP, step_time=0.0, max_episode_steps=2)) for _ in range(4)]
+    shapes = []
+
+    def policy(obs):
+        shapes.append(obs.shape)
+        return np.ones(len(obs), dtype=np.int64)
+
+    before = set(threading.enumerate())
+    session = HelperThreads(envs, policy, free=free)
+    try:
+        total = 0
+        for frames in (10, 7):
+            got = session.run(frames)
+            total += got
+            assert got >= frames
+            if not free:
+                assert got % len(envs) == 0
+            assert sum(env.steps for env in envs) == total
+    finally:
+        session.close()
+    assert set(shapes) == {(4, 4)}
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
