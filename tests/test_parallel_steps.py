@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -164,3 +165,46 @@ def test_auto_layout_steps_gil_releasing_envs_in_parallel(monkeypatch):
         assert not given.loop.parallel_steps  # a given layout is kept as it is
     finally:
         given.shutdown()
+
+
+def test_auto_layout_says_when_free_steps_would_suit_uneven_gil_releasing_steps():
+    """Heavy-tailed step times: the reason names ``parallel_steps="free"`` and its price; the choice stays
+    lock-step (reproducible). Even steps, or envs that go to worker processes, get no such note."""
+    uneven = choose_layout(16, EnvTiming(step_s=1e-3, gil_release=0.98, step_cv=1.4), cores=2)
+    assert (uneven.envs_per_thread, uneven.parallel_steps) == (16, True)
+    assert "cv 1.4" in uneven.reason and "parallel_steps='free'" in uneven.reason
+    assert "not reproducible" in uneven.reason
+    even = choose_layout(16, EnvTiming(step_s=2e-3, gil_release=0.98, step_cv=0.05), cores=2)
+    assert even.parallel_steps and "free" not in even.reason
+    held = choose_layout(16, EnvTiming(step_s=100e-6, gil_release=0.05, step_cv=1.4), cores=2)
+    assert held.num_workers == 2 and "free" not in held.reason
+    assert "free" not in choose_layout(16, EnvTiming(step_s=1e-3, gil_release=0.98, step_cv=0.6), cores=2,
+                                       uneven_cv=0.8).reason
+
+
+class _AlternatingEnv(gym.Env):
+    """Steps alternate between no wait and a 20 ms sleep: a mean of 10 ms and a standard deviation of 10 ms."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps % 2:
+            time.sleep(0.02)
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+
+
+def test_measure_env_reports_how_much_the_step_time_varies():
+    from lightning_rollout.loop.auto import measure_env
+
+    timing = measure_env(_AlternatingEnv, steps=10)
+    assert timing.step_cv >= 0.5  # about 1: (20 - x) / (20 + x) with x ms for a no-wait step, under 0.5 past 6.7 ms
+    assert timing.gil_release >= 0.3  # the sleeps release the GIL

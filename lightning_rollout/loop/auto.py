@@ -1,7 +1,7 @@
 """``"auto"`` layout: how many worker processes and envs per thread, from a few timed steps of one env.
 
 At start-up :func:`measure_env` times ``steps`` random-action steps of one env
-(the step time) and runs them again in a helper thread while the calling thread
+(the step time, and how much it varies) and runs them again in a helper thread while the calling thread
 counts in a tight Python loop: the share of its solo count rate it keeps while
 the env steps is the share of a step spent without the GIL. :func:`choose_layout`
 applies the rule documented in ``docs/tuning.rst``:
@@ -35,7 +35,11 @@ applies the rule documented in ``docs/tuning.rst``:
 * a step that releases the GIL and takes at least ``helper_s``: threads of the main
   process, every env in one block whose envs step concurrently, each in its own
   helper thread (``parallel_steps``): the block's bookkeeping and policy call run
-  once a step, and only ``env.step`` itself runs in the helpers.
+  once a step, and only ``env.step`` itself runs in the helpers. In lock-step: when
+  the timed steps vary (their ``step_cv`` at least ``uneven_cv``, 0.3), the reason
+  says that ``parallel_steps="free"`` would let each env run at its own pace, which
+  ``"auto"`` does not pick because it makes a stochastic policy's runs
+  unreproducible.
 
 The measuring env is created and closed here, in the calling thread, and its random
 actions do not touch torch's global generator (it is forked around the measure).
@@ -49,6 +53,7 @@ import logging
 import math
 import os
 import pickle
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -77,10 +82,13 @@ class EnvTiming:
     Attributes:
         step_s: mean seconds of one ``reset``-free env step (adapter included).
         gil_release: share of a step spent without the GIL, ``0.0`` (pure Python) to ``1.0``.
+        step_cv: how much the step times vary: their standard deviation over their mean (``0.0``: all
+            alike; a heavy-tailed step time, 1 or more).
     """
 
     step_s: float
     gil_release: float
+    step_cv: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,20 +204,25 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         columns = adapter.keys.action
         root = adapter.reset(None)
 
-        def run(n: int) -> float:
+        def run(n: int, times: list[float] | None = None) -> float:
             nonlocal root
             start = time.perf_counter()
             for _ in range(n):
                 row = {**root, **adapter.random_action(columns)}
+                t0 = time.perf_counter()
                 _, _, terminated, truncated = adapter.step(row)
+                if times is not None:
+                    times.append(time.perf_counter() - t0)
                 if terminated or truncated:
                     root = adapter.reset(None)
             return time.perf_counter() - start
 
         run(3)  # warm-up
-        step_s = run(steps) / steps
+        times: list[float] = []
+        step_s = run(steps, times) / steps
+        cv = statistics.pstdev(times) / statistics.fmean(times) if statistics.fmean(times) > 0 else 0.0
         if step_s < cheap_s:
-            return EnvTiming(step_s=step_s, gil_release=float("nan"))
+            return EnvTiming(step_s=step_s, gil_release=float("nan"), step_cv=cv)
         window = min(max(step_s * steps, 0.02), 0.5)
         solo = _count_for(window) / window
         done = threading.Event()
@@ -226,14 +239,14 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         shared = count / (time.perf_counter() - start)
         thread.join(10.0)
         release = max(0.0, min(1.0, shared / solo)) if solo > 0 else 0.0
-        return EnvTiming(step_s=step_s, gil_release=release)
+        return EnvTiming(step_s=step_s, gil_release=release, step_cv=cv)
     finally:
         adapter.close()
 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
                   thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 300e-6,
-                  helper_s: float = 500e-6, share_s: float = 200e-6,
+                  helper_s: float = 500e-6, share_s: float = 200e-6, uneven_cv: float = 0.3,
                   expected_frames: int | None = None, num_workers: int | str = "auto",
                   envs_per_thread: int | str = "auto") -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
@@ -284,6 +297,10 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         elif timing.gil_release >= 0.3:
             envs_per_thread, parallel = num_envs, True  # one block, each env's step in its own helper thread
             why += f", all {num_envs} envs in one thread, each stepped in its own helper thread"
+            if timing.step_cv >= uneven_cv:  # lock-step waits for the slowest env of every step
+                why += (f"; the step times vary (cv {timing.step_cv:.1f}): parallel_steps='free' lets each env run at "
+                        "its own pace (1.5x on heavy-tailed step times in docs/performance.rst), but a stochastic "
+                        "policy's runs are then not reproducible")
         else:  # holds the GIL, but processes were ruled out: a thread's block of about thread_s
             want = max(1, min(num_envs, math.ceil(thread_s / max(timing.step_s, 1e-9))))
             while num_envs % want:
