@@ -9,7 +9,8 @@ gives each env its next step as soon as its last one ended (``free``, gathering 
 batched policy on every env's observation and hands the answered envs their actions, as the collector's block
 thread does. What is left between these figures and the ideal ``num_envs / step_time`` is the GIL hand-offs of
 the helpers (gymnasium's wrappers run in Python before and after each wait) and of the policy's forward pass
-(each torch op releases the GIL, and a helper waking meanwhile takes it).
+(each torch op releases the GIL, and a helper waking meanwhile takes it). The helpers run off one core, left to
+the owner, as the collector's helpers do when their steps wait (``--no-pin``: anywhere).
 
 The ``gil`` and ``stragglers`` scenarios run :class:`HelperThreads` as two contenders of their own
 (``helper threads lock-step`` and ``helper threads free``, :func:`benchmarks.contenders.helper_threads`), so
@@ -19,6 +20,7 @@ the collector is compared with this ceiling in the same run; ``docs/performance.
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import threading
 import time
@@ -47,6 +49,9 @@ class HelperThreads:
             lock-step: every env steps, the owner waits for all of them, then answers all).
         gather_s: free-running only: after the first env ends, wait up to this long (seconds) for more, up to
             half the envs, to answer them with one policy call.
+        pin: the helpers run off the highest core this process may use, leaving it to the owner, as the
+            collector's helpers do once their steps are seen to wait (``lightning_rollout/loop/block.py``);
+            with fewer than two cores, or without CPU affinity, nothing moves.
 
     Threading: helper ``j`` touches only ``envs[j]``, ``results[j]`` and its lock; the owner reads a result
     after the helper has put ``j`` on the queue, and writes an action before releasing the helper's lock.
@@ -54,8 +59,10 @@ class HelperThreads:
     """
 
     def __init__(self, envs: Sequence[gym.Env], policy: Callable[[np.ndarray], np.ndarray] | None, *, free: bool,
-                 gather_s: float = 0.0005) -> None:
+                 gather_s: float = 0.0005, pin: bool = True) -> None:
         self.envs, self.policy, self.free, self.gather_s = list(envs), policy, free, gather_s
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else set()
+        self.cores = frozenset(allowed - {max(allowed)}) if pin and len(allowed) >= 2 else None
         n = len(self.envs)
         self.obs = np.stack([env.reset(seed=j)[0] for j, env in enumerate(self.envs)])
         self.actions: list[object] = [0] * n
@@ -72,6 +79,8 @@ class HelperThreads:
 
     def _serve(self, j: int) -> None:
         env, go = self.envs[j], self._go[j]
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)  # this thread only
         while True:
             if not go.acquire(timeout=_POLL_S):
                 if self._closing:
@@ -163,13 +172,13 @@ class HelperThreads:
             env.close()
 
 
-def run(env_id: str, *, free: bool, policy: bool, num_envs: int = 16, steps: int = 6400) -> float:
+def run(env_id: str, *, free: bool, policy: bool, num_envs: int = 16, steps: int = 6400, pin: bool = True) -> float:
     """Steps per second of ``num_envs`` envs of ``env_id`` stepped by helper threads (with the benchmarks'
     small MLP when ``policy``)."""
     from .contenders import Workload
 
     act = Workload(env_id, num_envs, num_envs).callable_policy() if policy else None
-    session = HelperThreads([gym_factory(env_id)() for _ in range(num_envs)], act, free=free)
+    session = HelperThreads([gym_factory(env_id)() for _ in range(num_envs)], act, free=free, pin=pin)
     try:
         start = time.perf_counter()
         taken = session.run(steps)
@@ -182,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", choices=["sleep", "stragglers"], default="sleep")
     parser.add_argument("--policy", action="store_true", help="run the small MLP on the envs answered")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="let the helpers run on every core")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     env_id = SLEEP if args.env == "sleep" else STRAGGLER
     ideal = 16 / measure_step_time(env_id, 500)
     for free in (False, True):
-        rate = run(env_id, free=free, policy=args.policy)
-        print(f"{args.env} {'free' if free else 'lock-step'}{' + policy' if args.policy else ''}: "
+        rate = run(env_id, free=free, policy=args.policy, pin=args.pin)
+        print(f"{args.env} {'free' if free else 'lock-step'}{' + policy' if args.policy else ''}"
+              f"{'' if args.pin else ', helpers on every core'}: "
               f"{rate:,.0f} steps/s, {rate / ideal:.2f} of the ideal {ideal:,.0f}")
     return 0
 

@@ -159,7 +159,7 @@ class _CountSteps(gym.Wrapper):
 def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_between_runs(free):
     """The no-collector ceiling the GIL-releasing scenarios run as contenders: each run returns at least the
     frames asked, every step it started has ended and is counted when it returns (episodes end and reset
-    every 2 steps here), and the policy sees every env's row on each call."""
+    every 2 steps here), the policy sees every env's row on each call, and the helpers run off one core."""
     import threading
 
     from benchmarks.envs import SLEEP
@@ -183,6 +183,11 @@ def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_betw
             if not free:
                 assert got % len(envs) == 0
             assert sum(env.steps for env in envs) == total
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else set()
+        if len(allowed) >= 2:  # the helpers leave the highest core to this thread, as the collector's do
+            helpers = [t for t in threading.enumerate() if t.name.startswith("bench-helper-env")]
+            assert len(helpers) == 4
+            assert all(os.sched_getaffinity(t.native_id) == allowed - {max(allowed)} for t in helpers)
     finally:
         session.close()
     assert set(shapes) == {(4, 4)}

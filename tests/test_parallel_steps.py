@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -208,3 +209,63 @@ def test_measure_env_reports_how_much_the_step_time_varies():
     timing = measure_env(_AlternatingEnv, steps=10)
     assert timing.step_cv >= 0.5  # about 1: (20 - x) / (20 + x) with x ms for a no-wait step, under 0.5 past 6.7 ms
     assert timing.gil_release >= 0.3  # the sleeps release the GIL
+
+
+class _WorkEnv(gym.Env):
+    """Each step either sleeps ``seconds`` (a wait: no CPU) or hashes a 4 MB buffer (CPU work without the GIL:
+    hashlib releases it for large inputs)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, compute: bool) -> None:
+        self.compute = compute
+        self.data = bytes(4 << 20)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if self.compute:
+            import hashlib
+
+            hashlib.sha256(self.data).digest()
+        else:
+            time.sleep(0.001)
+        return np.zeros(1, np.float32), 1.0, False, False, {}
+
+
+def _helper_affinities() -> list[set[int]]:
+    return [os.sched_getaffinity(t.native_id) for t in threading.enumerate() if t.name.endswith("-step")]
+
+
+_pinning = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                              reason="needs CPU affinity and at least two cores")
+
+
+@_pinning
+@pytest.mark.parametrize("mode", [True, "free"])
+def test_helpers_whose_steps_wait_move_off_one_core_left_to_the_block_thread(mode, caplog):
+    allowed = os.sched_getaffinity(0)
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        with MultiEnvLoop([lambda: _WorkEnv(compute=False)] * 4, zero_policy, envs_per_thread=4,
+                          parallel_steps=mode, lookahead=False) as loop:
+            loop.run_env_steps(20)  # 80 calls: the helpers decide after 64
+            loop.run_env_steps(2)  # each helper moves before its next call
+            affinities = _helper_affinities()
+    assert len(affinities) == 4
+    assert all(a == allowed - {max(allowed)} for a in affinities)
+    assert f"the helpers move off core {max(allowed)}" in caplog.text
+    assert os.sched_getaffinity(0) == allowed  # this thread (and the block's) keep every core
+
+
+@_pinning
+def test_helpers_whose_steps_compute_keep_every_core():
+    allowed = os.sched_getaffinity(0)
+    with MultiEnvLoop([lambda: _WorkEnv(compute=True)] * 4, zero_policy, envs_per_thread=4,
+                      parallel_steps=True, lookahead=False) as loop:
+        loop.run_env_steps(20)
+        loop.run_env_steps(2)
+        affinities = _helper_affinities()
+    assert len(affinities) == 4 and all(a == allowed for a in affinities)
