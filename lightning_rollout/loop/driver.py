@@ -163,7 +163,10 @@ class MultiEnvLoop:
             (stragglers); how many policy calls a batch takes then depends on timing, so
             a stochastic policy's draws are not reproducible from run to run. ``"auto"``
             (default): what the ``"auto"`` layout chose (True for GIL-releasing envs),
-            False when the layout is given.
+            False when the layout is given. Helpers whose first 64 steps spend less than
+            half their time on a CPU (waits) move off the highest core this process may
+            use, leaving it to the block's thread (logged at INFO; see
+            :mod:`lightning_rollout.loop.block`).
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
         exploration_type: exploration mode of every request (``DETERMINISTIC``
             for evaluation loops).
