@@ -22,7 +22,7 @@ owner writes env ``j``'s call into ``calls[j]``, notes the time in ``started[j]`
 releases ``go[j]`` (a lock held while there is nothing to do); helper ``j`` acquires
 it, runs the call, stores the result or the exception in ``results[j]`` and puts ``j``
 on the ``done`` queue. The owner reads ``done`` (polling its stop flag every 50 ms):
-after the first call that ended it keeps gathering, for up to a quarter of the mean
+after the first call that ended it keeps gathering, for up to a tenth of the mean
 call duration or until half the calls in flight ended, so that one policy call
 answers envs that end close together. Two ways to use it:
 
@@ -117,8 +117,10 @@ _POLL_S = 0.05
 # until _GATHER_SHARE of the calls in flight ended (a lock-step step waits for all of them anyway).
 # Measured on 16 envs, 2 cores (benchmarks gil and stragglers, parallel_steps="free"): a policy call made
 # while helpers wake costs ~5x its forward pass in GIL hand-offs, so fewer, larger calls win; without
-# gathering, 0.56 and 0.41 of the ideal throughput, with it 0.64 and 0.45.
-_GATHER_WINDOW = 0.25
+# gathering, 0.56 and 0.41 of the ideal throughput, with a window of 0.25 0.64 and 0.45. Once the helpers
+# moved off the block thread's core (below), 0.1 beat 0.25 in six of six interleaved pairs (2 ms env
+# 0.70-0.71 against 0.67-0.69 of the ideal, stragglers 0.52-0.56 against 0.49-0.51); 0 and 0.05 were slower.
+_GATHER_WINDOW = 0.1
 _GATHER_SHARE = 0.5
 _EMA = 0.1
 # Helpers whose calls spend less than _PIN_CPU_SHARE of their time on a CPU move off one core, decided
