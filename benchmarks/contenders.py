@@ -270,12 +270,13 @@ def _vector_loop(vec: Any, policy: Callable[[np.ndarray], np.ndarray], seed: boo
     return Session(run, vec.close)
 
 
-def helper_threads(w: Workload, *, free: bool) -> Session:
+def helper_threads(w: Workload, *, free: bool, gather_s: float = 0.0005) -> Session:
     """One helper thread per env and the batched policy in the calling thread, no collector: the ceiling of
     threads for GIL-releasing envs (:class:`benchmarks.helper_threads.HelperThreads`)."""
     from .helper_threads import HelperThreads
 
-    session = HelperThreads([factory() for factory in w.gym_envs()], w.callable_policy(), free=free)
+    session = HelperThreads([factory() for factory in w.gym_envs()], w.callable_policy(), free=free,
+                            gather_s=gather_s)
     return Session(session.run, session.close)
 
 

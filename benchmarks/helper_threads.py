@@ -1,6 +1,6 @@
 """The ceiling of helper threads: GIL-releasing envs, one helper thread each, and no collector.
 
-``python -m benchmarks.helper_threads [--env sleep|stragglers] [--policy]``
+``python -m benchmarks.helper_threads [--env sleep|stragglers] [--policy] [--no-pin] [--gather-us US]``
 
 Each helper steps its env when its lock is released (resetting it at an episode's end, as a ``SAME_STEP``
 vector env does) and reports on a queue; the owner either releases all and waits for all (``lock-step``), or
@@ -12,9 +12,9 @@ the helpers (gymnasium's wrappers run in Python before and after each wait) and 
 (each torch op releases the GIL, and a helper waking meanwhile takes it). The helpers run off one core, left to
 the owner, as the collector's helpers do when their steps wait (``--no-pin``: anywhere).
 
-The ``gil`` and ``stragglers`` scenarios run :class:`HelperThreads` as two contenders of their own
-(``helper threads lock-step`` and ``helper threads free``, :func:`benchmarks.contenders.helper_threads`), so
-the collector is compared with this ceiling in the same run; ``docs/performance.rst`` reads them.
+The ``gil`` and ``stragglers`` scenarios run :class:`HelperThreads` as contenders of their own (lock-step, and
+free-running with a 50 us gather or none, :func:`benchmarks.contenders.helper_threads`), so the collector is
+compared with this ceiling in the same run; ``docs/performance.rst`` reads them.
 """
 
 from __future__ import annotations
@@ -172,13 +172,15 @@ class HelperThreads:
             env.close()
 
 
-def run(env_id: str, *, free: bool, policy: bool, num_envs: int = 16, steps: int = 6400, pin: bool = True) -> float:
+def run(env_id: str, *, free: bool, policy: bool, num_envs: int = 16, steps: int = 6400, pin: bool = True,
+        gather_s: float = 0.0005) -> float:
     """Steps per second of ``num_envs`` envs of ``env_id`` stepped by helper threads (with the benchmarks'
     small MLP when ``policy``)."""
     from .contenders import Workload
 
     act = Workload(env_id, num_envs, num_envs).callable_policy() if policy else None
-    session = HelperThreads([gym_factory(env_id)() for _ in range(num_envs)], act, free=free, pin=pin)
+    session = HelperThreads([gym_factory(env_id)() for _ in range(num_envs)], act, free=free, pin=pin,
+                            gather_s=gather_s)
     try:
         start = time.perf_counter()
         taken = session.run(steps)
@@ -192,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", choices=["sleep", "stragglers"], default="sleep")
     parser.add_argument("--policy", action="store_true", help="run the small MLP on the envs answered")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="let the helpers run on every core")
+    parser.add_argument("--gather-us", type=float, default=500.0,
+                        help="free-running: how long to gather the envs that end after the first (microseconds)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     env_id = SLEEP if args.env == "sleep" else STRAGGLER
     ideal = 16 / measure_step_time(env_id, 500)
     for free in (False, True):
-        rate = run(env_id, free=free, policy=args.policy, pin=args.pin)
+        rate = run(env_id, free=free, policy=args.policy, pin=args.pin, gather_s=args.gather_us * 1e-6)
         print(f"{args.env} {'free' if free else 'lock-step'}{' + policy' if args.policy else ''}"
               f"{'' if args.pin else ', helpers on every core'}: "
               f"{rate:,.0f} steps/s, {rate / ideal:.2f} of the ideal {ideal:,.0f}")

@@ -40,9 +40,11 @@ PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollec
 # No collector: a helper thread per env and the batched policy in one loop (benchmarks/helper_threads.py). The
 # GIL-releasing scenarios run them so that their ideal-based targets are read against what threads reach on the
 # same machine in the same run (docs/performance.rst).
+# Free-running, the gather that suits each env best: 50 us on the stragglers, none on the 2 ms env (round nine).
 HELPER_CEILING: dict[str, Builder] = {
     "helper threads lock-step (no collector)": functools.partial(c.helper_threads, free=False),
-    "helper threads free (no collector)": functools.partial(c.helper_threads, free=True),
+    "helper threads free, 50 us gather (no collector)": functools.partial(c.helper_threads, free=True, gather_s=50e-6),
+    "helper threads free, no gather (no collector)": functools.partial(c.helper_threads, free=True, gather_s=0.0),
 }
 LOCK_STEP = ["gym SyncVectorEnv loop", "torchrl Collector(SerialEnv)", "torchrl Collector(ParallelEnv)"]
 
