@@ -1,10 +1,10 @@
 """``"auto"`` layout: how many worker processes and envs per thread, from a few timed steps of one env.
 
 At start-up :func:`measure_env` times ``steps`` random-action steps of one env
-(the step time, and how much it varies) and runs them again in a helper thread while the calling thread
-counts in a tight Python loop: the share of its solo count rate it keeps while
-the env steps is the share of a step spent without the GIL. :func:`choose_layout`
-applies the rule documented in ``docs/tuning.rst``:
+(the step time, and how much it varies) and runs them again in a helper thread
+while the calling thread counts in a tight Python loop: the share of its solo
+count rate it keeps while the env steps is the share of a step spent without the
+GIL. :func:`choose_layout` applies the rule documented in ``docs/tuning.rst``:
 
 * worker processes, with at least two cores, when the env time of a step of all
   envs that the other processes would take off the main process (``num_envs x step
@@ -220,7 +220,8 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         run(3)  # warm-up
         times: list[float] = []
         step_s = run(steps, times) / steps
-        cv = statistics.pstdev(times) / statistics.fmean(times) if statistics.fmean(times) > 0 else 0.0
+        mean = statistics.fmean(times)
+        cv = statistics.pstdev(times, mean) / mean if mean > 0 else 0.0
         if step_s < cheap_s:
             return EnvTiming(step_s=step_s, gil_release=float("nan"), step_cv=cv)
         window = min(max(step_s * steps, 0.02), 0.5)

@@ -42,18 +42,19 @@ call is abandoned (daemon).
 Helpers whose calls mostly wait leave a core to the owner. Each helper times its
 first calls, wall clock and its own thread's CPU time, into ``cpu[j]``,
 ``wall[j]`` and ``calls[j]``, which only it writes. Once ``_PIN_AFTER`` calls
-have ended, the owner reads the sums once and decides. If the helpers spent less than ``_PIN_CPU_SHARE``
-of their calls' time on a CPU (sleeps, I/O, a remote env), and the process may run
-on two cores or more, the owner sets ``cores``: every core the process may use but
-the highest. Each helper moves itself there (``os.sched_setaffinity`` on its own
-thread) before its next call. The owner thread itself is not pinned.
+have ended, the owner reads the sums once and decides (``measuring`` then turns
+False). If the helpers spent less than ``_PIN_CPU_SHARE`` of their calls' time on
+a CPU (sleeps, I/O, a remote env), and the process may run on two cores or more,
+the owner sets ``cores``: every core the process may use but the highest. Each
+helper moves itself there (``os.sched_setaffinity`` on its own thread) before its
+next call. The owner thread itself is not pinned.
 
-Why: on two cores, a block thread that shared its core with 16 helpers ran the
+Why: on two cores, a block thread that shared its cores with 16 helpers ran the
 policy's forward pass at 2-4x its hot cost, its caches evicted between steps. With
-the helpers on the other core, the 2 ms env rose from 0.59 to 0.68 of the ideal and
-the stragglers (``"free"``) from 0.40 to 0.45 (``docs/performance.rst``). Calls
-that compute (C code releasing the GIL) are left on every core: moving them would
-take a core from them.
+the helpers on the other core, the 2 ms env went 1.15x and the free-running
+stragglers 1.15x in an interleaved before/after (``docs/performance.rst``). Calls
+that compute (C code releasing the GIL) keep every core: moving them would take a
+core from them.
 """
 
 from __future__ import annotations
