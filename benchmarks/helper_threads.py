@@ -66,7 +66,7 @@ class HelperThreads:
         n = len(self.envs)
         self.obs = np.stack([env.reset(seed=j)[0] for j, env in enumerate(self.envs)])
         self.actions: list[object] = [0] * n
-        self.results: list[tuple[np.ndarray, bool] | BaseException | None] = [None] * n
+        self.results: list[np.ndarray | BaseException | None] = [None] * n  # helper j's last observation
         self._go = [threading.Lock() for _ in range(n)]
         for go in self._go:
             go.acquire()  # held: nothing to do
@@ -92,7 +92,7 @@ class HelperThreads:
                 obs, _, terminated, truncated, _ = env.step(self.actions[j])
                 if terminated or truncated:
                     obs, _ = env.reset()
-                self.results[j] = (obs, True)
+                self.results[j] = obs
             except BaseException as exc:  # re-raised by the owner
                 self.results[j] = exc
             self._done.put(j)
@@ -119,7 +119,7 @@ class HelperThreads:
             result = self.results[j]
             if isinstance(result, BaseException):
                 raise result
-            self.obs[j] = result[0]
+            self.obs[j] = result
         return ended
 
     def _answer(self, envs: Sequence[int]) -> None:

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -145,16 +144,6 @@ def test_helper_thread_ceiling_steps_every_env_and_joins_its_threads(free):
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
 
 
-class _CountSteps(gym.Wrapper):
-    def __init__(self, env: gym.Env) -> None:
-        super().__init__(env)
-        self.steps = 0
-
-    def step(self, action):
-        self.steps += 1
-        return self.env.step(action)
-
-
 @pytest.mark.parametrize("free", [False, True], ids=["lock-step", "free"])
 def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_between_runs(free):
     """The no-collector ceiling the GIL-releasing scenarios run as contenders: each run returns at least the
@@ -162,10 +151,10 @@ def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_betw
     every 2 steps here), the policy sees every env's row on each call, and the helpers run off one core."""
     import threading
 
-    from benchmarks.envs import SLEEP
     from benchmarks.helper_threads import HelperThreads
+    from process_helpers import CountEnv
 
-    envs = [_CountSteps(gym.make(SLEEP, step_time=0.0, max_episode_steps=2)) for _ in range(4)]
+    envs = [CountEnv(i, length=2) for i in range(4)]
     shapes = []
 
     def policy(obs):
@@ -190,5 +179,5 @@ def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_betw
             assert all(os.sched_getaffinity(t.native_id) == allowed - {max(allowed)} for t in helpers)
     finally:
         session.close()
-    assert set(shapes) == {(4, 4)}
+    assert set(shapes) == {(4, 3)}
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
