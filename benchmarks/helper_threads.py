@@ -9,8 +9,8 @@ gives each env its next step as soon as its last one ended (``free``, gathering 
 batched policy on every env's observation and hands the answered envs their actions, as the collector's block
 thread does. What is left between these figures and the ideal ``num_envs / step_time`` is the GIL hand-offs of
 the helpers (gymnasium's wrappers run in Python before and after each wait) and of the policy's forward pass
-(each torch op releases the GIL, and a helper waking meanwhile takes it). The helpers run off one core, left to
-the owner, as the collector's helpers do when their steps wait (``--no-pin``: anywhere).
+(each torch op releases the GIL, and a helper waking meanwhile takes it). The helpers and the owner share one
+core during a run, as the collector places a block whose steps wait (``--no-pin``: anywhere).
 
 The ``gil`` and ``stragglers`` scenarios run :class:`HelperThreads` as contenders of their own (lock-step, and
 free-running with a 50 us gather or none, :func:`benchmarks.contenders.helper_threads`), so the collector is
@@ -49,9 +49,11 @@ class HelperThreads:
             lock-step: every env steps, the owner waits for all of them, then answers all).
         gather_s: free-running only: after the first env ends, wait up to this long (seconds) for more, up to
             half the envs, to answer them with one policy call.
-        pin: the helpers run off the highest core this process may use, leaving it to the owner, as the
-            collector's helpers do once their steps are seen to wait (``lightning_rollout/loop/block.py``);
-            with fewer than two cores, or without CPU affinity, nothing moves.
+        pin: the helpers, and the owner during :meth:`run`, run on one core (the lowest this process may
+            use), as the collector places a block once its steps are seen to wait and to need less than a
+            core in all (``lightning_rollout/loop/block.py``, its ``_placement``, written out here so that
+            the ceiling runs no collector code: keep the two in step); with fewer than two cores, or without
+            CPU affinity, nothing moves.
 
     Threading: helper ``j`` touches only ``envs[j]``, ``results[j]`` and its lock; the owner reads a result
     after the helper has put ``j`` on the queue, and writes an action before releasing the helper's lock.
@@ -62,7 +64,7 @@ class HelperThreads:
                  gather_s: float = 0.0005, pin: bool = True) -> None:
         self.envs, self.policy, self.free, self.gather_s = list(envs), policy, free, gather_s
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else set()
-        self.cores = frozenset(allowed - {max(allowed)}) if pin and len(allowed) >= 2 else None
+        self.cores = frozenset({min(allowed)}) if pin and len(allowed) >= 2 else None
         n = len(self.envs)
         self.obs = np.stack([env.reset(seed=j)[0] for j, env in enumerate(self.envs)])
         self.actions: list[object] = [0] * n
@@ -132,7 +134,18 @@ class HelperThreads:
             self._go[j].release()
 
     def run(self, frames: int) -> int:
-        """Step until at least ``frames`` transitions ended; returns how many did (every step started ends)."""
+        """Step until at least ``frames`` transitions ended; returns how many did (every step started ends).
+        With ``pin``, the calling thread runs on the helpers' core until it returns."""
+        if self.cores is None:
+            return self._run(frames)
+        saved = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores)  # this thread only
+        try:
+            return self._run(frames)
+        finally:
+            os.sched_setaffinity(0, saved)
+
+    def _run(self, frames: int) -> int:
         n = len(self.envs)
         taken = 0
         self._answer(range(n))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -244,20 +245,51 @@ _pinning = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sch
                               reason="needs CPU affinity and at least two cores")
 
 
+def _block_thread_affinity() -> set[int]:
+    (owner,) = [t for t in threading.enumerate() if t.name.startswith("lightning_rollout-") and "-env" in t.name
+                and not t.name.endswith("-step")]
+    return os.sched_getaffinity(owner.native_id)
+
+
 @_pinning
 @pytest.mark.parametrize("mode", [True, "free"])
-def test_helpers_whose_steps_wait_move_off_one_core_left_to_the_block_thread(mode, caplog):
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, torch_threads, caplog):
     allowed = os.sched_getaffinity(0)
-    with caplog.at_level("INFO", logger="lightning_rollout"):
-        with MultiEnvLoop([lambda: _WorkEnv(compute=False)] * 4, zero_policy, envs_per_thread=4,
-                          parallel_steps=mode, lookahead=False) as loop:
-            loop.run_env_steps(20)  # 80 calls: the helpers decide after 64
-            loop.run_env_steps(2)  # each helper moves before its next call
-            affinities = _helper_affinities()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)  # the block's thread runs the policy with the loop's creator's setting
+    try:
+        with caplog.at_level("INFO", logger="lightning_rollout"):
+            with MultiEnvLoop([lambda: _WorkEnv(compute=False)] * 4, zero_policy, envs_per_thread=4,
+                              parallel_steps=mode, lookahead=False) as loop:
+                loop.run_env_steps(20)  # 80 calls: the block decides after 64
+                loop.run_env_steps(2)  # each helper moves before its next call
+                affinities = _helper_affinities()
+                owner = _block_thread_affinity()
+    finally:
+        torch.set_num_threads(saved)
     assert len(affinities) == 4
-    assert all(a == allowed - {max(allowed)} for a in affinities)
-    assert f"the helpers move off core {max(allowed)}" in caplog.text
-    assert os.sched_getaffinity(0) == allowed  # this thread (and the block's) keep every core
+    (core,) = affinities[0]  # one core, not the highest, for every helper
+    assert core in allowed - {max(allowed)} and all(a == {core} for a in affinities)
+    # The block's thread joins them when its forward passes run on one torch thread; else it keeps every core.
+    assert owner == ({core} if torch_threads == 1 else allowed)
+    assert f"move to core {core}" in caplog.text
+    assert os.sched_getaffinity(0) == allowed  # the thread that built the loop keeps every core
+
+
+@pytest.mark.parametrize(("share", "helpers", "cores", "placed", "expected"), [
+    (0.02, 16, {0, 1}, 0, ({0}, True)),  # 0.32 of a core in all: one core, with the owner
+    (0.05, 16, {0, 1, 2, 3}, 1, ({1}, True)),  # a second block: the next core but the highest
+    (0.05, 16, {0, 1, 2, 3}, 3, ({0}, True)),  # round robin over the cores but the highest
+    (0.1, 16, {0, 1, 2, 3}, 0, ({0, 1, 2}, False)),  # 1.6 cores in all: off the highest core, the owner stays
+    (0.6, 4, {0, 1}, 0, None),  # the steps compute: nothing moves
+    (0.02, 16, {3}, 0, None),  # one core: nothing to choose
+])
+def test_placement_puts_waiting_helpers_on_one_core_unless_they_need_more(share, helpers, cores, placed, expected):
+    from lightning_rollout.loop.block import _placement
+
+    place = _placement(share, helpers, cores, itertools.count(placed))
+    assert place == (None if expected is None else (frozenset(expected[0]), expected[1]))
 
 
 @_pinning

@@ -39,35 +39,52 @@ Resets, random actions and all bookkeeping stay in the owner thread. Helpers pol
 their lock every 50 ms and exit once the block is closed; one stuck inside an env
 call is abandoned (daemon).
 
-Helpers whose calls mostly wait leave a core to the owner. Each helper times its
-first calls, wall clock and its own thread's CPU time, into ``cpu[j]``,
-``wall[j]`` and ``calls[j]``, which only it writes. Once ``_PIN_AFTER`` calls
-have ended, the owner reads the sums once and decides (``measuring`` then turns
-False). If the helpers spent less than ``_PIN_CPU_SHARE`` of their calls' time on
-a CPU (sleeps, I/O, a remote env), and the process may run on two cores or more,
-the owner sets ``cores``: every core the process may use but the highest. Each
-helper moves itself there (``os.sched_setaffinity`` on its own thread) before its
-next call. The owner thread itself is not pinned.
+Helpers whose calls mostly wait are placed on cores chosen for them. Each helper
+times its first calls, wall clock and its own thread's CPU time, into ``cpu[j]``,
+``wall[j]`` and ``calls[j]``, which only it writes. Once ``_PIN_AFTER`` calls have
+ended, the owner reads the sums once and decides (``measuring`` then turns False),
+by :func:`_placement`, when the process may run on two cores or more and the
+helpers spent less than ``_PIN_CPU_SHARE`` of their calls' time on a CPU (sleeps,
+I/O, a remote env):
 
-Why: on two cores, a block thread that shared its cores with 16 helpers ran the
-policy's forward pass at 2-4x its hot cost, its caches evicted between steps. With
-the helpers on the other core, the 2 ms env went 1.15x and the free-running
-stragglers 1.15x in an interleaved before/after (``docs/performance.rst``). Calls
-that compute (C code releasing the GIL) keep every core: moving them would take a
-core from them.
+- if all the helpers together keep at most ``_ONE_CORE_DEMAND`` cores busy (``n``
+  times that share), the block goes to **one core**: the helpers and, when its
+  torch runs one intra-op thread, the owner thread itself (the calls of a waiting
+  env are mostly Python, which the GIL runs one thread at a time anyway). The core
+  is one of the allowed cores but the highest, a different one for each block
+  placed in this process (round robin);
+- otherwise the helpers move off the highest allowed core, which is left to the
+  owner, and the owner is not pinned.
+
+The owner sets ``cores``; each helper moves itself there (``os.sched_setaffinity`` on
+its own thread) before its next call; the owner moves itself at once. The thread
+that built the loop (a training loop, the driver) is never pinned.
+
+Why: GIL hand-offs between threads on one core are context switches; between
+cores each one wakes another core (on a VM, an inter-processor interrupt to an
+idle virtual CPU). With the 16 waiting helpers on one core and the owner unpinned,
+a policy forward pass ran at 4x its hot cost in the block thread; with the owner
+on the helpers' core the 2 ms env went from 0.75 to 0.80 of its ideal and the
+free-running stragglers from 0.52-0.57 to 0.56-0.61 (``docs/performance.rst``).
+With two torch threads in the owner, moving it measured no better (0.51 -> 0.49,
+0.73 -> 0.76), so an owner whose forward pass may use several threads stays put.
+Calls that compute (C code releasing the GIL) keep every core: moving them would
+take cores from them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from .._exit import abandon
 from ..envs import ActionError, EnvAdapter, GymAdapter
@@ -124,10 +141,35 @@ _POLL_S = 0.05
 _GATHER_WINDOW = 0.1
 _GATHER_SHARE = 0.5
 _EMA = 0.1
-# Helpers whose calls spend less than _PIN_CPU_SHARE of their time on a CPU move off one core, decided
-# once _PIN_AFTER calls have ended (see the module docs).
+# Helpers whose calls spend less than _PIN_CPU_SHARE of their time on a CPU are placed, decided once
+# _PIN_AFTER calls have ended: on one core with their owner when together they keep at most
+# _ONE_CORE_DEMAND cores busy, else off the highest core (see the module docs and _placement).
 _PIN_AFTER = 64
 _PIN_CPU_SHARE = 0.5
+_ONE_CORE_DEMAND = 1.0
+_placed_blocks = itertools.count()  # blocks placed on one core in this process: the next one's core
+
+
+def _placement(share: float, helpers: int, allowed: frozenset[int] | set[int], blocks: Iterator[int]
+               ) -> tuple[frozenset[int], bool] | None:
+    """Where the helpers of a block go (see the module docs).
+
+    Args:
+        share: the fraction of their calls' wall time the helpers spent on a CPU.
+        helpers: how many helpers (envs) the block has.
+        allowed: the cores this process may run on.
+        blocks: counts the blocks placed on one core (read only when this one is): picks its core.
+
+    Returns:
+        ``None`` to leave every thread where it is; else the helpers' cores, and whether the owner
+        thread moves there too (one core).
+    """
+    if share >= _PIN_CPU_SHARE or len(allowed) < 2:
+        return None
+    others = sorted(set(allowed) - {max(allowed)})
+    if share * helpers <= _ONE_CORE_DEMAND:
+        return frozenset({others[next(blocks) % len(others)]}), True
+    return frozenset(others), False
 
 
 class _StepThreads:
@@ -190,17 +232,32 @@ class _StepThreads:
             self._done.put(j)
 
     def _decide_pinning(self) -> None:
-        """Once: move the helpers off one core when their calls mostly wait (see the module docs)."""
+        """Once, in the owner thread: place the helpers (and maybe the owner) when their calls mostly
+        wait (see the module docs)."""
         self.measuring = False
         wall = sum(self.wall)
         share = sum(self.cpu) / wall if wall > 0 else 1.0
         allowed = os.sched_getaffinity(0)
-        if share >= _PIN_CPU_SHARE or len(allowed) < 2:
+        n = len(self.threads)
+        place = _placement(share, n, allowed, _placed_blocks)
+        if place is None:
             return
-        left = max(allowed)
-        self.cores = frozenset(allowed - {left})
-        log.info("%s: the env steps of its helper threads spend %.0f%% of their time on a CPU: the helpers move "
-                 "off core %d, which is left to the block's thread", self._name, 100 * share, left)
+        cores, one = place
+        self.cores = cores
+        if not one:
+            log.info("%s: the env steps of its %d helper threads spend %.0f%% of their time on a CPU: the helpers "
+                     "move off core %d, which is left to the block's thread", self._name, n, 100 * share,
+                     max(allowed))
+            return
+        owner = torch.get_num_threads() == 1  # a forward pass that may use several threads keeps its cores
+        if owner:
+            try:
+                os.sched_setaffinity(0, cores)  # the owner thread only
+            except OSError:  # not permitted here: the helpers still move
+                owner = False
+        log.info("%s: the env steps of its %d helper threads spend %.0f%% of their time on a CPU: the helpers%s "
+                 "move to core %d", self._name, n, 100 * share, " and the block's thread" if owner else "",
+                 min(cores))
 
     def start(self, j: int, fn: Callable[[Any], Any], arg: Any) -> None:
         """Hand helper ``j`` the call ``fn(arg)`` (it must be idle: its last call ended and was read)."""
