@@ -190,7 +190,7 @@ def test_env_raises_during_run_episodes_keeps_finished_episodes():
 
 @pytest.mark.parametrize("kind, words", [("shape", "shape (4,)"), ("dtype", "dtype <U1"), ("nan", "NaN")])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("parallel_steps", [False, True], ids=["sequential", "parallel_steps"])
+@pytest.mark.parametrize("parallel_steps", [False, True, "free"], ids=["sequential", "parallel_steps", "free"])
 def test_env_bad_observation(kind, words, mode, parallel_steps):
     at = 7
     factories = [lambda i=i: BadObsEnv(i, kind, at if i == 2 else None) for i in range(4)]

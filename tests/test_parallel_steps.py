@@ -301,3 +301,47 @@ def test_helpers_whose_steps_compute_keep_every_core():
         loop.run_env_steps(2)
         affinities = _helper_affinities()
     assert len(affinities) == 4 and all(a == allowed for a in affinities)
+
+
+class _NanAtFirstStep(gym.Env):
+    """Its first step returns ``[env_id, nan]`` when ``nan``, else ``[env_id, 0]``."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, env_id: int, nan: bool) -> None:
+        self.env_id, self.nan = env_id, nan
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([self.env_id, 0], np.float32), {}
+
+    def step(self, action):
+        return np.array([self.env_id, np.nan if self.nan else 0], np.float32), float(self.env_id), False, False, {}
+
+
+def test_a_parallel_block_drops_the_rows_of_envs_that_return_nan_and_moves_the_others_up():
+    from lightning_rollout.envs import make_adapter
+    from lightning_rollout.loop.block import EnvBlock
+    from lightning_rollout.specs import ArraySpec
+
+    spec = ArraySpec((2,), np.dtype(np.float32))
+    block = EnvBlock([make_adapter(_NanAtFirstStep(j, nan=j in (1, 3))) for j in range(4)], validate=True,
+                     checked_next={"observation": spec}, checked_root={"observation": spec}, zero_done={},
+                     parallel=True)
+    try:
+        for j in range(4):
+            block.reset(j, None)
+        block.begin({"action": np.zeros((4, 2), np.int64)}, range(4))  # one-hot actions: 0 for every env
+        waiting = {0, 1, 2, 3}
+        while waiting:
+            waiting -= set(block.ended())
+        obs, rewards = np.full((4, 2), -1.0, np.float32), np.full(4, -1.0)
+        written, failure = block.finish(range(4), {"observation": obs}, rewards, np.zeros(4, bool),
+                                        np.zeros(4, bool))
+    finally:
+        block.close()
+    assert written == [0, 2]
+    np.testing.assert_array_equal(obs[:2], [[0, 0], [2, 0]])
+    np.testing.assert_array_equal(rewards[:2], [0.0, 2.0])
+    assert failure is not None and (failure.j, failure.phase) == (1, "check") and "NaN" in str(failure)

@@ -21,18 +21,19 @@ releases the GIL (C simulators, sleeps, I/O). Protocol (:class:`_StepThreads`): 
 owner writes env ``j``'s call into ``calls[j]``, notes the time in ``started[j]`` and
 releases ``go[j]`` (a lock held while there is nothing to do); helper ``j`` acquires
 it, runs the call, stores the result or the exception in ``results[j]`` and puts ``j``
-on the ``done`` queue. The owner reads ``done`` (polling its stop flag every 50 ms):
-after the first call that ended it keeps gathering, for up to a tenth of the mean
-call duration or until half the calls in flight ended, so that one policy call
-answers envs that end close together. Two ways to use it:
+on the ``done`` queue. The owner reads ``done`` (polling its stop flag every 50 ms).
+Two ways to use it:
 
-- :meth:`EnvBlock.step`: start every env, wait until all ended, write the results in
+- :meth:`EnvBlock.step`: start every env, read ``done`` until all ended, write the results in
   env order (errors are raised as in a sequential step, the lowest env index first);
   no helper is left running a call.
 - free-running, :meth:`EnvBlock.begin` / :meth:`EnvBlock.ended` /
   :meth:`EnvBlock.finish`: the owner starts envs as their actions are ready and
   writes the results of those that ended; each env runs at its own pace
-  (``Worker._run_quota_free`` in :mod:`lightning_rollout.loop.worker`).
+  (``Worker._run_quota_free`` in :mod:`lightning_rollout.loop.worker`). After the first
+  call that ended the owner keeps gathering, for up to a tenth of the mean call
+  duration or until half the calls in flight ended, so that one policy call answers
+  envs that end close together.
 
 ``busy_env``/``busy_since`` then name the env whose call in flight started first.
 Resets, random actions and all bookkeeping stay in the owner thread. Helpers poll
@@ -265,27 +266,24 @@ class _StepThreads:
         self.started[j] = time.perf_counter()
         self._go[j].release()
 
-    def ended(self, stop: threading.Event | None, in_flight: int = 1) -> list[int]:
-        """The helpers whose call ended, in the order they ended: at least one (waits, polling ``stop``
-        every 50 ms), then more for a short while (see the module docs), out of ``in_flight`` calls.
+    def ended(self, stop: threading.Event | None, in_flight: int = 1, *, every: bool = False) -> list[int]:
+        """The helpers whose call ended, in the order they ended, out of ``in_flight`` calls: at least one,
+        then more for a short while (see the module docs); with ``every``, all ``in_flight`` of them (a
+        lock-step step: no gathering to decide). Every wait polls ``stop`` every 50 ms.
 
         Raises:
             _Stopped: ``stop`` was set while waiting (the loop is closing).
         """
-        from ..policy import _Stopped
-
         done = self._done
-        while True:
-            try:
-                ended = [done.get(timeout=_POLL_S)]
-                break
-            except queue.Empty:
-                if stop is not None and stop.is_set():
-                    raise _Stopped() from None
+        ended = [self._next(stop)]
         now = time.perf_counter()
         self.step_time += _EMA * (now - self.started[ended[0]] - self.step_time)
         if self.measuring and sum(self.calls) >= _PIN_AFTER:
             self._decide_pinning()
+        if every:
+            while len(ended) < in_flight:
+                ended.append(self._next(stop))
+            return ended
         want = max(1, int(in_flight * _GATHER_SHARE))
         deadline = now + _GATHER_WINDOW * self.step_time
         while True:
@@ -300,6 +298,17 @@ class _StepThreads:
                 except queue.Empty:
                     return ended
             ended.append(j)
+
+    def _next(self, stop: threading.Event | None) -> int:
+        """The next helper whose call ends (waits, polling ``stop``)."""
+        from ..policy import _Stopped
+
+        while True:
+            try:
+                return self._done.get(timeout=_POLL_S)
+            except queue.Empty:
+                if stop is not None and stop.is_set():
+                    raise _Stopped() from None
 
     def close(self, timeout: float = 1.0) -> None:
         """Let every helper exit; one still inside an env call after ``timeout`` s is abandoned."""
@@ -388,9 +397,7 @@ class EnvBlock:
         (for the lowest env index that failed, as if stepped one after the other)."""
         if self.parallel and len(envs) > 1:  # every env in its helper; results read in env order
             self.begin(inputs, envs)
-            waiting = set(envs)
-            while waiting:
-                waiting.difference_update(self.ended(stop))
+            self.ended(stop, every=True)
             failure = self.finish(envs, out, rewards, terminated, truncated)[1]
             if failure is not None:
                 raise failure
@@ -432,15 +439,16 @@ class EnvBlock:
         self._in_flight.update(envs)
         self._track_busy()
 
-    def ended(self, stop: threading.Event | None = None) -> list[int]:
+    def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> list[int]:
         """The envs whose step (started by :meth:`begin`) ended since the last look: at least one
-        (waits, polling ``stop`` every 50 ms), in the order they ended.
+        (waits, polling ``stop`` every 50 ms), in the order they ended; with ``every``, all of those in
+        flight.
 
         Raises:
             _Stopped: ``stop`` was set while waiting.
         """
         assert self._threads is not None
-        ended = self._threads.ended(stop, len(self._in_flight))
+        ended = self._threads.ended(stop, len(self._in_flight), every=every)
         self._in_flight.difference_update(ended)
         self._track_busy()
         return ended
@@ -459,7 +467,6 @@ class EnvBlock:
         failure: EnvFailure | None = None
         gym = self._gym
         obs_out = out["observation"] if gym else None
-        nan_check = gym and self._checks_nan(obs_out)
         for j in envs:
             i = len(written)
             try:
@@ -467,14 +474,22 @@ class EnvBlock:
                 if gym:
                     obs, rewards[i], terminated[i], truncated[i], _ = result
                     obs_out[i] = self._observation(j, obs)
-                    if nan_check and np.isnan(obs_out[i]).any():
-                        raise EnvFailure(j, "check", "env", _CheckFailed("entry 'observation' contains NaN"))
                 else:
                     self._write(i, j, result, out, rewards, terminated, truncated)
             except EnvFailure as exc:
                 failure = failure or exc
                 continue
             written.append(j)
+        bad = self._nan_rows(obs_out, len(written)) if gym and written else None
+        if bad is not None:  # those envs fail their check: their rows are dropped, the others moved up
+            nan = EnvFailure(written[int(bad.argmax())], "check", "env",
+                             _CheckFailed("entry 'observation' contains NaN"))
+            if failure is None or list(envs).index(nan.j) < list(envs).index(failure.j):
+                failure = nan
+            keep = ~bad
+            for array in (rewards, terminated, truncated, *out.values()):
+                array[:int(keep.sum())] = array[:len(written)][keep]
+            written = [j for j, kept in zip(written, keep) if kept]
         return written, failure
 
     def _track_busy(self) -> None:
@@ -551,18 +566,25 @@ class EnvBlock:
         """Whether observations written to ``obs_out`` are checked for NaN (validated float observations)."""
         return self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
 
+    def _nan_rows(self, obs_out: np.ndarray, n: int) -> np.ndarray | None:
+        """Which of the first ``n`` rows of ``obs_out`` hold a NaN (``[n]`` bools), ``None`` when none does
+        or the observations are not checked (see :meth:`_checks_nan`)."""
+        if not self._checks_nan(obs_out):
+            return None
+        # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
+        # row-wise isnan on every step, which is only needed to name the env.
+        total = np.add.reduce(obs_out[:n], axis=None)  # ndarray.sum without its Python wrapper
+        if total == total:  # not NaN
+            return None
+        bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
+        return bad if bad.any() else None
+
     def _check_nan(self, obs_out: np.ndarray, envs: Sequence[int]) -> None:
         """No NaN in the first ``len(envs)`` rows of ``obs_out`` (validated float observations)."""
-        if self._checks_nan(obs_out):
-            n = len(envs)
-            # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
-            # row-wise isnan on every step, which is only needed to name the env.
-            total = np.add.reduce(obs_out[:n], axis=None)  # ndarray.sum without its Python wrapper
-            if total != total:  # NaN
-                bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
-                if bad.any():
-                    i = int(bad.argmax())
-                    raise EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+        bad = self._nan_rows(obs_out, len(envs))
+        if bad is not None:
+            raise EnvFailure(envs[int(bad.argmax())], "check", "env",
+                             _CheckFailed("entry 'observation' contains NaN"))
 
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
                   rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
