@@ -266,6 +266,7 @@ def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, 
                 loop.run_env_steps(2)  # each helper moves before its next call
                 affinities = _helper_affinities()
                 owner = _block_thread_affinity()
+                gather = loop._workers[0].envs._threads.gather_window
     finally:
         torch.set_num_threads(saved)
     assert len(affinities) == 4
@@ -273,6 +274,7 @@ def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, 
     assert core in allowed - {max(allowed)} and all(a == {core} for a in affinities)
     # The block's thread joins them when its forward passes run on one torch thread; else it keeps every core.
     assert owner == ({core} if torch_threads == 1 else allowed)
+    assert (gather == 0) == (torch_threads == 1)  # on its helpers' core the block thread does not gather
     assert f"move to core {core}" in caplog.text
     assert os.sched_getaffinity(0) == allowed  # the thread that built the loop keeps every core
 

@@ -33,7 +33,8 @@ Two ways to use it:
   (``Worker._run_quota_free`` in :mod:`lightning_rollout.loop.worker`). After the first
   call that ended the owner keeps gathering, for up to a tenth of the mean call
   duration or until half the calls in flight ended, so that one policy call answers
-  envs that end close together.
+  envs that end close together; once it shares its helpers' core (below) it takes
+  the calls that already ended and does not wait for more.
 
 ``busy_env``/``busy_since`` then name the env whose call in flight started first.
 Resets, random actions and all bookkeeping stay in the owner thread. Helpers poll
@@ -139,6 +140,10 @@ _POLL_S = 0.05
 # gathering, 0.56 and 0.41 of the ideal throughput, with a window of 0.25 0.64 and 0.45. Once the helpers
 # moved off the block thread's core (below), 0.1 beat 0.25 in six of six interleaved pairs (2 ms env
 # 0.70-0.71 against 0.67-0.69 of the ideal, stragglers 0.52-0.56 against 0.49-0.51); 0 and 0.05 were slower.
+# A block thread on its helpers' one core (see _placement) does not gather: the helpers that end while it
+# works queue up behind it on that core anyway, and waiting for more only delays them (0 against 0.1 in
+# four interleaved pairs: 2 ms env 0.78 against 0.75 in each, stragglers 0.61-0.63 against 0.60-0.62; the
+# other way round with the block thread off that core: stragglers 0.46 against 0.56).
 _GATHER_WINDOW = 0.1
 _GATHER_SHARE = 0.5
 _EMA = 0.1
@@ -195,6 +200,7 @@ class _StepThreads:
         self.calls = [0] * n
         self.measuring = hasattr(os, "sched_setaffinity")
         self.cores: frozenset[int] | None = None
+        self.gather_window = _GATHER_WINDOW  # in mean call durations; 0 once the owner shares the helpers' core
         self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
                                          name=f"lightning_rollout-{name}-env{env_ids[j]}-step") for j in range(n)]
         for thread in self.threads:
@@ -256,6 +262,8 @@ class _StepThreads:
                 os.sched_setaffinity(0, cores)  # the owner thread only
             except OSError:  # not permitted here: the helpers still move
                 owner = False
+        if owner:
+            self.gather_window = 0.0
         log.info("%s: the env steps of its %d helper threads spend %.0f%% of their time on a CPU: the helpers%s "
                  "move to core %d", self._name, n, 100 * share, " and the block's thread" if owner else "",
                  min(cores))
@@ -285,7 +293,7 @@ class _StepThreads:
                 ended.append(self._next(stop))
             return ended
         want = max(1, int(in_flight * _GATHER_SHARE))
-        deadline = now + _GATHER_WINDOW * self.step_time
+        deadline = now + self.gather_window * self.step_time
         while True:
             try:
                 j = done.get_nowait()
@@ -467,13 +475,17 @@ class EnvBlock:
         failure: EnvFailure | None = None
         gym = self._gym
         obs_out = out["observation"] if gym else None
+        expected = self._obs_spec if self.validate else None
         for j in envs:
             i = len(written)
             try:
                 result = self._parallel_result(j)
                 if gym:
                     obs, rewards[i], terminated[i], truncated[i], _ = result
-                    obs_out[i] = self._observation(j, obs)
+                    if expected is not None and (getattr(obs, "shape", None) != expected[0]
+                                                 or getattr(obs, "dtype", None) != expected[1]):
+                        obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
+                    obs_out[i] = obs
                 else:
                     self._write(i, j, result, out, rewards, terminated, truncated)
             except EnvFailure as exc:
