@@ -296,13 +296,15 @@ def test_placement_puts_waiting_helpers_on_one_core_unless_they_need_more(share,
 
 @_pinning
 def test_helpers_whose_steps_compute_keep_every_core():
+    """As many computing envs as the test needs cores (two): each helper's steps run on a CPU nearly all the
+    time (with more envs than cores they would also wait for one, and read as half waiting)."""
     allowed = os.sched_getaffinity(0)
-    with MultiEnvLoop([lambda: _WorkEnv(compute=True)] * 4, zero_policy, envs_per_thread=4,
+    with MultiEnvLoop([lambda: _WorkEnv(compute=True)] * 2, zero_policy, envs_per_thread=2,
                       parallel_steps=True, lookahead=False) as loop:
-        loop.run_env_steps(20)
+        loop.run_env_steps(40)  # 80 calls: the helpers decide after 64
         loop.run_env_steps(2)
         affinities = _helper_affinities()
-    assert len(affinities) == 4 and all(a == allowed for a in affinities)
+    assert len(affinities) == 2 and all(a == allowed for a in affinities)
 
 
 class _NanAtFirstStep(gym.Env):
@@ -347,3 +349,44 @@ def test_a_parallel_block_drops_the_rows_of_envs_that_return_nan_and_moves_the_o
     np.testing.assert_array_equal(obs[:2], [[0, 0], [2, 0]])
     np.testing.assert_array_equal(rewards[:2], [0.0, 2.0])
     assert failure is not None and (failure.j, failure.phase) == (1, "check") and "NaN" in str(failure)
+
+
+class _HangingEnv(gym.Env):
+    """Env ``hung`` blocks in its step ``at`` until ``release`` is set; the others end an episode every step
+    (so their block thread resets them between steps)."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, j: int, hung: int, at: int, release: threading.Event) -> None:
+        self.j, self.hung, self.at, self.release, self.t = j, hung, at, release, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if self.j == self.hung and self.t == self.at:
+            self.release.wait(timeout=10.0)
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, self.j != self.hung, False, {}
+
+
+@pytest.mark.parametrize("mode", [True, "free"])
+def test_step_timeout_names_the_hung_env_of_a_parallel_block_not_the_first_one_started(mode):
+    """Env 2 of a block of 4 hangs in its second step while the others end (and are reset) around it: the
+    timeout names env 2, whether the block waits for every env (lock-step) or the others run on ("free")."""
+    release = threading.Event()
+    before = set(threading.enumerate())
+    loop = MultiEnvLoop([lambda j=j: _HangingEnv(j, 2, 1, release) for j in range(4)], zero_policy,
+                        envs_per_thread=4, parallel_steps=mode, lookahead=False, step_timeout=0.5,
+                        join_timeout=5.0)
+    try:
+        with pytest.warns(RuntimeWarning, match="abandoned"):
+            with pytest.raises(StepTimeoutError, match=r"env 2 .*step_timeout=0.5") as info:
+                loop.run_env_steps(20)
+        assert (info.value.env_id, info.value.step, info.value.phase) == (2, 1, "step")
+    finally:
+        release.set()  # the abandoned threads leave the hung step and exit
+        for thread in set(threading.enumerate()) - before:
+            thread.join(10.0)

@@ -11,9 +11,11 @@ block). Errors come out as :class:`EnvFailure`, naming the env's index in the bl
 and the phase, which the caller turns into the user-facing error.
 
 Threading: a block is owned by one thread. ``busy_env``, ``busy_phase`` and
-``busy_since`` are plain attributes written by that thread around each env call and
-read, without a lock, by the driver's ``step_timeout`` check (a stale read costs at
-most one check period).
+``busy_since`` name the env call in progress that started first, read without a lock
+by the driver's ``step_timeout`` check (a stale read costs at most one check period):
+the owner's own call (a reset, a sequential step; it notes it around each call) or a
+helper's call in flight (from the helpers' ``calls`` and ``started``), whichever
+started first.
 
 With ``parallel=True`` the block's envs step concurrently, each in its own helper
 thread (``lightning_rollout-<name>-env<i>-step``, a daemon), for envs whose step
@@ -36,7 +38,6 @@ Two ways to use it:
   envs that end close together; once it shares its helpers' core (below) it takes
   the calls that already ended and does not wait for more.
 
-``busy_env``/``busy_since`` then name the env whose call in flight started first.
 Resets, random actions and all bookkeeping stay in the owner thread. Helpers poll
 their lock every 50 ms and exit once the block is closed; one stuck inside an env
 call is abandoned (daemon).
@@ -270,8 +271,8 @@ class _StepThreads:
 
     def start(self, j: int, fn: Callable[[Any], Any], arg: Any) -> None:
         """Hand helper ``j`` the call ``fn(arg)`` (it must be idle: its last call ended and was read)."""
+        self.started[j] = time.perf_counter()  # before the call is visible: ``oldest`` reads both
         self._calls[j] = (fn, arg)
-        self.started[j] = time.perf_counter()
         self._go[j].release()
 
     def ended(self, stop: threading.Event | None, in_flight: int = 1, *, every: bool = False) -> list[int]:
@@ -306,6 +307,16 @@ class _StepThreads:
                 except queue.Empty:
                     return ended
             ended.append(j)
+
+    def oldest(self) -> tuple[int, float]:
+        """The helper whose call in flight started first, and ``perf_counter()`` when it started;
+        ``(-1, 0.0)`` when none is in flight. Any thread (a stale read is harmless)."""
+        best, since = -1, 0.0
+        calls, started = self._calls, self.started
+        for j in range(len(calls)):
+            if calls[j] is not None and (best < 0 or started[j] < since):
+                best, since = j, started[j]
+        return best, since
 
     def _next(self, stop: threading.Event | None) -> int:
         """The next helper whose call ends (waits, polling ``stop``)."""
@@ -361,9 +372,10 @@ class EnvBlock:
         self.checked_next = dict(checked_next)
         self.checked_root = dict(checked_root)
         self.zero_done = {k: np.zeros(spec.shape, bool) for k, spec in zero_done.items()}
-        self.busy_env = -1
-        self.busy_phase = "step"
-        self.busy_since = 0.0  # perf_counter() while inside an env call, else 0.0
+        # The owner's own env call in progress (see ``busy_since``): written by the owner around each call.
+        self._busy_env = -1
+        self._busy_phase = "step"
+        self._busy_since = 0.0  # perf_counter() while inside such a call, else 0.0
         first = self.adapters[0]
         # The fast path: gymnasium envs with one array observation and no info entries, one action space.
         self._gym = (all(isinstance(a, GymAdapter) and a.plain_observation for a in self.adapters)
@@ -373,18 +385,44 @@ class EnvBlock:
         self._accepted_dtypes: set[np.dtype] = set()  # observation dtypes seen to cast safely to the column's
         self._in_flight: set[int] = set()  # parallel blocks: envs whose step started and was not reported ended
 
+    # -- what the driver's step_timeout check reads (any thread) ----------------------
+    def _busy(self) -> tuple[int, str, float]:
+        """``(env, phase, perf_counter() at its start)`` of the env call in progress that started first:
+        the owner's own or a helper's (``since`` 0.0 when none is in progress)."""
+        env, phase, since = self._busy_env, self._busy_phase, self._busy_since
+        if self._threads is not None:
+            j, started = self._threads.oldest()
+            if j >= 0 and (not since or started < since):
+                return j, "step", started
+        return env, phase, since
+
+    @property
+    def busy_env(self) -> int:
+        """The env (index in the block) of the call in progress that started first."""
+        return self._busy()[0]
+
+    @property
+    def busy_phase(self) -> str:
+        """``"step"`` or ``"reset"``: what that call is."""
+        return self._busy()[1]
+
+    @property
+    def busy_since(self) -> float:
+        """``perf_counter()`` when that call started; 0.0 when no env call is in progress."""
+        return self._busy()[2]
+
     # -- calls ------------------------------------------------------------------------
     # ``stop`` keeps the signatures of RemoteEnvs (whose calls wait on another process); here only a
     # parallel step waits on something (its helper threads) and polls it.
     def reset(self, j: int, seed: int | None, stop: threading.Event | None = None) -> dict[NestedKey, Any]:
         """Reset env ``j``; its root entries, checked. Raises :class:`EnvFailure`."""
-        self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
+        self._busy_env, self._busy_phase, self._busy_since = j, "reset", time.perf_counter()
         try:
             root = self.adapters[j].reset(seed)
         except Exception as exc:
             raise EnvFailure(j, "reset", "env", exc) from exc
         finally:
-            self.busy_since = 0.0
+            self._busy_since = 0.0
         if self.validate:
             problem = check_entries(root, self.checked_root)
             if problem is not None:
@@ -414,7 +452,7 @@ class EnvBlock:
             self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated)
             return
         for i, (j, row) in enumerate(zip(envs, self._rows(inputs, len(envs)))):
-            self.busy_env, self.busy_since = j, time.perf_counter()
+            self._busy_env, self._busy_phase, self._busy_since = j, "step", time.perf_counter()
             try:
                 result = self.adapters[j].step(row)
             except ActionError as exc:  # the policy's fault, not the env's
@@ -422,7 +460,7 @@ class EnvBlock:
             except Exception as exc:
                 raise EnvFailure(j, "step", "env", exc) from exc
             finally:
-                self.busy_since = 0.0
+                self._busy_since = 0.0
             self._write(i, j, result, out, rewards, terminated, truncated)
 
     # -- free-running steps (parallel blocks): each env's step starts and ends on its own -------------
@@ -445,7 +483,6 @@ class EnvBlock:
             for j, row in zip(envs, self._rows(inputs, len(envs))):
                 threads.start(j, adapters[j].step, row)
         self._in_flight.update(envs)
-        self._track_busy()
 
     def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> list[int]:
         """The envs whose step (started by :meth:`begin`) ended since the last look: at least one
@@ -458,7 +495,6 @@ class EnvBlock:
         assert self._threads is not None
         ended = self._threads.ended(stop, len(self._in_flight), every=every)
         self._in_flight.difference_update(ended)
-        self._track_busy()
         return ended
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
@@ -503,16 +539,6 @@ class EnvBlock:
                 array[:int(keep.sum())] = array[:len(written)][keep]
             written = [j for j, kept in zip(written, keep) if kept]
         return written, failure
-
-    def _track_busy(self) -> None:
-        """``busy_env``/``busy_since``: the env whose step in flight started first (what ``step_timeout``
-        watches), 0.0 when none is in flight."""
-        if not self._in_flight:
-            self.busy_since = 0.0
-            return
-        started = self._threads.started  # type: ignore[union-attr]
-        j = min(self._in_flight, key=started.__getitem__)
-        self.busy_env, self.busy_since = j, started[j]
 
     def _parallel_result(self, j: int) -> Any:
         """Env ``j``'s result of the step that ended in its helper; its exception as an :class:`EnvFailure`."""
@@ -608,13 +634,13 @@ class EnvBlock:
         obs_out = out["observation"]
         expected = self._obs_spec if self.validate else None
         for i, j in enumerate(envs):
-            self.busy_env, self.busy_since = j, time.perf_counter()
+            self._busy_env, self._busy_phase, self._busy_since = j, "step", time.perf_counter()
             try:
                 obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
             except Exception as exc:
                 raise EnvFailure(j, "step", "env", exc) from exc
             finally:
-                self.busy_since = 0.0
+                self._busy_since = 0.0
             if expected is not None and (getattr(obs, "shape", None) != expected[0]
                                          or getattr(obs, "dtype", None) != expected[1]):
                 obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
