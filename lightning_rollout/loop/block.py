@@ -20,10 +20,11 @@ started first.
 With ``parallel=True`` the block's envs step concurrently, each in its own helper
 thread (``lightning_rollout-<name>-env<i>-step``, a daemon), for envs whose step
 releases the GIL (C simulators, sleeps, I/O). Protocol (:class:`_StepThreads`): the
-owner writes env ``j``'s call into ``calls[j]``, notes the time in ``started[j]`` and
-releases ``go[j]`` (a lock held while there is nothing to do); helper ``j`` acquires
-it, runs the call, stores the result or the exception in ``results[j]`` and puts ``j``
-on the ``done`` queue. The owner reads ``done`` (polling its stop flag every 50 ms).
+owner notes the time in ``started[j]``, then writes env ``j``'s call into ``calls[j]``
+and releases ``go[j]`` (a lock held while there is nothing to do); helper ``j``
+acquires it, runs the call, stores the result or the exception in ``results[j]``,
+clears ``calls[j]`` and puts ``j`` on the ``done`` queue (so a call is in flight
+exactly while ``calls[j]`` is set, and its start time is already written then). The owner reads ``done`` (polling its stop flag every 50 ms).
 Two ways to use it:
 
 - :meth:`EnvBlock.step`: start every env, read ``done`` until all ended, write the results in
