@@ -265,6 +265,8 @@ def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, 
                 loop.run_env_steps(20)  # 80 calls: the block decides after 64
                 loop.run_env_steps(2)  # each helper moves before its next call
                 affinities = _helper_affinities()
+                policies = {os.sched_getscheduler(t.native_id) for t in threading.enumerate()
+                            if t.name.endswith("-step")}
                 owner = _block_thread_affinity()
                 gather = loop._workers[0].envs._threads.gather_window
     finally:
@@ -275,6 +277,8 @@ def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, 
     # The block's thread joins them when its forward passes run on one torch thread; else it keeps every core.
     assert owner == ({core} if torch_threads == 1 else allowed)
     assert (gather == 0) == (torch_threads == 1)  # on its helpers' core the block thread does not gather
+    # and its helpers do not preempt it when they wake up
+    assert policies == {os.SCHED_BATCH if torch_threads == 1 else os.SCHED_OTHER}
     assert f"move to core {core}" in caplog.text
     assert os.sched_getaffinity(0) == allowed  # the thread that built the loop keeps every core
 
