@@ -283,6 +283,30 @@ def test_a_block_whose_steps_wait_moves_to_one_core_with_its_block_thread(mode, 
     assert os.sched_getaffinity(0) == allowed  # the thread that built the loop keeps every core
 
 
+def test_the_one_core_round_robin_starts_at_the_process_id_so_that_processes_spread():
+    import multiprocessing
+
+    from lightning_rollout.loop import block
+
+    block._count_from_pid()
+    assert next(block._placed_blocks) == os.getpid()
+    if hasattr(os, "register_at_fork"):  # a forked child counts from its own id, not its parent's position
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_send_first_placed, args=(child,))
+        process.start()
+        assert parent.poll(30.0), "the forked child did not answer"
+        first, pid = parent.recv()
+        process.join(10.0)
+        assert first == pid != os.getpid()
+
+
+def _send_first_placed(conn) -> None:
+    from lightning_rollout.loop import block
+
+    conn.send((next(block._placed_blocks), os.getpid()))
+
+
 @pytest.mark.parametrize(("share", "helpers", "cores", "placed", "expected"), [
     (0.02, 16, {0, 1}, 0, ({0}, True)),  # 0.32 of a core in all: one core, with the owner
     (0.05, 16, {0, 1, 2, 3}, 1, ({1}, True)),  # a second block: the next core but the highest

@@ -56,7 +56,8 @@ I/O, a remote env):
   torch runs one intra-op thread, the owner thread itself (the calls of a waiting
   env are mostly Python, which the GIL runs one thread at a time anyway). The core
   is one of the allowed cores but the highest, a different one for each block
-  placed in this process (round robin);
+  placed (round robin, from an offset given by the process id, so that the blocks
+  of several processes on one machine spread too);
 - otherwise the helpers move off the highest allowed core, which is left to the
   owner, and the owner is not pinned.
 
@@ -161,7 +162,19 @@ _EMA = 0.1
 _PIN_AFTER = 64
 _PIN_CPU_SHARE = 0.5
 _ONE_CORE_DEMAND = 1.0
-_placed_blocks = itertools.count()  # blocks placed on one core in this process: the next one's core
+_placed_blocks = itertools.count()  # blocks placed on one core: the next one's core (see _count_from_pid)
+
+
+def _count_from_pid() -> None:
+    """Start counting the placed blocks at this process's id, so that the blocks of several processes on one
+    machine (DDP ranks, independent runs) spread over the cores instead of all taking the first one."""
+    global _placed_blocks
+    _placed_blocks = itertools.count(os.getpid())
+
+
+_count_from_pid()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_from_pid)
 
 
 def _placement(share: float, helpers: int, allowed: frozenset[int] | set[int], blocks: Iterator[int]
