@@ -49,8 +49,8 @@ class HelperThreads:
             lock-step: every env steps, the owner waits for all of them, then answers all).
         gather_s: free-running only: after the first env ends, wait up to this long (seconds) for more, up to
             half the envs, to answer them with one policy call.
-        pin: the helpers, and the owner during :meth:`run`, run on one core (the lowest this process may
-            use), as the collector places a block once its steps are seen to wait and to need less than a
+        pin: the helpers (as ``SCHED_BATCH``), and the owner during :meth:`run`, run on one core (the lowest
+            this process may use), as the collector places a block once its steps are seen to wait and to need less than a
             core in all (``lightning_rollout/loop/block.py``, its ``_placement``, written out here so that
             the ceiling runs no collector code: keep the two in step); with fewer than two cores, or without
             CPU affinity, nothing moves.
@@ -83,6 +83,7 @@ class HelperThreads:
         env, go = self.envs[j], self._go[j]
         if self.cores is not None:
             os.sched_setaffinity(0, self.cores)  # this thread only
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # waking up does not preempt the owner
         while True:
             if not go.acquire(timeout=_POLL_S):
                 if self._closing:

@@ -179,6 +179,7 @@ def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_betw
             helpers = [t for t in threading.enumerate() if t.name.startswith("bench-helper-env")]
             assert len(helpers) == 4
             assert all(os.sched_getaffinity(t.native_id) == {min(allowed)} for t in helpers)
+            assert {os.sched_getscheduler(t.native_id) for t in helpers} == {os.SCHED_BATCH}
             assert set(map(frozenset, owners)) == {frozenset({min(allowed)})}
             assert os.sched_getaffinity(0) == allowed
     finally:

@@ -162,7 +162,7 @@ _EMA = 0.1
 _PIN_AFTER = 64
 _PIN_CPU_SHARE = 0.5
 _ONE_CORE_DEMAND = 1.0
-_placed_blocks = itertools.count()  # blocks placed on one core: the next one's core (see _count_from_pid)
+_placed_blocks: Iterator[int]  # blocks placed on one core: the next one's core (see _count_from_pid)
 
 
 def _count_from_pid() -> None:
@@ -188,8 +188,8 @@ def _placement(share: float, helpers: int, allowed: frozenset[int] | set[int], b
         blocks: counts the blocks placed on one core (read only when this one is): picks its core.
 
     Returns:
-        ``None`` to leave every thread where it is; else the helpers' cores, and whether the owner
-        thread moves there too (one core).
+        ``None`` to leave every thread where it is; else the helpers' cores, and whether that is one
+        core, which the owner thread joins when its torch runs one intra-op thread.
     """
     if share >= _PIN_CPU_SHARE or len(allowed) < 2:
         return None
