@@ -364,7 +364,7 @@ def test_a_parallel_block_drops_the_rows_of_envs_that_return_nan_and_moves_the_o
     try:
         for j in range(4):
             block.reset(j, None)
-        block.begin({"action": np.zeros((4, 2), np.int64)}, range(4))  # one-hot actions: 0 for every env
+        block.begin({"action": np.zeros((4, 2), np.int64)}, range(4))  # action rows of zeros: action 0 for every env
         waiting = {0, 1, 2, 3}
         while waiting:
             waiting -= set(block.ended())
