@@ -405,6 +405,74 @@ def test_failing_forward_pass_fails_every_waiting_request(mode, message):
         policy.close()
 
 
+class ThreadRecorder(EchoPolicy):
+    """EchoPolicy that records the name of the thread running each forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(obs)
+
+
+def test_act_answers_a_sole_client_in_its_own_thread_without_queueing_it():
+    recorder = ThreadRecorder()
+    policy = AutobatchPolicy(recorder)
+    agent = policy.register(2, env_ids=(4, 5))
+    try:
+        for step in range(3):
+            answer = agent.act(obs_rows(7 + step, 9))
+            assert (answer.start, answer.stop, answer.version) == (0, 2, 0)
+            assert answer.outputs["action"][answer.start:answer.stop].tolist() == [7 + step, 9]
+        assert recorder.threads == [threading.current_thread().name] * 3
+        assert recorder.batch_sizes == [2, 2, 2] and policy.num_flushes == 3 and policy.num_rows == 6
+        assert not policy._pending and policy._pending_rows == 0  # nothing was queued
+    finally:
+        agent.close()
+        policy.close()
+
+
+def test_act_queues_a_request_that_other_agents_rows_must_join():
+    """Lock-step over two agents: whichever acts first is not a whole flush by itself, so it is queued, and
+    both are answered by one forward pass of both rows."""
+    recorder = ThreadRecorder()
+    policy = AutobatchPolicy(recorder)
+    agents = [policy.register(1, env_ids=(i,)) for i in range(2)]
+    barrier = threading.Barrier(2)
+
+    def client(i: int):
+        barrier.wait()
+        answer = agents[i].act(obs_rows(10 + i))
+        return int(answer.outputs["action"][answer.start])
+
+    try:
+        assert run_in_threads(2, client) == [10, 11]
+        assert recorder.batch_sizes == [2]
+    finally:
+        for agent in agents:
+            agent.close()
+        policy.close()
+
+
+def test_act_raises_the_failed_forward_pass_naming_the_agents_envs():
+    failing = FailingPolicy("raise")
+    policy = AutobatchPolicy(failing)
+    agent = policy.register(2, env_ids=(3, 8))
+    try:
+        with pytest.raises(PolicyError, match="ZeroDivisionError: policy bug") as info:
+            agent.act(obs_rows(0, 1))
+        assert info.value.env_ids == (3, 8) and isinstance(info.value.__cause__, ZeroDivisionError)
+        assert not policy._weights_lock.locked()  # released: the next request is answered
+        failing.mode = "wrong_size"  # the server survives: the next request is run, and checked
+        with pytest.raises(PolicyError, match="leading dim must be the batch size 2"):
+            agent.act(obs_rows(0, 1))
+    finally:
+        agent.close()
+        policy.close()
+
+
 def test_close_fails_waiting_requests_and_refuses_new_ones():
     policy = AutobatchPolicy(EchoPolicy(), autobatch_size=None)
     waiting, holding = policy.register(1), policy.register(1)

@@ -187,10 +187,9 @@ class Worker:
         inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
         for k in loop._input_done:  # root done flags: false (no column)
             inputs[k] = self.zero_done[k][:rows]
-        agent.submit(inputs, exploration_type=loop.exploration_type)
         step = int(self.steps_done[envs[0]])
         try:
-            answer = agent.result(loop._stop)
+            answer = agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
             raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
                               step=step) from exc
