@@ -200,7 +200,7 @@ class Agent:
         A request that would be flushed by itself in this thread anyway (the caller-runs flush: nothing
         else queued, no weight update waiting, the request a whole flush by itself) is answered without
         being queued: no request is handed between threads and no answer is stored to be read back
-        (measured: 3.5% of the CartPole loop's throughput). Otherwise it is queued as :meth:`submit` does.
+        (measured: 1.03x on the CartPole loop). Otherwise it is queued as :meth:`submit` does.
 
         Args:
             obs, deterministic, exploration_type: as for :meth:`submit`.
