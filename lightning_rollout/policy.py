@@ -6,12 +6,11 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   serves the queue: partial flushes after ``max_wait``, flushes made ready by a
   client parking, and weight updates. It is started lazily and joined by
   :meth:`AutobatchPolicy.close`. With ``flush_in_caller=True`` (default) a
-  client whose request makes the queue flushable runs that forward pass in its
-  own thread instead when that request is the whole batch (one wake-up less
-  each way; the answer is stored for it without an ``Event``); forward passes never overlap
-  (they run under ``_weights_lock``). :meth:`Agent.act` checks the same conditions under
-  ``_cond`` before queueing (nothing queued, no update waiting, a whole flush, the weights
-  lock free, try-acquired) and then answers without queueing the request at all.
+  client whose request would be a whole flushable batch by itself runs that forward
+  pass in its own thread instead, without queueing it (``_flushes_alone``; one wake-up
+  less each way; the answer is stored for it without an ``Event``), and
+  :meth:`Agent.act` returns that answer directly. Forward passes never overlap (they
+  run under ``_weights_lock``).
 * A client (one per env thread) is an :class:`Agent` obtained from
   :meth:`AutobatchPolicy.register`; it stands for ``rows`` observations per
   request (``envs_per_thread``). It is **active** while registered and not
@@ -493,38 +492,45 @@ class AutobatchPolicy:
         with self._cond:
             if self._closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            self._pending.append(request)
-            self._pending_rows += request.rows
-            # Caller-runs flush: a request that is a whole flushable batch by itself (one thread serves
-            # every active env, e.g. envs_per_thread == num_envs) runs its forward pass in its own thread,
-            # saving the two wake-ups of a round trip through the inference thread. With requests of
-            # several threads the inference thread flushes (measured: having one client answer the
-            # others serialises their wake-ups behind it). The weights lock is taken before the queue
-            # is released, so no update slips between taking and running the batch; if the lock is
-            # busy or an update waits, the inference thread flushes.
-            if not (self.flush_in_caller and len(self._pending) == 1 and not self._updates
-                    and self._ready(request.t0) and self._weights_lock.acquire(blocking=False)):
+            if not self._flushes_alone(request.rows):
+                self._pending.append(request)
+                self._pending_rows += request.rows
                 self._cond.notify()
                 return
-            batch = self._take_batch()
             request.agent._inline = True  # the batch is this request alone: answered in this thread
         try:
-            self._flush_locked(batch)
+            self._forward([request])
         finally:
             self._weights_lock.release()
+
+    def _flushes_alone(self, rows: int) -> bool:
+        """Whether a request of ``rows`` rows is flushed by itself in its caller's thread (``_cond`` held).
+
+        Caller-runs flush: a request that is a whole flushable batch by itself (one thread serves every
+        active env, e.g. envs_per_thread == num_envs) runs its forward pass in its own thread, saving the
+        two wake-ups of a round trip through the inference thread. With requests of several threads the
+        inference thread flushes (measured: having one client answer the others serialises their wake-ups
+        behind it). So: the caller-runs flush is on, nothing is queued, no update waits, and the request
+        is ready by itself (all the rows the flush rule waits for, or ``max_wait == 0``). The weights lock
+        is then try-acquired before the queue is released, so no update slips in before the forward pass;
+        on ``True`` the caller holds it and releases it after the pass. If it is busy, the request is
+        queued and the inference thread flushes it.
+        """
+        return (self.flush_in_caller and not self._pending and not self._updates
+                and (rows >= self._threshold() or self.max_wait == 0)
+                and self._weights_lock.acquire(blocking=False))
 
     def _call_alone(self, agent: Agent, obs: Mapping[NestedKey, np.ndarray], mode: ExplorationType
                     ) -> PolicyAnswer | None:
         """:meth:`Agent.act`'s request answered in this thread without queueing it, when :meth:`_enqueue`
-        would flush it by itself in this thread anyway (see there); ``None`` otherwise (it is queued).
+        would flush it by itself in this thread anyway (:meth:`_flushes_alone`); ``None`` otherwise (it
+        is queued).
 
         Raises:
             PolicyError: the forward pass failed (naming the agent's envs).
         """
         with self._cond:
-            if not (self.flush_in_caller and not self._pending and not self._updates and not self._closed
-                    and (agent.rows >= self._threshold() or self.max_wait == 0)
-                    and self._weights_lock.acquire(blocking=False)):
+            if self._closed or not self._flushes_alone(agent.rows):
                 return None
         try:
             outputs, version = self._compute([_Request(agent, obs, agent.rows, mode)])
