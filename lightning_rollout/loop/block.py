@@ -24,12 +24,12 @@ owner notes the time in ``started[j]``, then writes env ``j``'s call into ``call
 and releases ``go[j]`` (a lock held while there is nothing to do); helper ``j``
 acquires it, runs the call, stores the result or the exception in ``results[j]``,
 clears ``calls[j]`` and puts ``j`` on the ``done`` queue (so a call is in flight
-exactly while ``calls[j]`` is set, and its start time is already written then). The owner reads ``done`` (polling its stop flag every 50 ms).
-Two ways to use it:
+exactly while ``calls[j]`` is set, and its start time is already written then). The
+owner reads ``done`` (polling its stop flag every 50 ms). Two ways to use it:
 
-- :meth:`EnvBlock.step`: start every env, read ``done`` until all ended, write the results in
-  env order (errors are raised as in a sequential step, the lowest env index first);
-  no helper is left running a call.
+- :meth:`EnvBlock.step`: start every env, read ``done`` until all ended, write the
+  results in env order (errors are raised as in a sequential step, the lowest env
+  index first); no helper is left running a call.
 - free-running, :meth:`EnvBlock.begin` / :meth:`EnvBlock.ended` /
   :meth:`EnvBlock.finish`: the owner starts envs as their actions are ready and
   writes the results of those that ended; each env runs at its own pace
@@ -221,8 +221,9 @@ class _StepThreads:
         self.calls = [0] * n
         self.measuring = hasattr(os, "sched_setaffinity")
         self.cores: frozenset[int] | None = None
-        self.gather_window = _GATHER_WINDOW  # in mean call durations; 0 once the owner shares the helpers' core
-        self.batch = False  # the helpers run as SCHED_BATCH once on the owner's core (set before ``cores``)
+        # The owner moved to the helpers' one core (set before ``cores``): they then run as SCHED_BATCH, and
+        # the owner does not gather (``gather_window``).
+        self.shared_core = False
         self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
                                          name=f"lightning_rollout-{name}-env{env_ids[j]}-step") for j in range(n)]
         for thread in self.threads:
@@ -244,7 +245,7 @@ class _StepThreads:
                 pinned = True
                 try:
                     os.sched_setaffinity(0, self.cores)  # this thread only
-                    if self.batch:  # on the owner's core: waking up does not preempt it (see the module docs)
+                    if self.shared_core:  # waking up does not preempt the owner (see the module docs)
                         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
                 except OSError:  # not permitted here (a seccomp profile, a cpuset changed since): stay put
                     pass
@@ -286,13 +287,17 @@ class _StepThreads:
                 os.sched_setaffinity(0, cores)  # the owner thread only
             except OSError:  # not permitted here: the helpers still move
                 owner = False
-        if owner:
-            self.gather_window = 0.0
-            self.batch = True
+        self.shared_core = owner
         self.cores = cores  # the helpers move before their next call
         log.info("%s: the env steps of its %d helper threads spend %.0f%% of their time on a CPU: the helpers%s "
                  "move to core %d", self._name, n, 100 * share, " and the block's thread" if owner else "",
                  min(cores))
+
+    @property
+    def gather_window(self) -> float:
+        """How long :meth:`ended` gathers after the first call ended, in mean call durations: none once the
+        owner shares the helpers' core (see the module docs)."""
+        return 0.0 if self.shared_core else _GATHER_WINDOW
 
     def start(self, j: int, fn: Callable[[Any], Any], arg: Any) -> None:
         """Hand helper ``j`` the call ``fn(arg)`` (it must be idle: its last call ended and was read)."""
