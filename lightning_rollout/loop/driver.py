@@ -164,9 +164,10 @@ class MultiEnvLoop:
             a stochastic policy's draws are not reproducible from run to run. ``"auto"``
             (default): what the ``"auto"`` layout chose (True for GIL-releasing envs),
             False when the layout is given. Helpers whose first 64 steps spend less than
-            half their time on a CPU (waits) move off the highest core this process may
-            use, leaving it to the block's thread (logged at INFO; see
-            :mod:`lightning_rollout.loop.block`).
+            half their time on a CPU (waits) are placed: on one core, with the block's
+            thread when its torch runs one intra-op thread, if they need less than a core
+            in all; else off the highest core this process may use, left to the block's
+            thread (logged at INFO; see :mod:`lightning_rollout.loop.block`).
         autobatch_size, max_wait, device: see :class:`AutobatchPolicy`.
         exploration_type: exploration mode of every request (``DETERMINISTIC``
             for evaluation loops).
