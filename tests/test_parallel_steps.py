@@ -418,3 +418,71 @@ def test_step_timeout_names_the_hung_env_of_a_parallel_block_not_the_first_one_s
         release.set()  # the abandoned threads leave the hung step and exit
         for thread in set(threading.enumerate()) - before:
             thread.join(10.0)
+
+
+class _CountingLock:
+    """Wraps ``_StepThreads._all``: counts the owner's waits on it and says when the owner is waiting."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.waits, self.waiting = lock, 0, threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self.waits += 1
+        self.waiting.set()
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds (a bounded wait for a state, not a sleep that wins a race)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.001)
+
+
+def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
+    """The owner sleeps through the ends of the other calls of a lock-step round (each used to wake it) and
+    is woken by the last one; calls that all ended before it looks do not wake it, nor leave a wake-up
+    behind for the next round."""
+    from lightning_rollout.loop.block import _StepThreads
+
+    threads = _StepThreads(3, name="t", env_ids=[0, 1, 2])
+    counting = threads._all = _CountingLock(threads._all)
+    try:
+        gates = [threading.Event() for _ in range(3)]
+        for j in range(3):
+            threads.start(j, lambda e: e.wait(10.0), gates[j])
+        got: list[list[int]] = []
+        owner = threading.Thread(target=lambda: got.append(threads.ended(None, 3, every=True)))
+        owner.start()
+        assert counting.waiting.wait(10.0)
+        for j in (2, 0):  # two calls end while the owner waits: it sleeps on
+            gates[j].set()
+        gates[1].set()
+        owner.join(10.0)
+        assert not owner.is_alive() and sorted(got[0]) == [0, 1, 2]
+        assert counting.waits == 1
+        for j in range(3):  # a round whose calls all end before the owner looks: it does not wait at all
+            threads.start(j, lambda arg: arg, j)
+        _wait_for(lambda: threads._count == 6)
+        assert sorted(threads.ended(None, 3, every=True)) == [0, 1, 2]
+        assert counting.waits == 1
+        gates = [threading.Event() for _ in range(2)]  # and the next round still waits for its last call
+        counting.waiting.clear()
+        for j in range(2):
+            threads.start(j, lambda e: e.wait(10.0), gates[j])
+        got.clear()
+        owner = threading.Thread(target=lambda: got.append(threads.ended(None, 2, every=True)))
+        owner.start()
+        assert counting.waiting.wait(10.0)
+        gates[0].set()
+        _wait_for(lambda: threads._count == 7)
+        assert owner.is_alive() and not got  # one call of two ended and was counted: the owner still waits
+        gates[1].set()
+        owner.join(10.0)
+        assert sorted(got[0]) == [0, 1] and counting.waits == 2
+    finally:
+        threads.close()
