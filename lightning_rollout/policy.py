@@ -356,7 +356,8 @@ class AutobatchPolicy:
         self._direct_in: list[NestedKey] = list(self.policy.in_keys) if self._direct is not None else []
         self._direct_out: list[NestedKey] = ([_as_key(k) for k in self.policy.out_keys]
                                              if self._direct is not None else [])
-        self.device = torch.device(device) if device is not None else _module_device(self.policy)
+        self._device = torch.device(device) if device is not None else _module_device(self.policy)
+        self._on_cpu = self._device.type == "cpu"
         self.input_keys: list[NestedKey] | None = None  # set by bind(): the keys every request carries
         self.output_keys: list[NestedKey] | None = None  # set by probe(): the keys every answer carries
         self.sub_batch: dict[tuple[str, ...], tuple[int, ...]] = {}  # nested batch dims of the inputs
@@ -431,6 +432,11 @@ class AutobatchPolicy:
         self.input_keys = keys
         self.sub_batch = dict(sub_batch)
         return keys
+
+    @property
+    def device(self) -> torch.device:
+        """Where the forward pass runs (inputs are moved there; outputs come back to the CPU)."""
+        return self._device
 
     @property
     def unbatched(self) -> bool:
@@ -838,7 +844,7 @@ class AutobatchPolicy:
         Raises:
             PolicyError: the pass failed; it names the batch's envs, the original exception chained.
         """
-        rows = sum(r.rows for r in batch)
+        rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         try:
             outputs = self._run_policy(batch, rows)
         except BaseException as exc:  # whatever the policy raised, as a PolicyError naming the envs
@@ -855,35 +861,42 @@ class AutobatchPolicy:
         return outputs, self._version
 
     def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
-        if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
-            batch.sort(key=_first_env)
-        keys = self.input_keys if self.input_keys is not None else list(batch[0].obs)
-        if len(batch) == 1:
-            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
-        else:
-            stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
-        if self.device.type != "cpu":
-            stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         mode = batch[0].mode
         explore = self._modes.get(mode)
         if explore is None:
             explore = self._modes[mode] = set_exploration_type(mode)
+        direct = self._direct
+        if len(batch) == 1 and direct is not None and self._on_cpu:  # the usual call: no dict of inputs built
+            obs = batch[0].obs
+            stacked = {k: _as_tensor(obs[k]) for k in self._direct_in}
+        else:
+            if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
+                batch.sort(key=_first_env)
+            keys = self.input_keys if self.input_keys is not None else list(batch[0].obs)
+            if len(batch) == 1:
+                stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
+            else:
+                stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
+            if not self._on_cpu:
+                stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         with self._no_grad, explore, self._own_rng():
-            if self._direct is not None:
-                one = self.unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
-                args = [stacked[k][0] if one else stacked[k] for k in self._direct_in]
-                result = self._direct(*args)
+            if direct is not None:
+                one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
+                result = direct(*[stacked[k][0] if one else stacked[k] for k in self._direct_in])
                 out_keys = self._direct_out
-                if isinstance(result, dict):
-                    if set(out_keys) - set(result):
-                        raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; expected "
-                                          f"the out_keys {out_keys}")
-                    result = tuple(result[k] for k in out_keys)
-                result = result if isinstance(result, tuple) else (result,)
-                if len(result) != len(out_keys):
-                    raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: return "
-                                      "one tensor per output key (or list every output in out_keys)")
-                outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
+                if type(result) is torch.Tensor and len(out_keys) == 1:  # one output: the common case
+                    outputs = {out_keys[0]: _to_numpy(result, out_keys[0])}
+                else:
+                    if isinstance(result, dict):
+                        if set(out_keys) - set(result):
+                            raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; "
+                                              f"expected the out_keys {out_keys}")
+                        result = tuple(result[k] for k in out_keys)
+                    result = result if isinstance(result, tuple) else (result,)
+                    if len(result) != len(out_keys):
+                        raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: "
+                                          "return one tensor per output key (or list every output in out_keys)")
+                    outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
                 if one:
                     outputs = {k: v[None] for k, v in outputs.items()}
             else:
@@ -891,7 +904,7 @@ class AutobatchPolicy:
                 for prefix, dims in self.sub_batch.items():
                     if prefix in td.keys(True):
                         td.get(prefix).batch_size = torch.Size([rows, *dims])
-                if self.unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
+                if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
                     td = td[0]
                 given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
                 out = self.policy(td)

@@ -187,12 +187,11 @@ class Worker:
         inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
         for k in loop._input_done:  # root done flags: false (no column)
             inputs[k] = self.zero_done[k][:rows]
-        step = int(self.steps_done[envs[0]])
         try:
             answer = agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
             raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
-                              step=step) from exc
+                              step=int(self.steps_done[envs[0]])) from exc
         outputs, a, b = answer.outputs, answer.start, answer.stop
         for k in layout.out_keys:
             value = outputs.get(k)
@@ -200,8 +199,8 @@ class Worker:
                 got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
                 raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape "
                                   f"{tuple(cols[k].shape[1:])} per row when probed at construction",
-                                  env_ids=tuple(self.env_ids[j] for j in envs), step=step)
-            cols[k][r0:r0 + rows] = value[a:b]
+                                  env_ids=tuple(self.env_ids[j] for j in envs), step=int(self.steps_done[envs[0]]))
+            cols[k][r0:r0 + rows] = value if a == 0 and b == len(value) else value[a:b]
         cols[_VERSION][r0:r0 + rows] = answer.version
 
     def _failure_error(self, failure: EnvFailure) -> CollectionError:
