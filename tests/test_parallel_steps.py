@@ -486,3 +486,46 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
         assert sorted(got[0]) == [0, 1] and counting.waits == 2
     finally:
         threads.close()
+
+
+class _RaiseAtFirstStep(_NanAtFirstStep):
+    def step(self, action):
+        raise RuntimeError(f"env {self.env_id} broke")
+
+
+@pytest.mark.parametrize(("nan", "raises", "expected"), [
+    ({1, 3}, {2}, (1, "check", "NaN")),  # a NaN before the env that raised: the NaN, as stepped in order
+    ({3}, {1}, (1, "step", "env 1 broke")),  # the env that raised comes first
+    (set(), set(), None),
+])
+def test_a_lock_step_parallel_step_writes_every_row_and_raises_the_first_failure_in_env_order(nan, raises, expected):
+    """Every env's row is written; the step raises the failure of the lowest env index, whether its step raised
+    or its observation failed the check, as a sequential step would."""
+    from lightning_rollout.envs import make_adapter
+    from lightning_rollout.loop.block import EnvBlock, EnvFailure
+    from lightning_rollout.specs import ArraySpec
+
+    spec = ArraySpec((2,), np.dtype(np.float32))
+    envs = [_RaiseAtFirstStep(j, nan=False) if j in raises else _NanAtFirstStep(j, nan=j in nan) for j in range(4)]
+    block = EnvBlock([make_adapter(env) for env in envs], validate=True, checked_next={"observation": spec},
+                     checked_root={"observation": spec}, zero_done={}, parallel=True)
+    obs, rewards = np.full((4, 2), -1.0, np.float32), np.full(4, -1.0)
+    terminated, truncated = np.ones(4, bool), np.ones(4, bool)
+    try:
+        for j in range(4):
+            block.reset(j, None)
+        actions = {"action": np.tile([1, 0], (4, 1))}
+        if expected is None:
+            block.step(actions, range(4), {"observation": obs}, rewards, terminated, truncated)
+        else:
+            with pytest.raises(EnvFailure) as info:
+                block.step(actions, range(4), {"observation": obs}, rewards, terminated, truncated)
+    finally:
+        block.close()
+    if expected is None:
+        np.testing.assert_array_equal(obs, [[j, 0] for j in range(4)])
+        np.testing.assert_array_equal(rewards, [0.0, 1.0, 2.0, 3.0])
+        assert not terminated.any() and not truncated.any()
+    else:
+        failure = info.value
+        assert (failure.j, failure.phase) == expected[:2] and expected[2] in str(failure)
