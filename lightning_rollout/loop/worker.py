@@ -237,29 +237,37 @@ class Worker:
         """The bookkeeping of a step whose env entries are in ``cols[rows]`` (envs ``sel``): counters,
         flags and statistics, and ``cur`` advanced; returns the rows' done flags."""
         layout, loop = self.loop._layout, self.loop
+        whole = isinstance(sel, slice)  # every env of the block, in order: the counters need no indexing
         cols[_ENV_ID][rows] = self.env_id_array[sel]
-        self.steps_done[sel] += 1
-        self.step_count[sel] += 1
-        self.episode_reward[sel] += rewards
+        if whole:
+            self.steps_done += 1
+            self.step_count += 1
+            self.episode_reward += rewards
+            step_count, episode_reward = self.step_count, self.episode_reward
+        else:
+            self.steps_done[sel] += 1
+            self.step_count[sel] += 1
+            self.episode_reward[sel] += rewards
+            step_count, episode_reward = self.step_count[sel], self.episode_reward[sel]
+        if layout.loop_keys and loop.max_episode_steps is not None:
+            truncated |= step_count >= loop.max_episode_steps
+        done = terminated | truncated
         if layout.loop_keys:
-            if loop.max_episode_steps is not None:
-                truncated |= self.step_count[sel] >= loop.max_episode_steps
             cols[("next", "reward")][rows, 0] = rewards
             cols[("next", "terminated")][rows, 0] = terminated
             cols[("next", "truncated")][rows, 0] = truncated
-            cols[("next", "done")][rows, 0] = terminated | truncated
+            cols[("next", "done")][rows, 0] = done
             cols[("next", "is_init")][rows] = False
-            cols[("next", "step_count")][rows, 0] = self.step_count[sel]
-            cols[("next", "episode_reward")][rows, 0] = self.episode_reward[sel]
-        done = terminated | truncated
+            cols[("next", "step_count")][rows, 0] = step_count
+            cols[("next", "episode_reward")][rows, 0] = episode_reward
         stats = cols[_STATS][rows]
         stats[:, _S_REWARD] = rewards
-        stats[:, _S_RETURN] = self.episode_reward[sel]
-        stats[:, _S_LENGTH] = self.step_count[sel]
+        stats[:, _S_RETURN] = episode_reward
+        stats[:, _S_LENGTH] = step_count
         stats[:, _S_TERMINATED] = terminated
         stats[:, _S_TRUNCATED] = truncated
         stats[:, _S_DONE] = done
-        if self._lazy and isinstance(sel, slice):  # the whole block: big entries stay where the step wrote them
+        if self._lazy and whole:  # the whole block: big entries stay where the step wrote them
             self._carry = {k: cols[src][rows] for k, src in self._lazy}
             advance = self._eager
         else:
@@ -285,8 +293,9 @@ class Worker:
         if carry is not None and not isinstance(sel, slice):
             self._settle_carry()
             carry = None
+        whole = isinstance(sel, slice)  # every env: ``cur`` as it is, no indexing
         for k, v in self.cur.items():
-            cols[k][rows] = v[sel] if carry is None or k not in carry else carry[k]
+            cols[k][rows] = (v if whole else v[sel]) if carry is None or k not in carry else carry[k]
 
     def _compute(self, cols: dict[NestedKey, np.ndarray]) -> None:
         """One step of every env of this worker, into ``cols`` (a slot, or a time step of a batch).
@@ -318,9 +327,10 @@ class Worker:
         w, t, end = self.index, start, start + count
         cut, stop = self.loop._cut, self.loop._stop
         self.quota_end = t
+        by_time = {k: v[w].swapaxes(0, 1) for k, v in out.items()}  # [T, rows, ...]: a step's rows are by_time[k][t]
         try:
             while t < end:
-                dest = {k: v[w, :, t] for k, v in out.items()}
+                dest = {k: v[t] for k, v in by_time.items()}
                 if staged is not None:  # the lookahead step computed before the request: deliver it first
                     src = self.slots[staged]
                     for k, d in dest.items():
