@@ -703,18 +703,21 @@ class EnvBlock:
         env_actions = self._gym_actions(actions, envs)
         obs_out = out["observation"]
         expected = self._obs_spec if self.validate else None
-        for i, j in enumerate(envs):
-            self._busy_env, self._busy_phase, self._busy_since = j, "step", time.perf_counter()
-            try:
-                obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
-            except Exception as exc:
-                raise EnvFailure(j, "step", "env", exc) from exc
-            finally:
-                self._busy_since = 0.0
-            if expected is not None and (getattr(obs, "shape", None) != expected[0]
-                                         or getattr(obs, "dtype", None) != expected[1]):
-                obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
-            obs_out[i] = obs
+        clock = time.perf_counter
+        self._busy_phase = "step"
+        try:  # between two envs' calls ``busy_since`` still reads the last call's start: a stale read, harmless
+            for i, j in enumerate(envs):
+                self._busy_env, self._busy_since = j, clock()
+                try:
+                    obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
+                except Exception as exc:
+                    raise EnvFailure(j, "step", "env", exc) from exc
+                if expected is not None and (getattr(obs, "shape", None) != expected[0]
+                                             or getattr(obs, "dtype", None) != expected[1]):
+                    obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
+                obs_out[i] = obs
+        finally:
+            self._busy_since = 0.0
         self._check_nan(obs_out, envs)
 
     def close(self) -> None:
