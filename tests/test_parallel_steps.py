@@ -453,8 +453,7 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
     counting = threads._all = _CountingLock(threads._all)
     try:
         gates = [threading.Event() for _ in range(3)]
-        for j in range(3):
-            threads.start(j, lambda e: e.wait(10.0), gates[j])
+        threads.start((j, lambda e: e.wait(10.0), gates[j]) for j in range(3))
         got: list[list[int]] = []
         owner = threading.Thread(target=lambda: got.append(threads.ended(None, 3, every=True)))
         owner.start()
@@ -465,15 +464,14 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
         owner.join(10.0)
         assert not owner.is_alive() and sorted(got[0]) == [0, 1, 2]
         assert counting.waits == 1
-        for j in range(3):  # a round whose calls all end before the owner looks: it does not wait at all
-            threads.start(j, lambda arg: arg, j)
+        # a round whose calls all end before the owner looks: it does not wait at all
+        threads.start((j, lambda arg: arg, j) for j in range(3))
         _wait_for(lambda: threads._count == 6)
         assert sorted(threads.ended(None, 3, every=True)) == [0, 1, 2]
         assert counting.waits == 1
         gates = [threading.Event() for _ in range(2)]  # and the next round still waits for its last call
         counting.waiting.clear()
-        for j in range(2):
-            threads.start(j, lambda e: e.wait(10.0), gates[j])
+        threads.start((j, lambda e: e.wait(10.0), gates[j]) for j in range(2))
         got.clear()
         owner = threading.Thread(target=lambda: got.append(threads.ended(None, 2, every=True)))
         owner.start()

@@ -96,7 +96,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -318,11 +318,15 @@ class _StepThreads:
         owner shares the helpers' core (see the module docs)."""
         return 0.0 if self.shared_core else _GATHER_WINDOW
 
-    def start(self, j: int, fn: Callable[[Any], Any], arg: Any) -> None:
-        """Hand helper ``j`` the call ``fn(arg)`` (it must be idle: its last call ended and was read)."""
-        self.started[j] = time.perf_counter()  # before the call is visible: ``oldest`` reads both
-        self._calls[j] = (fn, arg)
-        self._go[j].release()
+    def start(self, calls: Iterable[tuple[int, Callable[[Any], Any], Any]]) -> None:
+        """Hand each helper ``j`` of ``calls`` its call ``fn(arg)`` (each must be idle: its last call ended and
+        was read); they share one start time, taken before the first is handed over."""
+        now = time.perf_counter()
+        started, pending, go = self.started, self._calls, self._go
+        for j, fn, arg in calls:
+            started[j] = now  # before the call is visible: ``oldest`` reads both
+            pending[j] = (fn, arg)
+            go[j].release()
 
     def ended(self, stop: threading.Event | None, in_flight: int = 1, *, every: bool = False) -> list[int]:
         """The helpers whose call ended, in the order they ended, out of ``in_flight`` calls: at least one,
@@ -547,11 +551,10 @@ class EnvBlock:
         threads, adapters = self._threads, self.adapters
         assert threads is not None
         if self._gym:
-            for j, action in zip(envs, self._gym_actions(inputs["action"], envs)):
-                threads.start(j, adapters[j].env.step, action)
+            threads.start((j, adapters[j].env.step, action)
+                          for j, action in zip(envs, self._gym_actions(inputs["action"], envs)))
         else:
-            for j, row in zip(envs, self._rows(inputs, len(envs))):
-                threads.start(j, adapters[j].step, row)
+            threads.start((j, adapters[j].step, row) for j, row in zip(envs, self._rows(inputs, len(envs))))
         self._in_flight.update(envs)
 
     def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> list[int]:
@@ -582,10 +585,14 @@ class EnvBlock:
         gym = self._gym
         obs_out = out["observation"] if gym else None
         expected = self._obs_spec if self.validate else None
+        results = self._threads.results  # type: ignore[union-attr]
         for j in envs:
             i = len(written)
+            ok, result = results[j]  # type: ignore[misc]
+            results[j] = None
             try:
-                result = self._parallel_result(j)
+                if not ok:
+                    raise self._failure_of(j, result)
                 if gym:
                     obs, rewards[i], terminated[i], truncated[i], _ = result
                     if expected is not None and (getattr(obs, "shape", None) != expected[0]
@@ -610,17 +617,15 @@ class EnvBlock:
             written = [j for j, kept in zip(written, keep) if kept]
         return written, failure
 
-    def _parallel_result(self, j: int) -> Any:
-        """Env ``j``'s result of the step that ended in its helper; its exception as an :class:`EnvFailure`."""
-        assert self._threads is not None
-        ok, value = self._threads.results[j]  # type: ignore[misc]
-        self._threads.results[j] = None
-        if ok:
-            return value
-        kind = "action" if isinstance(value, ActionError) else "env"
-        if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit in a helper: not an env error
+    @staticmethod
+    def _failure_of(j: int, value: BaseException) -> EnvFailure:
+        """What helper ``j``'s exception means: an :class:`EnvFailure` (the policy's fault for an invalid action);
+        a ``KeyboardInterrupt`` or ``SystemExit`` in a helper is not an env error and is re-raised."""
+        if not isinstance(value, Exception):
             raise value
-        raise EnvFailure(j, "step", kind, value) from value
+        failure = EnvFailure(j, "step", "action" if isinstance(value, ActionError) else "env", value)
+        failure.__cause__ = value
+        return failure
 
     # -- what both paths share ------------------------------------------------------------------------
     def _rows(self, inputs: Mapping[NestedKey, np.ndarray], n: int) -> list[dict[NestedKey, Any]]:

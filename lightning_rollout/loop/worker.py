@@ -184,9 +184,10 @@ class Worker:
         loop = self.loop
         layout = loop._layout
         agent = self.agent
-        inputs = {k: cols[k][r0:r0 + rows] for k in loop._input_cols}
+        whole = r0 == 0 and rows == len(cols[_VERSION])  # every row of the columns: no views of them to make
+        inputs = {k: cols[k] if whole else cols[k][r0:r0 + rows] for k in loop._input_cols}
         for k in loop._input_done:  # root done flags: false (no column)
-            inputs[k] = self.zero_done[k][:rows]
+            inputs[k] = self.zero_done[k] if whole else self.zero_done[k][:rows]
         try:
             answer = agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
