@@ -54,11 +54,14 @@ def test_parallel_steps_run_every_env_of_a_block_at_once():
 def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_value(mode):
     """Free-running envs too: a deterministic policy answers each env from its own observations."""
     kwargs = dict(num_envs=4, envs_per_thread=4, seed=5, lookahead=False)
+    # Quotas (free-running with "free") and single block steps (lock-step in either mode) interleaved: the block
+    # thread's count of the helpers' ends carries over from one way of waiting to the other.
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=mode, **kwargs) as parallel:
-        ours = [parallel.run_env_steps(40), parallel.run_env_steps(40)]
+        ours = [parallel.run_env_steps(40), parallel.run_steps(8), parallel.run_env_steps(40), parallel.run_steps(4)]
         episode = parallel.run_episodes(1)[0]
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=False, **kwargs) as sequential:
-        reference = [sequential.run_env_steps(40), sequential.run_env_steps(40)]
+        reference = [sequential.run_env_steps(40), sequential.run_steps(8), sequential.run_env_steps(40),
+                     sequential.run_steps(4)]
     assert_batches_equal(ours, reference)
     assert episode["next", "done"][-1].item()
 
