@@ -366,6 +366,7 @@ class _StepThreads:
             self._taken += 1
 
     def _maybe_decide_pinning(self) -> None:
+        """Place the helpers once ``_PIN_AFTER`` calls have ended (owner thread; see :meth:`_decide_pinning`)."""
         if self.measuring and sum(self.calls) >= _PIN_AFTER:
             self._decide_pinning()
 
