@@ -866,19 +866,17 @@ class AutobatchPolicy:
         if explore is None:
             explore = self._modes[mode] = set_exploration_type(mode)
         direct = self._direct
-        if len(batch) == 1 and direct is not None and self._on_cpu:  # the usual call: no dict of inputs built
-            obs = batch[0].obs
-            stacked = {k: _as_tensor(obs[k]) for k in self._direct_in}
+        if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
+            batch.sort(key=_first_env)
+        # A tensor module gets only the entries it reads; a TensorDict policy every entry of the requests.
+        keys = (self._direct_in if direct is not None
+                else self.input_keys if self.input_keys is not None else list(batch[0].obs))
+        if len(batch) == 1:
+            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
         else:
-            if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
-                batch.sort(key=_first_env)
-            keys = self.input_keys if self.input_keys is not None else list(batch[0].obs)
-            if len(batch) == 1:
-                stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
-            else:
-                stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
-            if not self._on_cpu:
-                stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
+            stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
+        if not self._on_cpu:
+            stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         with self._no_grad, explore, self._own_rng():
             if direct is not None:
                 one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does

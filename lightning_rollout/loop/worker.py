@@ -288,13 +288,13 @@ class Worker:
     def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int) -> None:
         """Write the current root entries of envs ``sel`` at rows ``r0:`` of ``cols`` (big ones from the last
         step's rows while ``_carry`` holds them: a whole block reads them there, part of one settles first)."""
-        n = self.rows if isinstance(sel, slice) else (1 if isinstance(sel, int) else len(sel))
+        whole = isinstance(sel, slice)  # every env: ``cur`` as it is, no indexing
+        n = self.rows if whole else (1 if isinstance(sel, int) else len(sel))
         rows = slice(r0, r0 + n)
         carry = self._carry
-        if carry is not None and not isinstance(sel, slice):
+        if carry is not None and not whole:
             self._settle_carry()
             carry = None
-        whole = isinstance(sel, slice)  # every env: ``cur`` as it is, no indexing
         for k, v in self.cur.items():
             cols[k][rows] = (v if whole else v[sel]) if carry is None or k not in carry else carry[k]
 
