@@ -438,12 +438,28 @@ class _CountingLock:
         self.lock.release()
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    """Poll ``condition`` until it holds (a bounded wait for a state, not a sleep that wins a race)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.001)
+class _CountedEnds:
+    """Wraps ``_StepThreads._count_lock``: sets ``reached`` once the helpers' count of ended calls is at least
+    ``until`` (checked as each helper leaves the lock after counting), so a test waits for a state, not a time."""
+
+    def __init__(self, threads) -> None:
+        self.threads, self.lock = threads, threads._count_lock
+        self.until, self.reached = 0, threading.Event()
+
+    def expect(self, until: int) -> threading.Event:
+        self.reached.clear()
+        self.until = until
+        if self.threads._count >= until:
+            self.reached.set()
+        return self.reached
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        if self.threads._count >= self.until:
+            self.reached.set()
+        self.lock.release()
 
 
 def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
@@ -454,6 +470,7 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
 
     threads = _StepThreads(3, name="t", env_ids=[0, 1, 2])
     counting = threads._all = _CountingLock(threads._all)
+    counted = threads._count_lock = _CountedEnds(threads)
     try:
         gates = [threading.Event() for _ in range(3)]
         threads.start((j, lambda e: e.wait(10.0), gates[j]) for j in range(3))
@@ -469,7 +486,7 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
         assert counting.waits == 1
         # a round whose calls all end before the owner looks: it does not wait at all
         threads.start((j, lambda arg: arg, j) for j in range(3))
-        _wait_for(lambda: threads._count == 6)
+        assert counted.expect(6).wait(10.0) and threads._count == 6
         assert sorted(threads.ended(None, 3, every=True)) == [0, 1, 2]
         assert counting.waits == 1
         gates = [threading.Event() for _ in range(2)]  # and the next round still waits for its last call
@@ -480,7 +497,7 @@ def test_a_lock_step_round_wakes_its_owner_once_when_its_last_env_ends():
         owner.start()
         assert counting.waiting.wait(10.0)
         gates[0].set()
-        _wait_for(lambda: threads._count == 7)
+        assert counted.expect(7).wait(10.0) and threads._count == 7
         assert owner.is_alive() and not got  # one call of two ended and was counted: the owner still waits
         gates[1].set()
         owner.join(10.0)
