@@ -202,6 +202,48 @@ def test_env_bad_observation(kind, words, mode, parallel_steps):
     check_stream(exc.partial)
     if mode == "run_steps":
         check_prefix(exc.partial, 2, at)
+    else:  # the steps every env delivered (the other block may be behind), settled as any batch's steps
+        steps = exc.partial.shape[1]
+        assert exc.partial.shape[0] == 4 and steps <= at
+        assert exc.partial["next", "step_count"][:, :, 0].tolist() == [list(range(1, steps + 1))] * 4
+    assert_no_rollout_threads()
+
+
+class FinitePolicy(CountingPolicy):
+    """CountingPolicy that raises on an observation holding NaN (as a policy checking its inputs would)."""
+
+    def __call__(self, obs):
+        if not called_from_probe() and torch.isnan(obs).any():
+            raise ValueError("the policy was given NaN")
+        return super().__call__(obs)
+
+
+@pytest.mark.parametrize("later", ["env", "policy"])
+@pytest.mark.parametrize("parallel_steps", [False, True], ids=["sequential", "parallel_steps"])
+def test_a_nan_observation_is_reported_before_a_later_error_of_the_same_quota(later, parallel_steps):
+    # The block checks its observations for NaN once a quota; a failure after the NaN step (another env's
+    # exception, or the policy refusing the NaN it was then given) must still give way to it.
+    at = 5
+    factories = [lambda i=i: BadObsEnv(i, "nan", at if i == 2 else None) for i in range(4)]
+    if later == "env":
+        factories[3] = lambda: MockEnv(3, length_fn=lambda e, k: LONG, raise_on_step=at + 3)
+    policy = FinitePolicy() if later == "policy" else CountingPolicy()
+
+    def collect() -> BaseException:
+        loop = MultiEnvLoop(factories, policy, envs_per_thread=4, parallel_steps=parallel_steps)
+        try:
+            loop.run_env_steps(64)
+        except CollectionError as exc:
+            return exc
+        finally:
+            loop.close()
+        pytest.fail("no exception")
+
+    exc = bounded(collect, BOUND)
+    assert isinstance(exc, EnvError) and (exc.env_id, exc.step, exc.phase) == (2, at, "check")
+    assert "NaN" in str(exc)
+    assert exc.partial.shape == (4, at)
+    check_stream(exc.partial)
     assert_no_rollout_threads()
 
 
@@ -348,6 +390,9 @@ def test_step_timeout_on_hung_env(release, mode):
     assert "step_timeout=0.5" in str(exc) and "lightning_rollout-loop-env1" in str(exc) and "env 1" in str(exc)
     assert exc.partial is not None
     check_stream(exc.partial)
+    check_prefix(exc.partial, 1, 4)  # the hung env's complete steps are kept (its thread never settled them)
+    if mode == "run_env_steps":
+        assert exc.partial.shape == (3, 4)
     # the stuck thread is the only one left (a daemon); the others were shut down
     assert [t.name for t in rollout_threads()] == ["lightning_rollout-loop-env1"]
     assert all(t.daemon for t in rollout_threads())

@@ -397,3 +397,34 @@ def test_vectorised_trajectory_ids_match_their_definition(num_envs, batches):
         done = np.array([d for _, d in rows], dtype=bool)
         assert ours.assign(env_ids, done).tolist() == reference.reference(env_ids, done).tolist()
         assert ours._cur_traj.tolist() == reference._cur_traj.tolist() and ours._next_traj == reference._next_traj
+
+
+def _counts_step_by_step(rewards, done, step_count, episode_reward):
+    """TorchRL's StepCounter and RewardSum the way a loop that bookkeeps every step computes them."""
+    count, total = step_count.astype(np.int64).copy(), episode_reward.astype(np.float64).copy()
+    counts, returns, befores = [], [], []
+    for r, d in zip(rewards, done):
+        counts.append(count.copy())
+        befores.append(total.copy())
+        count += 1
+        total += r
+        returns.append(total.copy())
+        count[d], total[d] = 0, 0.0
+    return np.array(counts), np.array(returns), np.array(befores)
+
+
+@SETTINGS
+@given(steps=st.integers(1, 40), envs=st.integers(1, 5), seed=st.integers(0, 2 ** 16), end_rate=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+def test_settled_episode_counts_equal_the_step_by_step_ones_bit_for_bit(steps, envs, seed, end_rate):
+    from lightning_rollout.loop.worker import _episode_counts
+
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=(steps, envs)) * 10 ** rng.uniform(-3, 3, size=(steps, envs))
+    done = rng.random((steps, envs)) < end_rate
+    step_count = rng.integers(0, 1000, size=envs)
+    episode_reward = rng.normal(size=envs) * 100
+    got = _episode_counts(rewards, done, step_count, episode_reward)
+    want = _counts_step_by_step(rewards, done, step_count, episode_reward)
+    for g, w in zip(got, want):
+        assert g.shape == (steps, envs)
+        assert np.array_equal(g, w)  # exact: the running sums add the same floats in the same order

@@ -511,20 +511,22 @@ class EnvBlock:
 
     def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
              rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-             stop: threading.Event | None = None) -> None:
+             stop: threading.Event | None = None, *, check_nan: bool = True) -> None:
         """Step envs ``envs`` with row ``i`` of ``inputs`` for env ``envs[i]``; write its ``"next"``
         entries to row ``i`` of ``out`` (keyed by the env's key, without ``"next"``), its reward and
         flags to ``rewards[i]``, ``terminated[i]``, ``truncated[i]``. Raises :class:`EnvFailure`
-        (for the lowest env index that failed, as if stepped one after the other)."""
+        (for the lowest env index that failed, as if stepped one after the other). ``check_nan=False``
+        leaves the NaN check of the observations (see :attr:`nan_checked`) to the caller's
+        :meth:`find_nan`; every other check is made."""
         if self.parallel and len(envs) > 1:  # every env in its helper; results read in env order
             self.begin(inputs, envs)
             self.ended(stop, every=True)
-            failure = self.finish(envs, out, rewards, terminated, truncated)[1]
+            failure = self.finish(envs, out, rewards, terminated, truncated, check_nan=check_nan)[1]
             if failure is not None:
                 raise failure
             return
         if self._gym:
-            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated)
+            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated, check_nan)
             return
         for i, (j, row) in enumerate(zip(envs, self._rows(inputs, len(envs)))):
             self._busy_env, self._busy_phase, self._busy_since = j, "step", time.perf_counter()
@@ -572,10 +574,11 @@ class EnvBlock:
         return ended
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray) -> tuple[list[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray, *,
+               check_nan: bool = True) -> tuple[list[int], EnvFailure | None]:
         """Write the results of the ended steps of ``envs``, in order, into rows ``0, 1, ...`` of ``out``,
         ``rewards``, ``terminated`` and ``truncated`` (as :meth:`step` does), skipping envs whose step
-        failed or whose result fails the checks.
+        failed or whose result fails the checks (the NaN check left out with ``check_nan=False``).
 
         Returns:
             The envs written (row ``i`` is ``written[i]``), and the failure of the first env of
@@ -606,7 +609,7 @@ class EnvBlock:
                 failure = failure or exc
                 continue
             written.append(j)
-        bad = self._nan_rows(obs_out, len(written)) if gym and written else None
+        bad = self._nan_rows(obs_out, len(written)) if gym and written and check_nan else None
         if bad is not None:  # those envs fail their check: their rows are dropped, the others moved up
             nan = EnvFailure(written[int(bad.argmax())], "check", "env",
                              _CheckFailed("entry 'observation' contains NaN"))
@@ -680,6 +683,26 @@ class EnvBlock:
         """Whether observations written to ``obs_out`` are checked for NaN (validated float observations)."""
         return self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
 
+    @property
+    def nan_checked(self) -> bool:
+        """Whether a step checks the observations for NaN in one look for the block (gymnasium envs with one
+        float observation, validated), a look a caller may take later over many steps (:meth:`find_nan`)."""
+        return self._gym and self.validate and self._obs_spec is not None and self._obs_spec[1].kind == "f"
+
+    def find_nan(self, observations: np.ndarray, envs: Sequence[int]) -> tuple[int, EnvFailure] | None:
+        """The NaN check of steps made with ``check_nan=False``, for all of them at once. ``observations``:
+        ``[steps, len(envs), *shape]``, what those steps wrote (row ``i``: env ``envs[i]``). Returns the first
+        step holding a NaN and the failure of its lowest env (as that step's own check would have raised), or
+        ``None``."""
+        steps = observations.shape[0]
+        rows = steps * len(envs)
+        flat = observations.reshape(rows, -1)  # a copy when the columns are strided: once for all the steps
+        bad = self._nan_rows(flat, rows)
+        if bad is None:
+            return None
+        step, i = divmod(int(bad.argmax()), len(envs))
+        return step, EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+
     def _nan_rows(self, obs_out: np.ndarray, n: int) -> np.ndarray | None:
         """Which of the first ``n`` rows of ``obs_out`` hold a NaN (``[n]`` bools), ``None`` when none does
         or the observations are not checked (see :meth:`_checks_nan`)."""
@@ -701,7 +724,7 @@ class EnvBlock:
                              _CheckFailed("entry 'observation' contains NaN"))
 
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
-                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, check_nan: bool) -> None:
         """Gymnasium envs with one array observation, stepped in this thread: actions converted for the
         block at once, each ``env.step`` result written straight to its row, observations checked for
         the block."""
@@ -724,7 +747,8 @@ class EnvBlock:
                 obs_out[i] = obs
         finally:
             self._busy_since = 0.0
-        self._check_nan(obs_out, envs)
+        if check_nan:
+            self._check_nan(obs_out, envs)
 
     def close(self) -> None:
         """Stop the helper threads, close every env; errors are swallowed (closing must not hide the

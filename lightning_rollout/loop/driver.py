@@ -689,7 +689,7 @@ class MultiEnvLoop:
                 raise StepTimeoutError(
                     f"no answer within step_timeout={self.step_timeout} s; thread {worker.thread.name!r} is "
                     f"stuck inside the env's {phase} and is abandoned (daemon)",
-                    env_id=worker.env_ids[j], step=int(worker.steps_done[j]), phase=phase)
+                    env_id=worker.env_ids[j], step=worker.step_index(j), phase=phase)
 
     def _fail(self, exc: BaseException, partial: TensorDict | None) -> None:
         if isinstance(exc, CollectionError) and partial is not None and partial.batch_size.numel():
@@ -924,7 +924,8 @@ class MultiEnvLoop:
                         quotas.add(w)
         except CollectionError as exc:
             self.close()  # workers stopped (a hung one only ever writes at its quota_end, past what is kept)
-            for w in quotas:
+            for w in quotas:  # a hung worker's complete steps are settled here (the others settled theirs)
+                self._workers[w].settle()
                 t[w] = max(t[w], self._workers[w].quota_end)
             return self._settle_env_time(out, t), exc
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed

@@ -360,9 +360,11 @@ class RemoteEnvs:
         truncated[:] = self.truncated[:n]
 
     def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event) -> None:
+             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event, *,
+             check_nan: bool = True) -> None:
         """:meth:`EnvBlock.step <lightning_rollout.loop.block.EnvBlock.step>` in the worker process: one round
-        trip for the block, rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results."""
+        trip for the block, rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results.
+        The worker process checks every step's observations itself (``check_nan`` is not used)."""
         self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
         try:
             self.send_step(inputs, envs)
@@ -497,8 +499,10 @@ class RemoteGroup:
         return shifted
 
     def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event) -> None:
-        """Step ``envs`` (ascending) as :meth:`RemoteEnvs.step`, every part concurrently."""
+             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event, *,
+             check_nan: bool = True) -> None:
+        """Step ``envs`` (ascending) as :meth:`RemoteEnvs.step`, every part concurrently; every part checks
+        its observations each step (``check_nan`` is not used)."""
         shares = []  # (offset, part, rows of this call it takes)
         i = 0
         for offset, part in self.parts:
