@@ -305,7 +305,10 @@ class GymAdapter:
         if self._discrete_n > 1 and action.ndim == 2 and action.shape[1] == self._discrete_n:  # one-hot rows
             # numpy scalars of the space's dtype, as a gymnasium vector env passes them (Discrete.contains
             # checks a Python int against the dtype's range first, which costs more than the step's physics)
-            return list((action.argmax(1) + self._start).astype(self.action_space.dtype, copy=False))
+            index = action.argmax(1)
+            if self._start:
+                index += self._start
+            return list(index if index.dtype == self.action_space.dtype else index.astype(self.action_space.dtype))
         if self._box_bounds is not None and action.shape[1:] == self.action_space.shape:
             if self.validate:
                 low, high = self._box_bounds

@@ -372,6 +372,8 @@ class AutobatchPolicy:
         self._rng_state: torch.Tensor | None = None
         # The contexts of a forward pass, built once and reused: passes run one at a time (under
         # _weights_lock), and each context keeps its previous state on itself only from enter to exit.
+        # A pass runs without autograd: under ``_no_grad`` in a thread that has it on (the probe), as it is
+        # in the loops' env threads and the inference thread, which turn it off once (``_compute``).
         self._no_grad = torch.no_grad()
         self._modes: dict[ExplorationType, set_exploration_type] = {}
         if seed is not None:
@@ -753,6 +755,7 @@ class AutobatchPolicy:
         :meth:`close`.
         """
         torch.set_num_threads(self._torch_threads)  # the constructing thread's setting, not torch's default
+        torch.set_grad_enabled(False)  # this thread only runs forward passes and weight updates (see _compute)
         cond = self._cond
         batches: list[list[_Request]] = []  # taken from the queue, not answered yet
         updates: list[tuple[Any, threading.Event]] = []  # taken, not applied yet
@@ -846,7 +849,11 @@ class AutobatchPolicy:
         """
         rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         try:
-            outputs = self._run_policy(batch, rows)
+            if torch.is_grad_enabled():  # a thread of the caller's (the probe): no graph of the pass either
+                with self._no_grad:
+                    outputs = self._run_policy(batch, rows)
+            else:  # the loops' env threads and the inference thread run with autograd off
+                outputs = self._run_policy(batch, rows)
         except BaseException as exc:  # whatever the policy raised, as a PolicyError naming the envs
             env_ids = tuple(i for r in batch for i in r.agent.env_ids)
             if isinstance(exc, PolicyError):  # raised by _run_policy, which does not know the envs
@@ -877,7 +884,7 @@ class AutobatchPolicy:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
         if not self._on_cpu:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
-        with self._no_grad, explore, self._own_rng():
+        with explore, self._own_rng():
             if direct is not None:
                 one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
                 result = direct(*[stacked[k][0] if one else stacked[k] for k in self._direct_in])

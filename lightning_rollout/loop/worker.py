@@ -506,13 +506,12 @@ class Worker:
 
         A reset that fails after a done step does not lose that step: the error is kept in
         ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
-        if done.any():
-            for i in np.flatnonzero(done):
-                try:
-                    self._reset_env(int(run.envs[i]))
-                except EnvError as exc:
-                    self.pending_error = exc
-                    return  # the env has no next root: nothing more is stepped before the error is raised
+        for i in done.nonzero()[0].tolist():  # (ndarray.any and np.flatnonzero cost more, through Python)
+            try:
+                self._reset_env(run.envs[i])
+            except EnvError as exc:
+                self.pending_error = exc
+                return  # the env has no next root: nothing more is stepped before the error is raised
 
     def _compute_slot(self, slot: int) -> None:
         """One step of every env of this worker into slot ``slot``, settled (then the done envs reset)."""
@@ -754,6 +753,9 @@ class Worker:
     def _main(self) -> None:
         loop = self.loop
         torch.set_num_threads(loop._torch_threads)  # the creating thread's setting (a forward may run here)
+        # Env steps and policy calls run without autograd, as in TorchRL's collector (its rollout is under
+        # torch.no_grad()); set once for the thread, not around every call.
+        torch.set_grad_enabled(False)
         try:
             for j in range(self.rows):
                 seed = None if loop.seed is None else loop.seed + self.env_ids[j]
