@@ -433,13 +433,17 @@ class EnvBlock:
         parallel: step the envs concurrently, one helper thread each (see the module docs);
             ignored for a block of one env.
         name, env_ids: name the helper threads (``lightning_rollout-<name>-env<id>-step``).
+        watched: someone reads ``busy_since`` (a ``step_timeout``): a sequential step then notes each
+            env's start; without, ``busy_since`` stays 0.0 through sequential steps (resets and helpers'
+            calls are noted either way).
     """
 
     def __init__(self, adapters: Sequence[EnvAdapter], *, validate: bool,
                  checked_next: Mapping[NestedKey, ArraySpec], checked_root: Mapping[NestedKey, ArraySpec],
                  zero_done: Mapping[NestedKey, ArraySpec], parallel: bool = False, name: str = "loop",
-                 env_ids: Sequence[int] | None = None) -> None:
+                 env_ids: Sequence[int] | None = None, watched: bool = True) -> None:
         self.adapters = list(adapters)
+        self.watched = watched
         self._threads = (_StepThreads(len(self.adapters), name=name,
                                       env_ids=env_ids if env_ids is not None else range(len(self.adapters)))
                          if parallel and len(self.adapters) > 1 else None)
@@ -731,18 +735,19 @@ class EnvBlock:
         adapters = self.adapters
         env_actions = self._gym_actions(actions, envs)
         obs_out = out["observation"]
-        expected = self._obs_spec if self.validate else None
-        clock = time.perf_counter
+        shape, dtype = self._obs_spec if self.validate and self._obs_spec is not None else (None, None)
+        ndarray, watched, clock = np.ndarray, self.watched, time.perf_counter
         self._busy_phase = "step"
         try:  # between two envs' calls ``busy_since`` still reads the last call's start: a stale read, harmless
             for i, j in enumerate(envs):
-                self._busy_env, self._busy_since = j, clock()
+                self._busy_env = j
+                if watched:
+                    self._busy_since = clock()
                 try:
                     obs, rewards[i], terminated[i], truncated[i], _ = adapters[j].env.step(env_actions[i])
                 except Exception as exc:
                     raise EnvFailure(j, "step", "env", exc) from exc
-                if expected is not None and (getattr(obs, "shape", None) != expected[0]
-                                             or getattr(obs, "dtype", None) != expected[1]):
+                if shape is not None and (obs.__class__ is not ndarray or obs.shape != shape or obs.dtype != dtype):
                     obs = self._observation(j, obs)  # the full check, unless a dtype already seen to cast safely
                 obs_out[i] = obs
         finally:

@@ -187,7 +187,8 @@ class _BlockServer:
         self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
         self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
         self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
-                              checked_root=checked_root, zero_done=zero_done)
+                              checked_root=checked_root, zero_done=zero_done,
+                              watched=False)  # the parent's RemoteEnvs notes each call for step_timeout
 
     def serve(self) -> None:
         conn, spin = self.conn, self.spin
@@ -419,7 +420,8 @@ class LocalEnvs:
     def attach(self, checked_next: dict[NestedKey, ArraySpec], checked_root: dict[NestedKey, ArraySpec],
                zero_done: dict[NestedKey, ArraySpec]) -> None:
         self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
-                              checked_root=checked_root, zero_done=zero_done)
+                              checked_root=checked_root, zero_done=zero_done,
+                              watched=False)  # its group (RemoteGroup) notes each step for step_timeout
 
     @property
     def busy_env(self) -> int:

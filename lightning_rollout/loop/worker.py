@@ -168,7 +168,7 @@ class Worker:
             adapters or [], validate=loop.validate, checked_next=layout.checked_next if loop.validate else {},
             checked_root=layout.checked_root if loop.validate else {},
             zero_done={k: layout.keys.done[k] for k in loop._env_input_done}, parallel=loop.parallel_steps,
-            name=loop.name, env_ids=env_ids)
+            name=loop.name, env_ids=env_ids, watched=loop.step_timeout is not None)
         self.env_ids = env_ids
         self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
@@ -205,6 +205,8 @@ class Worker:
         self.episode_reward = np.zeros(self.rows, dtype=np.float64)
         self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env (settled steps)
         self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
+        self._random_steps = loop._random_steps_per_env > 0  # some env still acts at random
+        self._out_shapes = [(k, layout.specs[k].shape) for k in layout.out_keys]  # what each answer row holds
         # What a step writes and what settling does (see the module docs). A gymnasium env's loop entries are
         # settled, and carried into ``cur`` there, unless the policy reads them: then a step keeps them in
         # ``cur`` itself (``_count_each_step``, which the loop's own episode cap needs too).
@@ -285,13 +287,13 @@ class Worker:
             return int(self.steps_done[j])
         return int(self.steps_done[j]) + run.t - run.t0
 
-    def _act(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
-        """Fill policy outputs for rows ``r0:r0+rows`` (envs ``envs``, which step together: all or none
-        of them are still on random steps) of ``cols``."""
-        if self.random_left[envs[0]] > 0:
-            self._act_random(cols, r0, rows, envs)
+    def _act(self, cols: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Fill the policy outputs of ``cols`` (one row per env of ``envs``, which step together: all or none
+        of them are still on random steps)."""
+        if self._random_steps and self.random_left[envs[0]] > 0:
+            self._act_random(cols, 0, len(envs), envs)
         else:
-            self._act_policy(cols, r0, rows, envs)
+            self._act_policy(cols, envs)
 
     def _act_random(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
         """A uniformly random action for each of envs ``envs`` in rows ``r0:r0+rows`` (its other outputs
@@ -305,31 +307,29 @@ class Worker:
                 cols[k][r] = v
             self.random_left[j] -= 1
         cols[_VERSION][r0:r0 + rows] = -1
+        self._random_steps = bool(self.random_left.any())
 
-    def _act_policy(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
-        """The policy's outputs for rows ``r0:r0+rows`` (envs ``envs``) of ``cols``, one request."""
+    def _act_policy(self, cols: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """The policy's outputs for ``cols`` (one row per env of ``envs``), one request."""
         loop = self.loop
-        layout = loop._layout
-        agent = self.agent
-        whole = r0 == 0 and rows == len(cols[_VERSION])  # every row of the columns: no views of them to make
-        inputs = {k: cols[k] if whole else cols[k][r0:r0 + rows] for k in loop._input_cols}
+        inputs = {k: cols[k] for k in loop._input_cols}
         for k in loop._input_done:  # root done flags: false (no column)
-            inputs[k] = self.zero_done[k] if whole else self.zero_done[k][:rows]
+            inputs[k] = self.zero_done[k][:len(envs)]
         try:
-            answer = agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
+            answer = self.agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
             raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
                               step=self.step_index(envs[0])) from exc
         outputs, a, b = answer.outputs, answer.start, answer.stop
-        for k in layout.out_keys:
+        for k, shape in self._out_shapes:
             value = outputs.get(k)
-            if value is None or value.shape[1:] != cols[k].shape[1:]:
+            if value is None or value.shape[1:] != shape:
                 got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
-                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape "
-                                  f"{tuple(cols[k].shape[1:])} per row when probed at construction",
-                                  env_ids=tuple(self.env_ids[j] for j in envs), step=self.step_index(envs[0]))
-            cols[k][r0:r0 + rows] = value if a == 0 and b == len(value) else value[a:b]
-        cols[_VERSION][r0:r0 + rows] = answer.version
+                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape {shape} per row when "
+                                  "probed at construction", env_ids=tuple(self.env_ids[j] for j in envs),
+                                  step=self.step_index(envs[0]))
+            cols[k][...] = value if a == 0 and b == len(value) else value[a:b]
+        cols[_VERSION][...] = answer.version
 
     def _failure_error(self, failure: EnvFailure) -> CollectionError:
         """The user-facing error of a failed env call: named by the env's global id and step (and its
@@ -473,30 +473,28 @@ class Worker:
             for k, v in carry.items():
                 self.cur[k][...] = v
 
-    def _load_root(self, cols: dict[NestedKey, np.ndarray], r0: int, sel: slice | list[int] | int,
+    def _load_root(self, cols: dict[NestedKey, np.ndarray], sel: slice | list[int],
                    keys: Sequence[NestedKey] | None = None) -> None:
         """Write the current root entries ``keys`` (default: those a step reads, ``_load_keys``) of envs
-        ``sel`` at rows ``r0:`` of ``cols`` (big ones from the last step's rows while ``_carry`` holds them:
-        a whole block reads them there, part of one settles first)."""
-        whole = isinstance(sel, slice)  # every env: ``cur`` as it is, no indexing
-        n = self.rows if whole else (1 if isinstance(sel, int) else len(sel))
-        rows = slice(r0, r0 + n)
-        carry = self._carry
-        if carry is not None and not whole:
+        ``sel`` into ``cols`` (one row per env; big ones from the last step's rows while ``_carry`` holds
+        them: a whole block reads them there, part of one settles first)."""
+        cur, carry = self.cur, self._carry
+        if isinstance(sel, slice):  # every env: ``cur`` as it is, no indexing
+            for k in self._load_keys if keys is None else keys:
+                cols[k][...] = cur[k] if carry is None or k not in carry else carry[k]
+            return
+        if carry is not None:
             self._settle_carry()
-            carry = None
-        cur = self.cur
         for k in self._load_keys if keys is None else keys:
-            v = cur[k]
-            cols[k][rows] = (v if whole else v[sel]) if carry is None or k not in carry else carry[k]
+            cols[k][...] = cur[k][sel]
 
     def _compute(self, run: _Run) -> np.ndarray:
         """One step of the run's envs at ``run.t`` (written, not settled; ``run.t`` advanced); returns its
         done flags (those envs are not reset yet: :meth:`_reset_done`)."""
         t = run.t
         cols = {k: run.cols[k][t] for k in self._step_keys}
-        self._load_root(cols, 0, run.sel)
-        self._act(cols, 0, len(run.envs), run.envs)
+        self._load_root(cols, run.sel)
+        self._act(cols, run.envs)
         done = self._step_block(cols, run)
         run.t = t + 1
         return done
@@ -659,9 +657,9 @@ class Worker:
         computed and dropped: it sees the same batch size on every call, as in lock-step (what a
         compiled or CUDA-graphed policy, or one that squeezes its batch, needs)."""
         w, random_left = self.index, self.random_left
-        self._load_root(pre, 0, slice(None), keys=list(self.cur))  # every root entry: ``cur`` is settled
+        self._load_root(pre, slice(None), keys=list(self.cur))  # every root entry: ``cur`` is settled
         if any(random_left[j] <= 0 for j in ready):
-            self._act_policy(pre, 0, self.rows, range(self.rows))
+            self._act_policy(pre, range(self.rows))
         for j in ready:
             if random_left[j] > 0:
                 self._act_random(pre, j, 1, (j,))
