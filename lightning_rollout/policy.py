@@ -208,7 +208,7 @@ class Agent:
         Raises:
             PolicyError, CollectionError, _Stopped: as :meth:`submit` and :meth:`result`.
         """
-        mode = _mode(deterministic, exploration_type)
+        mode = exploration_type if exploration_type is not None else _mode(deterministic, None)
         answer = self._policy._call_alone(self, obs, mode)
         if answer is not None:
             return answer
@@ -379,6 +379,10 @@ class AutobatchPolicy:
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
             self._rng_state = generator.get_state()
+        # The one input of an exact TensorDictModule on the CPU, unseeded: one agent's request is then passed
+        # to it as it is (_compute_alone).
+        self._direct_one: NestedKey | None = (self._direct_in[0] if len(self._direct_in) == 1 and self._on_cpu
+                                              and self._rng_state is None else None)
         self._version = 0
         self._plain_state: Any = None  # state of a callable without state_dict
         self._cond = threading.Condition()
@@ -541,7 +545,8 @@ class AutobatchPolicy:
             if self._closed or not self._flushes_alone(agent.rows):
                 return None
         try:
-            outputs, version = self._compute([_Request(agent, obs, agent.rows, mode)])
+            outputs = self._compute_alone(agent, obs, mode)
+            version = self._version
         finally:
             self._weights_lock.release()
         return PolicyAnswer(outputs, 0, agent.rows, version)
@@ -855,17 +860,37 @@ class AutobatchPolicy:
             else:  # the loops' env threads and the inference thread run with autograd off
                 outputs = self._run_policy(batch, rows)
         except BaseException as exc:  # whatever the policy raised, as a PolicyError naming the envs
-            env_ids = tuple(i for r in batch for i in r.agent.env_ids)
-            if isinstance(exc, PolicyError):  # raised by _run_policy, which does not know the envs
-                error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
-            else:
-                error = PolicyError(f"{type(exc).__name__}: {exc}", env_ids=env_ids)
-            if error is not exc:
-                error.__cause__ = exc
-            raise error  # noqa: B904 (the cause is set above, only when the error is a new one)
+            raise _named(exc, tuple(i for r in batch for i in r.agent.env_ids))  # noqa: B904 (cause set there)
         self.num_flushes += 1
         self.num_rows += rows
         return outputs, self._version
+
+    def _compute_alone(self, agent: Agent, obs: Mapping[NestedKey, np.ndarray], mode: ExplorationType
+                       ) -> dict[NestedKey, np.ndarray]:
+        """:meth:`_compute` for one agent's request (``_weights_lock`` held): its outputs. An exact
+        ``TensorDictModule`` of one input on the CPU, unseeded, in a thread with autograd off (an env thread)
+        is called on the request's array straight away, the same pass and checks without building a
+        request, a batch or a dict of inputs (the path of every step of a loop with one env thread).
+
+        Raises:
+            PolicyError: as :meth:`_compute`.
+        """
+        key = self._direct_one
+        rows = agent.rows
+        if key is None or torch.is_grad_enabled() or (self._unbatched and rows == 1):
+            return self._compute([_Request(agent, obs, rows, mode)])[0]
+        explore = self._modes.get(mode)
+        if explore is None:
+            explore = self._modes[mode] = set_exploration_type(mode)
+        try:
+            with explore:
+                result = self._direct(_as_tensor(obs[key]))  # type: ignore[misc]
+            outputs = self._direct_outputs(result, rows)
+        except BaseException as exc:
+            raise _named(exc, agent.env_ids)  # noqa: B904 (the cause is set there)
+        self.num_flushes += 1
+        self.num_rows += rows
+        return outputs
 
     def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
         mode = batch[0].mode
@@ -884,53 +909,62 @@ class AutobatchPolicy:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
         if not self._on_cpu:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
-        with explore, self._own_rng():
-            if direct is not None:
-                one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
-                result = direct(*[stacked[k][0] if one else stacked[k] for k in self._direct_in])
-                out_keys = self._direct_out
-                if type(result) is torch.Tensor and len(out_keys) == 1:  # one output: the common case
-                    outputs = {out_keys[0]: _to_numpy(result, out_keys[0])}
-                else:
-                    if isinstance(result, dict):
-                        if set(out_keys) - set(result):
-                            raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; "
-                                              f"expected the out_keys {out_keys}")
-                        result = tuple(result[k] for k in out_keys)
-                    result = result if isinstance(result, tuple) else (result,)
-                    if len(result) != len(out_keys):
-                        raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: "
-                                          "return one tensor per output key (or list every output in out_keys)")
-                    outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
-                if one:
-                    outputs = {k: v[None] for k, v in outputs.items()}
-            else:
-                td = TensorDict(stacked, batch_size=[rows], device=self.device)
-                for prefix, dims in self.sub_batch.items():
-                    if prefix in td.keys(True):
-                        td.get(prefix).batch_size = torch.Size([rows, *dims])
-                if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
-                    td = td[0]
-                given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
-                out = self.policy(td)
-                if out is None:
-                    out = td
-                if not isinstance(out, TensorDictBase):
-                    raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
-                                      "a TensorDict (wrap a tensor function in a TensorDictModule)")
-                outputs = self._outputs(out, given)
-                if td.batch_dims == 0:
-                    outputs = {k: v[None] for k, v in outputs.items()}
-        for key, value in outputs.items():
-            if value.ndim == 0 or value.shape[0] != rows:
-                shape = tuple(value.shape)
-                raise PolicyError(f"'{key}' has shape {shape} for a batch of {rows} observations "
-                                  f"(the leading dim must be the batch size {rows})")
+        call = self._call_direct if direct is not None else self._call_tensordict
+        if self._rng_state is None:
+            with explore:
+                outputs = call(stacked, rows)
+        else:  # a seeded policy draws from its own stream
+            with explore, self._swapped_rng():
+                outputs = call(stacked, rows)
+        _check_rows(outputs, rows)
         return outputs
 
-    def _own_rng(self) -> contextlib.AbstractContextManager[None]:
-        """Run the block on this policy's random stream (seeded policies; forward passes hold ``_weights_lock``)."""
-        return self._swapped_rng() if self._rng_state is not None else _NO_RNG
+    def _call_direct(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
+        """An exact ``TensorDictModule``'s inner module on the stacked tensors of its ``in_keys``: its outputs."""
+        one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
+        result = self._direct(*[stacked[k][0] if one else stacked[k] for k in self._direct_in])  # type: ignore[misc]
+        if one:
+            return {k: v[None] for k, v in self._direct_outputs(result, rows, check=False).items()}
+        return self._direct_outputs(result, rows, check=False)  # _run_policy checks the rows
+
+    def _direct_outputs(self, result: Any, rows: int, *, check: bool = True) -> dict[NestedKey, np.ndarray]:
+        """What the inner module returned, as numpy outputs by ``out_keys`` (with ``check``: each of ``rows``
+        rows). Raises :class:`PolicyError` for anything but one tensor per output key."""
+        out_keys = self._direct_out
+        if type(result) is torch.Tensor and len(out_keys) == 1:  # one output: the common case
+            outputs = {out_keys[0]: _to_numpy(result, out_keys[0])}
+        else:
+            if isinstance(result, dict):
+                if set(out_keys) - set(result):
+                    raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; "
+                                      f"expected the out_keys {out_keys}")
+                result = tuple(result[k] for k in out_keys)
+            result = result if isinstance(result, tuple) else (result,)
+            if len(result) != len(out_keys):
+                raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: "
+                                  "return one tensor per output key (or list every output in out_keys)")
+            outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
+        if check:
+            _check_rows(outputs, rows)
+        return outputs
+
+    def _call_tensordict(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
+        """A TensorDict policy on a TensorDict of the stacked entries: the entries it wrote."""
+        td = TensorDict(stacked, batch_size=[rows], device=self.device)
+        for prefix, dims in self.sub_batch.items():
+            if prefix in td.keys(True):
+                td.get(prefix).batch_size = torch.Size([rows, *dims])
+        if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
+            td = td[0]
+        given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
+        out = self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
+                              "a TensorDict (wrap a tensor function in a TensorDictModule)")
+        outputs = self._outputs(out, given)
+        return {k: v[None] for k, v in outputs.items()} if td.batch_dims == 0 else outputs
 
     @contextlib.contextmanager
     def _swapped_rng(self) -> Iterator[None]:
@@ -1162,6 +1196,27 @@ def _mode(deterministic: bool, exploration_type: ExplorationType | None) -> Expl
     return ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM
 
 
+def _check_rows(outputs: dict[NestedKey, np.ndarray], rows: int) -> None:
+    """Every output has the batch's ``rows`` rows; :class:`PolicyError` otherwise."""
+    for key, value in outputs.items():
+        if value.ndim == 0 or value.shape[0] != rows:
+            shape = tuple(value.shape)
+            raise PolicyError(f"'{key}' has shape {shape} for a batch of {rows} observations "
+                              f"(the leading dim must be the batch size {rows})")
+
+
+def _named(exc: BaseException, env_ids: tuple[int, ...]) -> PolicyError:
+    """``exc``, raised by a forward pass for the envs ``env_ids``, as the :class:`PolicyError` to raise: a
+    PolicyError that names no env gets them; anything else is wrapped, chained as the cause."""
+    if isinstance(exc, PolicyError):  # raised by our own checks, which do not know the envs
+        error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
+    else:
+        error = PolicyError(f"{type(exc).__name__}: {exc}", env_ids=env_ids)
+    if error is not exc:
+        error.__cause__ = exc
+    return error
+
+
 def _first_env(request: _Request) -> int:
     ids = request.agent.env_ids
     return ids[0] if ids else -1
@@ -1208,8 +1263,6 @@ def _direct_module(policy: Any) -> Callable[..., Any] | None:
         return None
     return policy.module
 
-
-_NO_RNG = contextlib.nullcontext()  # stateless and reentrant: one instance serves every thread
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
