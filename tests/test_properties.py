@@ -428,3 +428,19 @@ def test_settled_episode_counts_equal_the_step_by_step_ones_bit_for_bit(steps, e
     for g, w in zip(got, want):
         assert g.shape == (steps, envs)
         assert np.array_equal(g, w)  # exact: the running sums add the same floats in the same order
+
+
+@SETTINGS
+@given(num_envs=st.integers(1, 6), batches=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2 ** 16)),
+                                                    min_size=1, max_size=4))
+def test_env_time_trajectory_ids_are_those_of_the_rows_in_delivery_order(num_envs, batches):
+    # run_env_steps delivers every env's steps in time order, env by env within a step: its ids must be the
+    # ones the general assignment gives those rows in that order.
+    ours, general = _TrajIds(num_envs), _TrajIds(num_envs)
+    for steps, seed in batches:
+        done = np.random.default_rng(seed).random((num_envs, steps)) < 0.3
+        got = MultiEnvLoop._assign_traj_env_time(ours, done)
+        env_ids = np.tile(np.arange(num_envs), steps)  # time-major rows: env 0..N-1 at each step
+        want = general.assign(env_ids, done.T.reshape(-1)).reshape(steps, num_envs).T
+        assert got.shape == (num_envs, steps) and got.tolist() == want.tolist()
+        assert ours._cur_traj.tolist() == general._cur_traj.tolist() and ours._next_traj == general._next_traj

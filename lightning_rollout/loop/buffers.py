@@ -87,13 +87,18 @@ class Layout:
     def to_tensordict(self, columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
                       names: Sequence[str | None] | None = None) -> TensorDict:
         """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
-        td = TensorDict(batch_size=list(batch_size))
-        for key, value in columns.items():
-            if key != _STATS:
-                td.set(key, torch.from_numpy(value))
         lead = list(batch_size)
-        for key in self.done_keys:  # root done flags: false, as TorchRL's collector writes them
-            td.set(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))
+        tree: dict[str, Any] = {}  # nested dicts of tensors, built into one TensorDict at once (not set key by key)
+        leaves = [(key, torch.from_numpy(value)) for key, value in columns.items() if key != _STATS]
+        leaves += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))  # root done flags:
+                   for key in self.done_keys]  # false, as TorchRL's collector writes them
+        for key, tensor in leaves:
+            *path, leaf = key if isinstance(key, tuple) else (key,)
+            node = tree
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = tensor
+        td = TensorDict(tree, batch_size=lead)
         for prefix, dims in self.keys.sub_batch.items():
             for root in (prefix, ("next", *prefix)):
                 sub = td.get(root, None)

@@ -545,6 +545,27 @@ class MultiEnvLoop:
         self._next_traj += int(done.sum())
         return traj
 
+    def _assign_traj_env_time(self, done: np.ndarray) -> np.ndarray:
+        """:meth:`_assign_traj` for a batch of every env's next ``T`` steps (``done``: ``[num_envs, T]``, env
+        ``i``'s steps in row ``i``) delivered in time order, env by env within a step: the done steps' new ids
+        are handed out in that order, and a step is in the trajectory its env's last done step before it
+        started, else in the env's current one (ids grow with time: a running maximum finds the last).
+        Returns the ``[num_envs, T]`` ids."""
+        by_time = done.T  # [T, num_envs], delivery order
+        if not len(by_time):
+            return np.empty(done.shape, dtype=np.int64)
+        count = int(np.count_nonzero(by_time))
+        new = np.full(by_time.shape, -1, dtype=np.int64)  # the id of the trajectory each done step starts
+        new[by_time] = self._next_traj + np.arange(count, dtype=np.int64)
+        traj = np.empty(by_time.shape, dtype=np.int64)
+        traj[0] = self._cur_traj
+        started = np.maximum.accumulate(new[:-1], axis=0)  # the id the last done step before each step started
+        traj[1:] = np.where(started >= 0, started, self._cur_traj)
+        last = np.maximum.reduce(new, axis=0)
+        self._cur_traj = np.where(last >= 0, last, self._cur_traj)
+        self._next_traj += count
+        return traj.T
+
     def _new_trajectory(self, env_id: int) -> int:
         """Env ``env_id`` starts a new trajectory now (an explicit reset); returns its id."""
         self._cur_traj[env_id] = self._next_traj
@@ -968,13 +989,15 @@ class MultiEnvLoop:
 
     def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None) -> TensorDict:
         flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
-        # events in time order, env by env within a time step
-        by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
-                   if k in (_STATS, _ENV_ID, _VERSION) or k in self._info_next
-                   or (processor is not None and processor.wants_timesteps)}
-        done = by_time[_STATS][:, _S_DONE] > 0
-        flat[_TRAJ][...] = self._assign_traj(by_time[_ENV_ID], done).reshape(T, self.num_envs).T
-        self._after_take(by_time, range(len(done)), processor)
+        done = flat[_STATS][:, :, _S_DONE] > 0
+        flat[_TRAJ][...] = self._assign_traj_env_time(done)
+        if processor is None:
+            self.frames += done.size
+            self.episodes += int(np.count_nonzero(done))
+        else:  # events in time order, env by env within a time step
+            by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
+                       if k in (_STATS, _ENV_ID, _VERSION) or k in self._info_next or processor.wants_timesteps}
+            self._after_take(by_time, range(done.size), processor)
         return self._layout.to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
 
     @_driver_call
