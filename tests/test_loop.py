@@ -317,6 +317,18 @@ def test_run_env_steps_rows_are_each_envs_consecutive_steps():
         StreamChecker().add(td)
 
 
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "on_policy"])
+@pytest.mark.parametrize("steps", [1, 2, 3, 130])
+def test_run_env_steps_bookkeeping_is_step_by_step_whatever_the_quota_length(steps, lookahead):
+    # A quota settles its steps' counters in one go; episodes of 2 to 4 steps end inside every quota of more
+    # than one step, at its last step, and across quotas (130 steps: past one settling's 128).
+    with MultiEnvLoop(mock_envs(3), CountingPolicy(), envs_per_thread=3, lookahead=lookahead) as loop:
+        stream = StreamChecker()
+        for _ in range(max(2, 12 // steps)):
+            stream.add(loop.run_env_steps(steps))
+        assert stream.dones > 0
+
+
 def test_transition_dtypes_and_shapes_follow_torchrl():
     with MultiEnvLoop(mock_envs(2), CountingPolicy(), autobatch_size=2) as loop:
         td = loop.run_steps(4)

@@ -94,10 +94,10 @@ def _episode_counts(rewards: np.ndarray, done: np.ndarray, step_count: np.ndarra
         what adding each step's reward to a running float64 sum gives.
     """
     n = len(rewards)
+    if n == 1:
+        return step_count[None], rewards + episode_reward, episode_reward[None]
     returns = rewards.copy()
     returns[0] += episode_reward
-    if n == 1:
-        return step_count[None], returns, episode_reward[None]
     steps = np.arange(n)[:, None]
     ended = done[:-1]  # an episode ended before step i + 1
     before = np.empty_like(returns)
@@ -131,12 +131,12 @@ class _Run:
     """
 
     __slots__ = ("cols", "envs", "sel", "t0", "t", "rewards", "terminated", "truncated", "step_count",
-                 "episode_reward", "is_init", "count", "reward_sum", "defer_nan")
+                 "episode_reward", "is_init", "count", "reward_sum", "quota", "defer_nan")
 
     def __init__(self, worker: Worker, cols: dict[NestedKey, np.ndarray], t: int, steps: int,
-                 envs: Sequence[int], *, defer_nan: bool = False,
+                 envs: Sequence[int], *, quota: bool = False,
                  results: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
-        self.cols, self.envs, self.t0, self.t = cols, envs, t, t
+        self.cols, self.envs = cols, envs
         rows = len(envs)
         # every env of the block, in order (a range): counters and ``cur`` are then used without indexing
         self.sel: slice | list[int] = slice(None) if isinstance(envs, range) and rows == worker.rows else list(envs)
@@ -144,15 +144,26 @@ class _Run:
             results = (np.empty((steps, rows)), np.empty((steps, rows), dtype=bool),
                        np.empty((steps, rows), dtype=bool))
         self.rewards, self.terminated, self.truncated = results  # [steps, rows] each, given or to be written
-        self.step_count = worker.step_count[self.sel]  # copies (``sel`` indexes), or views replaced when settled
-        self.episode_reward = worker.episode_reward[self.sel]
-        if isinstance(self.sel, slice):
-            self.step_count, self.episode_reward = self.step_count.copy(), self.episode_reward.copy()
+        self.quota = quota  # a quota's run: its done envs are reset before it settles
+        self.defer_nan = quota and worker._nan_later  # its observations are looked for NaN when it settles
+        self.restart(worker, t)
+
+    def restart(self, worker: Worker, t: int) -> None:
+        """Begin anew at step ``t`` (nothing unsettled), from the worker's counters as they are now; the
+        scratch rows are reused (a slot's run, one step at a time). A run of several steps keeps copies of
+        them (resets within it zero the worker's); any other run settles its step before a reset, so views
+        of the worker's own do."""
+        self.t0 = self.t = t
+        sel = self.sel
+        self.step_count = worker.step_count[sel]  # copies when ``sel`` indexes, else views
+        self.episode_reward = worker.episode_reward[sel]
         is_init = worker.cur.get("is_init") if worker.loop._layout.loop_keys else None
-        self.is_init = None if is_init is None else is_init[self.sel, 0].copy()
+        self.is_init = None if is_init is None else is_init[sel, 0]
+        if isinstance(sel, slice) and self.quota:
+            self.step_count, self.episode_reward = self.step_count.copy(), self.episode_reward.copy()
+            self.is_init = None if self.is_init is None else self.is_init.copy()
         self.count = self.step_count.copy() if worker._count_each_step else None
         self.reward_sum = self.episode_reward.copy() if worker._count_each_step else None
-        self.defer_nan = defer_nan
 
 
 class Worker:
@@ -217,7 +228,7 @@ class Worker:
             settled |= set(_LOOP_NEXT) | (set() if self._loop_inputs else loop_keys)
         self._step_keys = [k for k in layout.specs if k not in settled]
         self._load_keys = [k for k in self.cur if k not in settled]  # root entries a step copies from ``cur``
-        self._slot_cols = [{k: v[None] for k, v in slot.items()} for slot in self.slots]  # a slot as one time step
+        self._slot_runs: list[_Run] = []  # each slot's run of one step (its columns as one time step), reused
         # NaN in an in-process gymnasium block's observations is looked for once a quota (see _settle).
         self._nan_later = isinstance(self.envs, EnvBlock) and self.envs.nan_checked
         self._run: _Run | None = None  # the lock-step run in progress (its steps are not settled yet)
@@ -235,6 +246,8 @@ class Worker:
         self._working = True
         self._held = False
         self._on_envs = False  # a free-running block waiting for its envs' steps (see _run_quota_free)
+        self._slot_runs = [_Run(self, {k: v[None] for k, v in slot.items()}, 0, 1, range(self.rows))
+                           for slot in self.slots]
         self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
                                        daemon=True)
 
@@ -425,7 +438,8 @@ class Worker:
             cols["next", "episode_reward"][rows, :, 0] = returns
             is_init = cols["is_init"][rows, :, 0]
             is_init[0] = run.is_init
-            is_init[1:] = done[:-1]
+            if n > 1:
+                is_init[1:] = done[:-1]
             cols["step_count"][rows, :, 0] = count
             cols["episode_reward"][rows, :, 0] = before
         cols[_ENV_ID][t0:t1] = self.env_id_array[sel]
@@ -488,11 +502,13 @@ class Worker:
         for k in self._load_keys if keys is None else keys:
             cols[k][...] = cur[k][sel]
 
-    def _compute(self, run: _Run) -> np.ndarray:
+    def _compute(self, run: _Run, cols: dict[NestedKey, np.ndarray] | None = None) -> np.ndarray:
         """One step of the run's envs at ``run.t`` (written, not settled; ``run.t`` advanced); returns its
-        done flags (those envs are not reset yet: :meth:`_reset_done`)."""
+        done flags (those envs are not reset yet: :meth:`_reset_done`). ``cols``: that step's rows when the
+        caller has them (a slot), else views of the run's columns."""
         t = run.t
-        cols = {k: run.cols[k][t] for k in self._step_keys}
+        if cols is None:
+            cols = {k: run.cols[k][t] for k in self._step_keys}
         self._load_root(cols, run.sel)
         self._act(cols, run.envs)
         done = self._step_block(cols, run)
@@ -513,8 +529,9 @@ class Worker:
 
     def _compute_slot(self, slot: int) -> None:
         """One step of every env of this worker into slot ``slot``, settled (then the done envs reset)."""
-        run = _Run(self, self._slot_cols[slot], 0, 1, range(self.rows))
-        done = self._compute(run)
+        run = self._slot_runs[slot]
+        run.restart(self, 0)
+        done = self._compute(run, self.slots[slot])
         self._settle(run)
         self._reset_done(run, done)
 
@@ -533,7 +550,7 @@ class Worker:
         cut, stop = self.loop._cut, self.loop._stop
         by_time = {k: v[self.index].swapaxes(0, 1) for k, v in out.items()}  # [T, rows, ...]
         self.quota_end = start
-        run = _Run(self, by_time, start, min(count, _SETTLE_EVERY), range(self.rows), defer_nan=self._nan_later)
+        run = _Run(self, by_time, start, min(count, _SETTLE_EVERY), range(self.rows), quota=True)
         with self._settle_lock:
             self._run = run
         try:
