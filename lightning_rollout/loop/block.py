@@ -433,9 +433,9 @@ class EnvBlock:
         parallel: step the envs concurrently, one helper thread each (see the module docs);
             ignored for a block of one env.
         name, env_ids: name the helper threads (``lightning_rollout-<name>-env<id>-step``).
-        watched: someone reads ``busy_since`` (a ``step_timeout``): a sequential step then notes each
-            env's start; without, ``busy_since`` stays 0.0 through sequential steps (resets and helpers'
-            calls are noted either way).
+        watched: someone reads ``busy_since`` (a ``step_timeout``): a sequential step or a reset then
+            notes each env's start; without, ``busy_since`` stays 0.0 through them (helpers' calls are
+            noted either way).
     """
 
     def __init__(self, adapters: Sequence[EnvAdapter], *, validate: bool,
@@ -495,7 +495,9 @@ class EnvBlock:
     # parallel step waits on something (its helper threads) and polls it.
     def reset(self, j: int, seed: int | None, stop: threading.Event | None = None) -> dict[NestedKey, Any]:
         """Reset env ``j``; its root entries, checked. Raises :class:`EnvFailure`."""
-        self._busy_env, self._busy_phase, self._busy_since = j, "reset", time.perf_counter()
+        self._busy_env, self._busy_phase = j, "reset"
+        if self.watched:
+            self._busy_since = time.perf_counter()
         try:
             root = self.adapters[j].reset(seed)
         except Exception as exc:

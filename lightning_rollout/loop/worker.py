@@ -228,6 +228,7 @@ class Worker:
             settled |= set(_LOOP_NEXT) | (set() if self._loop_inputs else loop_keys)
         self._step_keys = [k for k in layout.specs if k not in settled]
         self._load_keys = [k for k in self.cur if k not in settled]  # root entries a step copies from ``cur``
+        self._root_keys = list(layout.keys.root)  # what a reset gives
         self._slot_runs: list[_Run] = []  # each slot's run of one step (its columns as one time step), reused
         # NaN in an in-process gymnasium block's observations is looked for once a quota (see _settle).
         self._nan_later = isinstance(self.envs, EnvBlock) and self.envs.nan_checked
@@ -267,21 +268,24 @@ class Worker:
         return self.envs.busy_phase
 
     def _reset_env(self, j: int, seed: int | None = None) -> None:
-        self._settle_carry()
-        first = self.loop._first_roots.pop(self.env_ids[j], None)  # the construction's reset, if still valid
+        loop = self.loop
+        if self._carry is not None:
+            self._settle_carry()
+        # the construction's reset, if still valid (the loop keeps each env's until its thread starts it)
+        first = loop._first_roots.pop(self.env_ids[j], None) if loop._first_roots else None
         if first is not None and first[0] == seed:
             root = first[1]
-            self._check(j, root, self.loop._layout.checked_root)
+            self._check(j, root, loop._layout.checked_root)
         else:
             try:
-                root = self.envs.reset(j, seed, self.loop._stop)
+                root = self.envs.reset(j, seed, loop._stop)
             except EnvFailure as failure:
                 raise self._failure_error(failure) from failure.cause
-        layout = self.loop._layout
-        for k in layout.keys.root:
-            self.cur[k][j] = root[k]
-        for k in layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
-            self.cur[k][j] = 0
+        cur = self.cur
+        for k in self._root_keys:
+            cur[k][j] = root[k]
+        for k in loop._layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
+            cur[k][j] = 0
         self.step_count[j] = 0
         self.episode_reward[j] = 0.0
 
