@@ -18,11 +18,16 @@ __all__ = ["main", "run_scenario"]
 
 def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[str] | None = None,
                  processes: bool = True, frames_scale: float = 1.0, policy_device: str = "cpu",
-                 log: Any = print, on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                 interleave: bool = False, log: Any = print,
+                 on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every contender of ``scenario`` (filtered by glob patterns ``contenders``) in this process tree,
     every policy on ``policy_device``. ``on_result(entry)`` is called after each contender with the
-    scenario's entry so far (its targets evaluated on what ran), so a run cut short keeps what it measured."""
-    from .harness import measure
+    scenario's entry so far (its targets evaluated on what ran), so a run cut short keeps what it measured.
+
+    ``interleave``: the repetitions run in rounds, each building, warming up and timing every contender once
+    (in the reverse order every other round), so that a machine whose speed drifts over minutes shifts every
+    contender alike instead of the ones timed last; otherwise a contender's repetitions run back to back."""
+    from .harness import measure, merge
     from .report import evaluate_targets
     from .scenarios import PROCESS_CONTENDERS
 
@@ -43,20 +48,24 @@ def run_scenario(scenario: Any, *, quick: bool, repeats: int, contenders: list[s
         entry.update(skipped=reason, target_results=[])
         return entry
     entry["extras"] = scenario.extras(quick)
-    for name, build in scenario.contenders.items():
-        if contenders and not any(fnmatch.fnmatch(name, p) for p in contenders):
-            continue
-        if not processes and name in PROCESS_CONTENDERS:
-            continue
-        t0 = time.perf_counter()
-        result = measure(lambda: build(workload), frames, repeats, warmup_frames=workload.frames_per_batch,
-                         track_memory=scenario.track_memory)
-        entry["results"][name] = result
-        figure = f"{result['median']:,.0f} steps/s" if result.get("median") else f"FAILED {result['error']}"
-        log(f"[{scenario.name}] {name}: {figure} ({time.perf_counter() - t0:.1f} s)")
-        if on_result is not None:
-            entry["target_results"] = evaluate_targets(entry)
-            on_result(entry)
+    entry["interleaved"] = interleave
+    selected = [(name, build) for name, build in scenario.contenders.items()
+                if (not contenders or any(fnmatch.fnmatch(name, p) for p in contenders))
+                and (processes or name not in PROCESS_CONTENDERS)]
+    rounds = repeats if interleave else 1
+    for r in range(rounds):
+        for name, build in (selected if r % 2 == 0 else selected[::-1]):
+            t0 = time.perf_counter()
+            result = measure(lambda: build(workload), frames, 1 if interleave else repeats,
+                             warmup_frames=workload.frames_per_batch, track_memory=scenario.track_memory)
+            result = merge(entry["results"].get(name), result)
+            entry["results"][name] = result
+            figure = f"{result['median']:,.0f} steps/s" if result.get("median") else f"FAILED {result['error']}"
+            where = f"round {r + 1}/{rounds}, " if interleave else ""
+            log(f"[{scenario.name}] {name}: {figure} ({where}{time.perf_counter() - t0:.1f} s)")
+            if on_result is not None:
+                entry["target_results"] = evaluate_targets(entry)
+                on_result(entry)
     entry["target_results"] = evaluate_targets(entry)
     return entry
 
@@ -88,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "on the CPU and each step's observations and actions cross to and from that device")
     parser.add_argument("--out", default="benchmarks/results", help="output folder (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 3; 2 with --quick)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time the repetitions in rounds over every contender of a scenario (each built, warmed "
+                             "up and timed once a round), so the machine's drift shifts them alike")
     args = parser.parse_args(argv)
     try:
         device = torch.device(args.policy_device)
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         report["scenarios"].append(run_scenario(SCENARIOS[name], quick=args.quick, repeats=repeats,
                                                 contenders=args.contender, processes=not args.no_processes,
-                                                frames_scale=args.frames_scale,
+                                                frames_scale=args.frames_scale, interleave=args.interleave,
                                                 policy_device=args.policy_device, on_result=write_so_far))
     paths = write_all(report, args.out)
     print("wrote " + ", ".join(paths.values()))

@@ -17,7 +17,7 @@ from typing import Any
 
 from .contenders import Session
 
-__all__ = ["measure"]
+__all__ = ["measure", "merge"]
 
 
 class _PeakRss:
@@ -90,3 +90,23 @@ def measure(build: Callable[[], Session], frames: int, repeats: int, warmup_fram
     if values:
         result.update(median=statistics.median(values), min=min(values), max=max(values))
     return result
+
+
+def merge(before: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    """One contender's result over the rounds so far: ``more`` (a round's :func:`measure`) added to ``before``
+    (the rounds before it, or ``None``); repetitions and frames appended, the summary recomputed, the first
+    error and the largest setup time and peak memory kept, the last stats."""
+    if before is None:
+        return more
+    merged = {**before, "steps_per_s": before["steps_per_s"] + more["steps_per_s"],
+              "frames": before["frames"] + more["frames"], "stats": more["stats"] or before["stats"],
+              "error": before["error"] or more["error"]}
+    merged["setup_s"] = max(before.get("setup_s", 0.0), more.get("setup_s", 0.0))
+    peaks = [p for p in (before["peak_rss_mb"], more["peak_rss_mb"]) if p is not None]
+    merged["peak_rss_mb"] = max(peaks) if peaks else None
+    if "traceback" in more and "traceback" not in before:
+        merged["traceback"] = more["traceback"]
+    values = merged["steps_per_s"]
+    if values:
+        merged.update(median=statistics.median(values), min=min(values), max=max(values))
+    return merged

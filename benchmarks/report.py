@@ -76,7 +76,9 @@ def _scenario_table(s: dict[str, Any]) -> list[str]:
     if s.get("skipped"):
         return lines + [f"Skipped: {s['skipped']}", ""]
     lines.append(f"{s['num_envs']} envs, {s['frames']:,} frames per repetition, "
-                 f"{s['frames_per_batch']:,} frames per batch, {s['repeats']} repetitions (median, min-max).")
+                 f"{s['frames_per_batch']:,} frames per batch, {s['repeats']} repetitions (median, min-max)"
+                 + (", in interleaved rounds (every contender built, warmed up and timed once a round)."
+                    if s.get("interleaved") else "."))
     extras = s["extras"]
     if "ideal_steps_per_s" in extras:
         lines.append(f"Measured step time {extras['step_time_s'] * 1e3:.3f} ms: ideal "

@@ -115,6 +115,30 @@ def test_each_contender_is_reported_as_it_finishes_so_a_run_cut_short_keeps_what
     assert not (tmp_path / "plot.png").exists()
 
 
+def test_interleaved_rounds_time_every_contender_once_a_round_alternating_the_order(monkeypatch):
+    import benchmarks.harness as harness
+    from benchmarks.cli import run_scenario
+    from benchmarks.scenarios import SCENARIOS
+
+    real_measure, timed = harness.measure, []
+
+    def one_repetition(build, frames, repeats, **kwargs):
+        timed.append(repeats)
+        return real_measure(build, frames, repeats, **kwargs)
+
+    monkeypatch.setattr(harness, "measure", one_repetition)
+    names = ["threaded env_time", "gym SyncVectorEnv loop"]
+    logged: list[str] = []
+    entry = run_scenario(SCENARIOS["cheap"], quick=True, repeats=3, contenders=names, interleave=True,
+                         log=logged.append)
+    assert entry["interleaved"] and timed == [1] * 6  # one timed repetition per contender and round
+    assert [line.split("] ")[1].split(":")[0] for line in logged] == [*names, *names[::-1], *names]
+    for name in names:
+        result = entry["results"][name]
+        assert len(result["steps_per_s"]) == 3 and len(result["frames"]) == 3 and result["error"] is None
+        assert result["min"] <= result["median"] <= result["max"]
+
+
 def test_scaling_group_runs_its_scenarios_only(tmp_path):
     out = str(tmp_path / "quick")
     report = _run(out, "--group", "scaling", "--no-processes", timeout=240)  # 1 process, and the defaults
