@@ -227,6 +227,9 @@ class Worker:
         if loop_keys:
             settled |= set(_LOOP_NEXT) | (set() if self._loop_inputs else loop_keys)
         self._step_keys = [k for k in layout.specs if k not in settled]
+        # the columns _settle writes (a free-running quota's run of one step views only these)
+        self._settle_keys = [k for k in layout.specs
+                             if k in (_ENV_ID, _STATS) or (loop_keys and (k in _LOOP_NEXT or k in loop_keys))]
         self._load_keys = [k for k in self.cur if k not in settled]  # root entries a step copies from ``cur``
         self._root_keys = list(layout.keys.root)  # what a reset gives
         self._slot_runs: list[_Run] = []  # each slot's run of one step (its columns as one time step), reused
@@ -640,7 +643,7 @@ class Worker:
                 target = min(target, int(t[failure.j]))
             m, idx = len(written), np.asarray(written, dtype=np.int64)
             # the ended steps as a run of one step of envs ``written`` (row i: env written[i]), settled at once
-            run = _Run(self, {k: v[None, :m] for k, v in post.items()}, 0, 1, written,
+            run = _Run(self, {k: post[k][None, :m] for k in self._settle_keys}, 0, 1, written,
                        results=tuple(a[:, :m] for a in results))  # type: ignore[arg-type]
             done = self._stepped({src: post[src][:m] for _, src in self._advance}, run, 0)
             run.t = 1
