@@ -208,7 +208,7 @@ class Agent:
         Raises:
             PolicyError, CollectionError, _Stopped: as :meth:`submit` and :meth:`result`.
         """
-        mode = exploration_type if exploration_type is not None else _mode(deterministic, None)
+        mode = _mode(deterministic, exploration_type)
         answer = self._policy._call_alone(self, obs, mode)
         if answer is not None:
             return answer

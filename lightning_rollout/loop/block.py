@@ -145,6 +145,11 @@ class _CheckFailed(Exception):
     """What an env returned does not match its spec (the message of :func:`check_entries`)."""
 
 
+def _nan_failure(j: int) -> EnvFailure:
+    """Env ``j``'s observation holds a NaN: its failed check, as :func:`check_entries` words it."""
+    return EnvFailure(j, "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+
+
 _POLL_S = 0.05
 # ``_StepThreads.ended`` gathers the calls that end close together, so that one policy call of a
 # free-running block answers them: it waits up to _GATHER_WINDOW mean call durations after the first,
@@ -617,8 +622,7 @@ class EnvBlock:
             written.append(j)
         bad = self._nan_rows(obs_out, len(written)) if gym and written and check_nan else None
         if bad is not None:  # those envs fail their check: their rows are dropped, the others moved up
-            nan = EnvFailure(written[int(bad.argmax())], "check", "env",
-                             _CheckFailed("entry 'observation' contains NaN"))
+            nan = _nan_failure(written[int(bad.argmax())])
             if failure is None or list(envs).index(nan.j) < list(envs).index(failure.j):
                 failure = nan
             keep = ~bad
@@ -707,7 +711,7 @@ class EnvBlock:
         if bad is None:
             return None
         step, i = divmod(int(bad.argmax()), len(envs))
-        return step, EnvFailure(envs[i], "check", "env", _CheckFailed("entry 'observation' contains NaN"))
+        return step, _nan_failure(envs[i])
 
     def _nan_rows(self, obs_out: np.ndarray, n: int) -> np.ndarray | None:
         """Which of the first ``n`` rows of ``obs_out`` hold a NaN (``[n]`` bools), ``None`` when none does
@@ -726,8 +730,7 @@ class EnvBlock:
         """No NaN in the first ``len(envs)`` rows of ``obs_out`` (validated float observations)."""
         bad = self._nan_rows(obs_out, len(envs))
         if bad is not None:
-            raise EnvFailure(envs[int(bad.argmax())], "check", "env",
-                             _CheckFailed("entry 'observation' contains NaN"))
+            raise _nan_failure(envs[int(bad.argmax())])
 
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
                   rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, check_nan: bool) -> None:
