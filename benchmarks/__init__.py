@@ -1,4 +1,4 @@
-"""Benchmarks of ``lightning_rollout`` against its peers (issue 6).
+"""Benchmarks of ``lightning_rollout`` against its peers.
 
 ``python -m benchmarks [--quick] [--scenario NAME ...] [--out DIR] [--repeats K]``
 runs every contender of each scenario in one run and writes ``results.json``,

@@ -3,7 +3,7 @@
 The JSON holds everything (per-repetition figures, setup times, errors); the
 table shows, per scenario, median steps/s with min-max, mean flush batch and
 peak RSS where they apply, the ratio of each of our contenders against each
-peer from the same run, and the issue's targets with PASS/MISS.
+peer from the same run, and each scenario's targets with PASS/MISS.
 """
 
 from __future__ import annotations

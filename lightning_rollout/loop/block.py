@@ -33,8 +33,7 @@ owner reads ``done`` (polling its stop flag every 50 ms). Two ways to use it:
   each helper, after putting ``j`` on ``done``, counts the ends under ``count_lock``,
   and the one whose end reaches the owner's ``target`` releases ``all`` (a lock held
   otherwise); the owner sets ``target`` under the same lock and does not wait when
-  the count already reached it. (Woken by each end, the owner was woken about seven
-  times a round of 16 envs, on the core its helpers share.)
+  the count already reached it.
 - free-running, :meth:`EnvBlock.begin` / :meth:`EnvBlock.ended` /
   :meth:`EnvBlock.finish`: the owner starts envs as their actions are ready and
   writes the results of those that ended; each env runs at its own pace
@@ -75,15 +74,9 @@ core to a thread that must wait for the GIL the owner holds.
 
 Why: GIL hand-offs between threads on one core are context switches; between
 cores each one wakes another core (on a VM, an inter-processor interrupt to an
-idle virtual CPU). With the 16 waiting helpers on one core and the owner unpinned,
-a policy forward pass ran at 4x its hot cost in the block thread; with the owner
-on the helpers' core the 2 ms env went from 0.75 to 0.80 of its ideal and the
-free-running stragglers from 0.52-0.57 to 0.56-0.61 (``docs/performance.rst``).
-With two torch threads in the owner, moving it measured no better (0.51 -> 0.49,
-0.73 -> 0.76), so an owner whose forward pass may use several threads stays put.
-``SCHED_BATCH`` helpers then measured 1.01x-1.05x in an interleaved before/after
-(three rounds; the free-running stragglers 7.6k -> 8.0k steps/s in four of four
-quick pairs).
+idle virtual CPU), and an owner that runs after its helpers on another core finds
+its caches cold. An owner whose forward pass may use several torch threads stays
+put: an OpenMP team is not held to one core.
 Calls that compute (C code releasing the GIL) keep every core: moving them would
 take cores from them.
 """

@@ -32,9 +32,8 @@ follows from those (TorchRL's ``done``, ``is_init``, ``step_count`` and
 ``episode_reward`` of a gymnasium env, the env ids, the statistics column of events,
 the counters) is written by :meth:`Worker._settle` once for a whole run of steps,
 vectorised over time: a quota settles when it ends (cut, failed or stopped too), a
-single step (a slot, an episode's step, a free-running env's step) at once. Eight
-CartPoles in one thread measured 1.12x the same steps bookkept one by one
-(``docs/performance.rst``). ``quota_end`` counts settled steps only; a driver that
+single step (a slot, an episode's step, a free-running env's step) at once.
+``quota_end`` counts settled steps only; a driver that
 gives up on a hung worker settles its steps itself (:meth:`Worker.settle`, under
 ``_settle_lock``, which orders it with the worker's own settling). The observations of
 an in-process gymnasium block are checked for NaN once a quota, at settling, the
