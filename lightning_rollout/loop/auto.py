@@ -1,45 +1,40 @@
-"""``"auto"`` layout: how many worker processes and envs per thread, from a few timed steps of one env.
+"""``"auto"`` layout: how many worker processes and envs per thread, from a short measure of one env.
 
-At start-up :func:`measure_env` times ``steps`` random-action steps of one env
-(the step time, and how much it varies) and runs them again in a helper thread
-while the calling thread counts in a tight Python loop: the share of its solo
-count rate it keeps while the env steps is the share of a step spent without the
-GIL. :func:`choose_layout` applies the rule documented in ``docs/tuning.rst``:
+At start-up :func:`measure_env` builds one env and times ``steps`` random-action
+steps of it (the step time, and how much it varies), leaving out the waits for a
+CPU that other processes' load imposed (Linux's schedstats). For a step of
+``cheap_s`` or more it then reads, five times, how much of a step holds the GIL
+and keeps the median: the env steps on while a probe thread sleeps about 100 us
+over and over; a wake-up that waits for the GIL tens of microseconds past its
+usual overshoot found it held (:class:`_GilProbe`). The probe hardly slows the
+env, reads shares, not speeds, and so gives the same answer on a loaded machine
+(a 2 ms pure-Python step reads 0-10% without the GIL, one of 100-150 us under
+40%, a 2 ms ``time.sleep`` 70% or more). Its cost: about 0.2 s for a 2 ms step, a
+few milliseconds for a cheap one.
 
-* worker processes, with at least two cores, when the env time of a step of all
-  envs that the other processes would take off the main process (``num_envs x step
-  time x (1 - 1 / processes)``) exceeds ``round_trip_s`` (300 us: a round trip to
-  the children and back, and the copies out, cost 100-400 us a step here), unless
-  the step releases the GIL and takes at least ``helper_s`` (500 us: a wait or a
-  long C call; then threads, below). ``num_workers`` is the core count (at most
-  one process per env, and see ``share_s`` below): the main process steps the
-  first share itself and ``num_workers - 1`` children the others, all driven by
-  one thread of the main process that sends every child its share of each step,
-  steps its own, and gathers the replies. This covers envs that hold the GIL (pure
-  Python, ALE; a step under ``cheap_s`` is not measured and counts as holding it)
-  and short steps of many envs (MuJoCo: 16 HalfCheetahs of 60 us). At most as many
-  processes as give each a share of at least ``share_s`` (200 us) of env time a
-  step (16 envs of 100 us: 8 processes): each process adds its send, reply and
-  copy out to the driving thread's serial part of every step, and on 16 cores, 16
-  processes over 16 such envs measured slower than 8 (``docs/performance.rst``).
-  On two cores this changes nothing: two processes whenever processes pay. Not
-  when the run is known to be too short to repay the children's start-up
-  (``expected_frames`` steps would save less than ``startup_s``, 10 s: spawning a
-  process that imports torch takes seconds), or when the env factory cannot be
-  pickled (then threads, and the log says why). On two cores the gain measured
-  1.5x on a GIL-bound env and 1.3x on HalfCheetah, not 2x: the policy and the
-  bookkeeping run in the main process while the child waits
-  (``docs/performance.rst``);
-* otherwise a cheap step (CartPole, most classic control): all envs in one thread
-  of the main process; thread hand-offs would cost more than the step;
-* a step that releases the GIL and takes at least ``helper_s``: threads of the main
-  process, every env in one block whose envs step concurrently, each in its own
-  helper thread (``parallel_steps``): the block's bookkeeping and policy call run
-  once a step, and only ``env.step`` itself runs in the helpers. In lock-step: when
-  the timed steps vary (their ``step_cv`` at least ``uneven_cv``, 0.3), the reason
-  says that ``parallel_steps="free"`` would let each env run at its own pace, which
-  ``"auto"`` does not pick because it makes a stochastic policy's runs
-  unreproducible.
+:func:`choose_layout` applies the rule documented in ``docs/tuning.rst``:
+
+* a step that releases the GIL (at least ``releases``, half of it, without it)
+  and takes at least ``helper_s`` (500 us): threads of the main process, every
+  env in one block whose envs each step in a helper thread (``parallel_steps``).
+  When the timed steps vary (``step_cv`` at least ``uneven_cv``, 0.3), the reason
+  says that ``parallel_steps="free"`` would let each env run at its own pace,
+  which ``"auto"`` does not pick: a stochastic policy's runs would not be
+  reproducible;
+* otherwise worker processes, with at least two cores, when the env time of a
+  step of all envs that the other processes would take off the main process
+  (``num_envs x step time x (1 - 1 / processes)``) exceeds ``round_trip_s``
+  (300 us: a round trip to the children and back, and the copies out, cost
+  100-400 us a step here). One process a core, at most one per env, and at most
+  as many as give each a share of at least ``share_s`` (200 us) of env time a
+  step; the main process steps the first share and one thread of it drives the
+  children. Not when ``expected_frames`` steps would save less than
+  ``startup_s`` (10 s; on two cores the gain counts as the measured 1.45x), nor
+  when the env factory cannot be pickled: then threads, and the reason says so;
+* otherwise threads of the main process: every env in one thread for a cheap
+  step; for a step that releases the GIL, with ``parallel_steps``; for one that
+  holds it (a cheap step is not measured and counts as holding it), blocks of
+  about ``thread_s`` (1 ms) of env time a thread, never a helper thread per env.
 
 The measuring env is created and closed here, in the calling thread, and its random
 actions do not touch torch's global generator (it is forked around the measure).
@@ -51,12 +46,14 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
 import os
 import pickle
 import statistics
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +61,10 @@ import torch
 from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
 from .process import steps_in_main_process
+
+_UNPICKLABLE = ("the env factory cannot be pickled for worker processes (a gym id, a module-level function or a "
+                "functools.partial can be)")
+_DAEMONIC = ("this is a daemonic process (e.g. a DataLoader worker), which may not start worker processes")
 
 __all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "cgroup_cpu_limit", "choose_layout", "measure_env",
            "usable_cores"]
@@ -80,8 +81,10 @@ class EnvTiming:
     """What a few timed steps of one env showed.
 
     Attributes:
-        step_s: mean seconds of one ``reset``-free env step (adapter included).
-        gil_release: share of a step spent without the GIL, ``0.0`` (pure Python) to ``1.0``.
+        step_s: mean seconds of one ``reset``-free env step (adapter included), less the measuring thread's
+            waits for a CPU where Linux tells them.
+        gil_release: share of a step spent without the GIL, ``0.0`` (pure Python) to ``1.0`` (a wait);
+            ``NaN``: not measured (a cheap step), which counts as holding it.
         step_cv: how much the step times vary: their standard deviation over their mean (``0.0``: all
             alike; a heavy-tailed step time, 1 or more).
     """
@@ -181,84 +184,183 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-def _count_for(seconds: float, stop: threading.Event | None = None) -> int:
-    """Increments done in ``seconds`` of a tight Python loop (stopped early by ``stop``)."""
-    n = 0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end and not (stop is not None and stop.is_set()):
-        for _ in range(200):
-            n += 1
-    return n
+class _RunDelay:
+    """Seconds the thread that built it has waited, runnable, for a CPU (Linux's ``run_delay`` in
+    ``/proc/thread-self/schedstat``): the part of a wall-clock interval that other processes' load took.
+    ``0.0`` throughout where that file cannot be read (not Linux, no schedstats): then nothing is taken off.
+    Build, call and close it in one thread."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self._last = 0.0
+        self._last = self()
+
+    def __call__(self) -> float:
+        if self._fd is not None:
+            try:
+                self._last = int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
+            except (OSError, ValueError, IndexError):  # unreadable from now on: the last value stays
+                self.close()
+        return self._last
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+class _GilProbe:
+    """A thread that reads how much of the time another thread holds the GIL, barely slowing it.
+
+    :meth:`run` sleeps about ``period`` seconds (0.5x to 1.5x, in a fixed pseudo-random order that no env's
+    rhythm can lock onto) over and over, and times each sleep from one wake-up to the next with this thread's
+    run-queue waits taken off (:class:`_RunDelay`). Unless ``alone`` gives it, its first ``solo`` sleeps,
+    before :attr:`ready` is set and while nothing else runs, give how far a wake-up overshoots alone (their
+    median, kept in :attr:`alone`). Past that, a wake-up that overshoots by ``threshold`` more found the GIL
+    held, and the probe counts the whole sleep it ends as held: a thread that holds the GIL keeps it until it
+    lets it go, or for the 5 ms switch interval, tens to thousands of microseconds, where a wake-up's
+    overshoot alone varies by 10-40 us. :attr:`held` is the share of the time from :attr:`ready` until
+    :attr:`stop` is set (or ``limit`` seconds) counted as held; ``None`` before :meth:`run` returns or when it
+    measured nothing. The probe itself holds the GIL a few microseconds a sleep."""
+
+    def __init__(self, *, alone: float | None = None, period: float = 100e-6, solo: int = 20,
+                 threshold: float = 30e-6, limit: float = 5.0) -> None:
+        self.alone, self.period, self.solo, self.threshold, self.limit = alone, period, solo, threshold, limit
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.held: float | None = None
+
+    def run(self) -> None:
+        delay = _RunDelay()
+        try:
+            sleep, clock = time.sleep, time.perf_counter
+            pauses = [self.period * (0.5 + ((i * 37) % 64) / 63) for i in range(64)]  # 0.5x to 1.5x
+            t, d = clock(), delay()
+            if self.alone is None:
+                overshoots = []
+                for i in range(self.solo):
+                    sleep(pauses[i % 64])
+                    t1, d1 = clock(), delay()
+                    overshoots.append(t1 - t - (d1 - d) - pauses[i % 64])
+                    t, d = t1, d1
+                self.alone = statistics.median(overshoots)
+            alone = self.alone
+            held = total = 0.0
+            start, i = t, 0
+            self.ready.set()
+            while not self.stop.is_set() and t - start < self.limit:
+                pause = pauses[i % 64]
+                sleep(pause)
+                t1, d1 = clock(), delay()
+                cycle = t1 - t - (d1 - d)
+                total += cycle
+                if cycle - pause - alone > self.threshold:  # woke up to a held GIL
+                    held += cycle
+                t, d, i = t1, d1, i + 1
+            self.held = min(1.0, held / total) if total > 0 else None
+        finally:
+            delay.close()
+            self.ready.set()
 
 
 def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int | None = None,
-                cheap_s: float = 100e-6) -> EnvTiming:
-    """Time ``steps`` random-action steps of one env built by ``factory``; see the module docs. A cheap env
-    (under ``cheap_s`` a step) is not measured for the GIL: its layout does not depend on it.
+                cheap_s: float = 100e-6, rounds: int = 5, probe_s: float = 0.1) -> EnvTiming:
+    """Time one env built by ``factory``, and for a step of ``cheap_s`` or more measure how much of it holds the
+    GIL; see the module docs.
+
+    The env is built, stepped and closed in the calling thread, with random actions: 3 warm-up steps (the
+    first steps of an env pay for caches and lazy imports), ``steps`` timed steps (resets after an episode's
+    end are not timed, nor are this thread's waits for a CPU that other processes' load took, where Linux's
+    schedstats tell them), then ``rounds`` readings of the GIL, each over ``max(probe_s / rounds, 2 steps)`` of
+    stepping while a probe thread times its own short sleeps (:class:`_GilProbe`); the median reading is kept
+    (``NaN`` if none came). A cheap env (under ``cheap_s`` a step) is not measured for the GIL: its layout
+    does not depend on it. Cost: ``steps + 3`` steps, and for a step of ``cheap_s`` or more ``rounds x
+    max(probe_s / rounds, 2 steps)`` of stepping and a few milliseconds: about 0.2 s for a 2 ms step (0.07 s
+    timed, 0.1 s probed), a few milliseconds for a cheap one.
 
     Raises:
         Exception: whatever building or stepping the env raised.
     """
     adapter = make_adapter(factory(), max_episode_steps=max_episode_steps)
+    delay = _RunDelay()
     try:
         columns = adapter.keys.action
         root = adapter.reset(None)
 
-        def run(n: int, times: list[float] | None = None) -> float:
+        def step(timed: bool = True) -> float:
+            """One random-action step (and the reset after an episode's end); its seconds, less this thread's
+            run-queue waits (``timed=False``: ``0.0``, and no read of them, which lets the GIL go)."""
             nonlocal root
-            start = time.perf_counter()
-            for _ in range(n):
-                row = {**root, **adapter.random_action(columns)}
-                t0 = time.perf_counter()
-                _, _, terminated, truncated = adapter.step(row)
-                if times is not None:
-                    times.append(time.perf_counter() - t0)
-                if terminated or truncated:
-                    root = adapter.reset(None)
-            return time.perf_counter() - start
+            row = {**root, **adapter.random_action(columns)}
+            d0 = delay() if timed else 0.0
+            t0 = time.perf_counter()
+            _, _, terminated, truncated = adapter.step(row)
+            seconds = time.perf_counter() - t0 - (delay() - d0) if timed else 0.0
+            if terminated or truncated:
+                root = adapter.reset(None)
+            return max(0.0, seconds)
 
-        run(3)  # warm-up
-        times: list[float] = []
-        step_s = run(steps, times) / steps
-        mean = statistics.fmean(times)
-        cv = statistics.pstdev(times, mean) / mean if mean > 0 else 0.0
+        for _ in range(3):
+            step()
+        times = [step() for _ in range(steps)]
+        step_s = statistics.fmean(times)
+        cv = statistics.pstdev(times, step_s) / step_s if step_s > 0 else 0.0
         if step_s < cheap_s:
             return EnvTiming(step_s=step_s, gil_release=float("nan"), step_cv=cv)
-        window = min(max(step_s * steps, 0.02), 0.5)
-        solo = _count_for(window) / window
-        done = threading.Event()
-        elapsed = [0.0]
-
-        def background() -> None:
-            elapsed[0] = run(max(steps, math.ceil(window / max(step_s, 1e-7))))
-            done.set()
-
-        thread = threading.Thread(target=background, name="lightning_rollout-auto-measure", daemon=True)
-        start = time.perf_counter()
-        thread.start()
-        count = _count_for(window * 4, stop=done)
-        shared = count / (time.perf_counter() - start)
-        thread.join(10.0)
-        release = max(0.0, min(1.0, shared / solo)) if solo > 0 else 0.0
+        window = max(probe_s / rounds, 2 * step_s)
+        readings, alone = [], None
+        for _ in range(rounds):
+            held, alone = _held_share(step, window, alone)
+            if held is not None:
+                readings.append(held)
+        release = 1.0 - statistics.median(readings) if readings else float("nan")
         return EnvTiming(step_s=step_s, gil_release=release, step_cv=cv)
     finally:
+        delay.close()
         adapter.close()
+
+
+def _held_share(step: Callable[[bool], float], window: float,
+                alone: float | None) -> tuple[float | None, float | None]:
+    """The share of the time that ``window`` seconds of ``step(False)`` calls (two at least) held the GIL, as a
+    :class:`_GilProbe` reads it (``None`` when it read nothing), and the probe's overshoot alone (``alone``, or
+    measured first when ``None``). Raises what ``step`` raised, the probe stopped."""
+    probe = _GilProbe(alone=alone, limit=window * 4 + 1.0)
+    thread = threading.Thread(target=probe.run, name="lightning_rollout-auto-probe", daemon=True)
+    thread.start()
+    try:
+        probe.ready.wait(1.0)  # the probe has timed its sleeps alone: from now on it reads the steps
+        end, n = time.perf_counter() + window, 0
+        while n < 2 or time.perf_counter() < end:
+            step(False)
+            n += 1
+    finally:
+        probe.stop.set()
+        thread.join(1.0)  # within one sleep of the probe: this thread no longer takes the GIL
+    return probe.held, probe.alone
 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
                   thread_s: float = 1e-3, startup_s: float = 10.0, round_trip_s: float = 300e-6,
                   helper_s: float = 500e-6, share_s: float = 200e-6, uneven_cv: float = 0.3,
-                  expected_frames: int | None = None, num_workers: int | str = "auto",
-                  envs_per_thread: int | str = "auto") -> LayoutChoice:
+                  releases: float = 0.5, expected_frames: int | None = None, num_workers: int | str = "auto",
+                  envs_per_thread: int | str = "auto", no_processes: str = _UNPICKLABLE) -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docs).
 
+    A step releases the GIL when at least ``releases`` of it is spent without it; any other step (``NaN``:
+    not measured, a cheap one) holds it and never gets a helper thread per env (``parallel_steps``).
     A value other than ``"auto"`` for ``num_workers`` or ``envs_per_thread`` is kept, and the other
-    one is chosen around it (``num_workers="threads"``: auto, but no worker processes).
+    one is chosen around it (``num_workers="threads"``: auto, but no worker processes, for the reason
+    ``no_processes``, which the choice's reason repeats).
     """
     cores = usable_cores() if cores is None else cores
     step_us = timing.step_s * 1e6
+    holds_gil = not timing.gil_release >= releases  # NaN (not measured: cheap) counts as holding it
+    gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
+           else f"{timing.gil_release:.0%} of it without the GIL: it {'holds' if holds_gil else 'releases'} the GIL")
     if num_workers == "auto":
-        holds_gil = not timing.gil_release >= 0.3  # NaN (not measured: cheap) counts as holding it
         # every process's share of a step at least share_s of env time: past that, each further process adds
         # its send, reply and copy out to the one driving thread's serial part more than it takes off the others
         most = min(cores, num_envs)  # a process a core, at most one per env
@@ -267,8 +369,6 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)  # env time a step the children take over
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / speedup)
         helpers = not holds_gil and timing.step_s >= helper_s  # long steps that release the GIL: helper threads
-        gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
-               else f"{timing.gil_release:.0%} of it without the GIL")
         if cores < 2 or num_envs < 2 or helpers or spread_s < round_trip_s:
             num_workers = 1
             why = f"the env step takes {step_us:.0f} us ({gil}): threads of the main process"
@@ -282,9 +382,9 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
                    f"{num_envs} envs for other processes: {num_workers} processes on {cores} cores"
                    + ("" if num_workers == most else
                       f" (a share of at least {share_s * 1e6:.0f} us of env time each)"))
-    elif num_workers == "threads":  # processes were ruled out by the caller (an unpicklable factory)
+    elif num_workers == "threads":  # processes were ruled out by the caller (see auto_layout)
         num_workers = 1
-        why = "the env factory cannot be pickled for worker processes: threads of the main process"
+        why = f"the env step takes {step_us:.0f} us ({gil}), but {no_processes}: threads of the main process"
     else:
         why = f"num_workers={num_workers} as given"
     parallel = False
@@ -295,7 +395,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         elif timing.step_s < cheap_s:
             envs_per_thread = num_envs  # hand-offs between threads would cost more than they overlap
             why += f", all {num_envs} envs in one thread"
-        elif timing.gil_release >= 0.3:
+        elif not holds_gil:
             envs_per_thread, parallel = num_envs, True  # one block, each env's step in its own helper thread
             why += f", all {num_envs} envs in one thread, each stepped in its own helper thread"
             if timing.step_cv >= uneven_cv:  # lock-step waits for the slowest env of every step
@@ -307,7 +407,8 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
             while num_envs % want:
                 want += 1
             envs_per_thread = want
-            why += f", {want} env{'s' if want > 1 else ''} per thread"
+            why += (f", {want} env{'s' if want > 1 else ''} per thread, with no helper thread per env: a step that "
+                    "holds the GIL would not overlap another")
     else:
         why += f", envs_per_thread={envs_per_thread} as given"
     if int(num_workers) > 1:  # which processes step envs (see WorkerProcesses)
@@ -345,8 +446,11 @@ def auto_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, e
         return choice
     choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, envs_per_thread=envs_per_thread,
                            expected_frames=expected_frames)
-    if is_auto(num_workers) and choice.num_workers > 1 and not _picklable(factory):
-        choice = choose_layout(num_envs, box["timing"], num_workers="threads", envs_per_thread=envs_per_thread)
+    if is_auto(num_workers) and choice.num_workers > 1:
+        no_processes = (_DAEMONIC if mp.current_process().daemon else None if _picklable(factory) else _UNPICKLABLE)
+        if no_processes is not None:
+            choice = choose_layout(num_envs, box["timing"], num_workers="threads", envs_per_thread=envs_per_thread,
+                                   no_processes=no_processes)
     log.info("%s: num_workers=%d, envs_per_thread=%d, parallel_steps=%s (%s)", name, choice.num_workers,
              choice.envs_per_thread, choice.parallel_steps, choice.reason)
     return choice

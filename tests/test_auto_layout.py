@@ -1,0 +1,151 @@
+"""The ``"auto"`` layout: the same env gets the same choice every time, on a loaded machine too; a step that
+holds the GIL never gets a helper thread per env, picklable factory or not; the documented rule is short.
+
+The envs are far from every threshold of the rule (a 2 ms step against 500 us, a share of the step without
+the GIL near 0 or 1 against one half), so the assertions hold on a loaded machine: the measure reads shares of
+a step, not speeds, and leaves out the waits for a CPU that other processes impose.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from lightning_rollout import ThreadedCollector
+from lightning_rollout.loop import auto
+from process_helpers import CountEnv, zero_policy
+
+pytestmark = pytest.mark.timeout(120)
+
+REPEATS = 5
+TUNING = Path(__file__).resolve().parent.parent / "docs" / "tuning.rst"
+
+
+class _PythonDiscrete(gym.spaces.Discrete):
+    """``Discrete`` whose ``sample`` is pure Python: numpy's generator lets the GIL go for an instant each
+    draw, a way in for other threads that a pure-Python env would not otherwise have."""
+
+    def sample(self, mask=None, probability=None):
+        return np.int64(self.start)
+
+
+class _SpinEnv(gym.Env):
+    """A pure-Python step: spins for ``seconds`` of this thread's CPU time (however loaded the machine),
+    holding the GIL throughout."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = _PythonDiscrete(2)
+
+    def __init__(self, seconds: float = 2e-3) -> None:
+        self.seconds = seconds
+        self.obs = np.zeros(3, np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.obs, {}
+
+    def step(self, action):
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+        return self.obs, 1.0, False, False, {}
+
+
+class _SleepEnv(_SpinEnv):
+    """A step that waits ``seconds`` in ``time.sleep``, without the GIL."""
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return self.obs, 1.0, False, False, {}
+
+
+RELEASES = functools.partial(_SleepEnv, 2e-3)
+HOLDS = functools.partial(_SpinEnv, 2e-3)
+
+
+def _layout(choice: auto.LayoutChoice) -> tuple[int, int, bool]:
+    return choice.num_workers, choice.envs_per_thread, choice.parallel_steps
+
+
+@pytest.fixture
+def loaded_cores():
+    """A process spinning in Python on every core this process may use, for the test's duration: the
+    measure must read the same on a busy machine."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(auto.usable_cores())]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(10)
+
+
+@pytest.mark.parametrize("factory, expected", [
+    (RELEASES, (1, 4, True)),  # one block, each env in its own helper thread
+    (HOLDS, (2, 4, False)),  # the main process and one worker process, driven by one thread
+    (CountEnv, (1, 4, False)),  # cheap: every env in one thread
+], ids=["releases the GIL", "holds the GIL", "cheap"])
+def test_the_same_env_gets_the_same_layout_every_time_with_every_core_loaded(monkeypatch, loaded_cores, factory,
+                                                                              expected):
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    choices = [auto.auto_layout(factory, 4, num_workers="auto", envs_per_thread="auto") for _ in range(REPEATS)]
+    assert [_layout(c) for c in choices] == [expected] * REPEATS, [c.reason for c in choices]
+
+
+def test_a_gil_holding_env_of_an_unpicklable_factory_gets_threads_without_helpers_and_the_reason_says_why(
+        monkeypatch, caplog, loaded_cores):
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    for _ in range(REPEATS):
+        with caplog.at_level(logging.INFO, logger="lightning_rollout"):
+            collector = ThreadedCollector([lambda: _SpinEnv(2e-3)] * 4, zero_policy, frames_per_batch=8,
+                                          num_envs=4)
+        try:
+            choice = collector.layout_choice
+            assert _layout(choice) == (1, 1, False), choice.reason  # 2 ms a step: one env per thread of ~1 ms
+            assert collector.loop.num_workers == 1 and not collector.loop.parallel_steps
+            assert "cannot be pickled" in choice.reason and "holds the GIL" in choice.reason
+            assert "no helper thread per env" in choice.reason
+        finally:
+            collector.shutdown()
+    assert caplog.text.count("cannot be pickled") == REPEATS  # logged at INFO, with the reason
+
+
+def test_a_gil_holding_env_in_a_daemonic_process_gets_threads_and_the_reason_says_why(monkeypatch):
+    """A daemonic process (a DataLoader worker) may not start worker processes: "auto" keeps to threads."""
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    monkeypatch.setattr(auto.mp, "current_process", lambda: types.SimpleNamespace(daemon=True))
+    choice = auto.auto_layout(HOLDS, 4, num_workers="auto", envs_per_thread="auto")
+    assert _layout(choice) == (1, 1, False), choice.reason  # what the same env gets with an unpicklable factory
+    assert "daemonic process" in choice.reason and "holds the GIL" in choice.reason
+
+
+def test_a_cheap_env_is_timed_without_a_gil_probe():
+    timing = auto.measure_env(CountEnv)
+    assert timing.step_s < 100e-6 and timing.gil_release != timing.gil_release  # NaN: not measured
+
+
+def _rule_lines() -> list[str]:
+    text = TUNING.read_text().splitlines()
+    start, end = text.index(".. auto-rule-start"), text.index(".. auto-rule-end")
+    return [line for line in text[start + 1:end] if line.strip()]
+
+
+def test_the_documented_rule_is_short_and_states_the_thresholds_the_code_uses():
+    lines = _rule_lines()
+    assert 0 < len(lines) < 15, len(lines)
+    rule = " ".join(" ".join(lines).split())
+    defaults = {name: p.default for name, p in inspect.signature(auto.choose_layout).parameters.items()}
+    for knob in ("cheap_s", "helper_s", "round_trip_s", "share_s"):
+        assert f"{defaults[knob] * 1e6:.0f} us" in rule, knob
+    assert f"{defaults['startup_s']:.0f} s" in rule and defaults["releases"] == 0.5 and "half" in rule
+    assert "pickled" in rule and "never" in rule
