@@ -14,7 +14,7 @@ from .loop import EnvLoop, MultiEnvLoop
 from .policy import Agent, AutobatchPolicy, PolicyAnswer
 
 _LIGHTNING_NAMES = ("EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutDataModule", "RolloutEvaluation",
-                    "RolloutProgressBar", "VideoRecording")
+                    "RolloutProgressBar", "RolloutRichProgressBar", "VideoRecording")
 
 
 def __getattr__(name: str) -> object:
@@ -49,6 +49,7 @@ __all__ = [
     "RolloutDataModule",
     "RolloutEvaluation",
     "RolloutProgressBar",
+    "RolloutRichProgressBar",
     "StepTimeoutError",
     "TimeStep",
     "ThreadedCollector",

@@ -47,7 +47,14 @@ from lightning_helpers import (
     read_scalars,
     rollout_threads,
 )
-from lightning_rollout import EpisodeStatsLogger, EvalRound, RolloutDataModule, RolloutEvaluation, RolloutProgressBar
+from lightning_rollout import (
+    EpisodeStatsLogger,
+    EvalRound,
+    RolloutDataModule,
+    RolloutEvaluation,
+    RolloutProgressBar,
+    RolloutRichProgressBar,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FPB = 16  # frames per batch of the Climber tests: 2 envs x 8 steps
@@ -236,7 +243,8 @@ def test_datamodule_env_factory_and_callbacks_pickle_before_and_after_fit():
 
     trainer = make_trainer(max_steps=2, enable_progress_bar=True)
     trainer.fit(Agent(), datamodule=dm)
-    ours = [c for c in trainer.callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation, RolloutProgressBar))]
+    ours = [c for c in trainer.callbacks
+            if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation, RolloutProgressBar, RolloutRichProgressBar))]
     assert len(ours) == 3
     pickle.loads(pickle.dumps(ours))
     copy_after = pickle.loads(pickle.dumps(dm))  # the collector's threads stay behind, its counters travel
@@ -314,7 +322,8 @@ def test_progress_bar_shows_whole_frames_fps_and_returns_within_80_columns():
                            eval_max_episode_steps=20, seed=0)
     torch.manual_seed(0)
     model = Agent()
-    trainer = make_trainer(max_steps=2, enable_progress_bar=True)
+    # the TQDM bar, given: with rich installed, Lightning's default is its Rich bar (test_lightning_clients.py)
+    trainer = make_trainer(max_steps=2, enable_progress_bar=True, callbacks=[TQDMProgressBar()])
     assert type(trainer.progress_bar_callback) is TQDMProgressBar
     trainer.fit(model, datamodule=dm)
     bar = trainer.progress_bar_callback
@@ -344,7 +353,7 @@ def render_bar(bar: RolloutProgressBar, progress_bar_metrics: dict, *, epoch: in
 
 
 def test_progress_bar_false_keeps_lightnings_stock_bar():
-    trainer = make_trainer(max_steps=1, enable_progress_bar=True)
+    trainer = make_trainer(max_steps=1, enable_progress_bar=True, callbacks=[TQDMProgressBar()])
     trainer.fit(Agent(), datamodule=RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32,
                                                       progress_bar=False, eval_episodes=0))
     assert type(trainer.progress_bar_callback) is TQDMProgressBar

@@ -10,8 +10,9 @@
   ``eval/...`` (so ``ModelCheckpoint(monitor="eval/episode_reward")`` and
   ``EarlyStopping`` act on it at validation end) and, with ``record_video=``, writes a
   video of one evaluation episode every N rounds (:class:`~lightning_rollout.lightning.VideoRecording`).
-* :class:`RolloutProgressBar` shows frames, frames/s and returns within 80 columns.
-* :class:`EvalRound` is what the DataModule's ``val_dataloader()`` yields.
+* :class:`RolloutProgressBar` (TQDM) and :class:`RolloutRichProgressBar` (Rich) show frames,
+  frames/s and returns on one line (80 columns for TQDM, 100 for Rich).
+* :class:`EvalRound` is what the DataModule's ``val_dataloader()`` / ``test_dataloader()`` yields.
 
 When hooks run: collection events are dispatched in the training process's main
 thread while the DataModule fetches a batch, i.e. *before* ``training_step`` of
@@ -21,14 +22,20 @@ what they saw and log it from ``on_train_batch_end`` (or, for evaluation,
 DDP ranks there (every rank calls the same collectives in the same order), so
 logged metrics are global.
 
-Rollout and evaluation metrics exist only at some batches and are cheap, so they
-are not sent to the loggers through ``self.log`` (which would write them only at
-the steps ``log_every_n_steps`` selects, and at Lightning's batch counter). They
-go to ``self.log(..., logger=False)`` (``callback_metrics``, so ``ModelCheckpoint``
-/ ``EarlyStopping`` see them, and the progress bar) and straight to every logger's
-``log_metrics``, once, whenever they exist, at the step the callback's ``step``
-option names: the total frames collected (``"frames"``, default) or Lightning's
-own step (``"batches"``).
+Rollout metrics exist only at some batches and are cheap, so they are not sent to
+the loggers through ``self.log`` (which would write them only at the steps
+``log_every_n_steps`` selects). They go to ``self.log(..., logger=False)``
+(``callback_metrics``, so ``ModelCheckpoint`` / ``EarlyStopping`` see them, and the
+progress bar) and straight to every logger's ``log_metrics``, once per batch.
+Evaluation metrics are validation (or test) metrics of the epoch kind, written by
+Lightning once per round (and returned by ``Trainer.validate`` / ``Trainer.test``).
+
+One x-axis for every row a logger receives, chosen by the callbacks' ``step``
+option: ``"frames"`` (default) writes rollout, evaluation *and* Lightning's own
+rows (``self.log`` values of the module) at the total frames collected by all
+ranks (the DataModule sets the step Lightning writes at); ``"batches"`` writes
+everything at Lightning's own step. The DataModule refuses callbacks that ask for
+both.
 """
 
 from __future__ import annotations
@@ -43,28 +50,32 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from tensordict import TensorDictBase
 
 from ..events import EpisodeEnd, TimeStep
 from .video import VideoRecorder, VideoRecording, as_video_recording
 
-__all__ = ["EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutEvaluation", "RolloutProgressBar"]
+__all__ = ["EpisodeStatsLogger", "EvalRound", "RolloutCallback", "RolloutEvaluation", "RolloutProgressBar",
+           "RolloutRichProgressBar"]
 
 StepAxis = Literal["frames", "batches"]
 
 
 class EvalRound:
-    """One evaluation round: what ``RolloutDataModule.val_dataloader()`` yields, already run.
+    """One evaluation round: what ``RolloutDataModule.val_dataloader()`` (and ``test_dataloader()``) yields,
+    already run.
 
-    A module's own ``validation_step(batch, batch_idx)`` receives it (when the module
-    has none, the DataModule lends one that does nothing). It is a plain object, so
+    A module's own ``validation_step(batch, batch_idx)`` (``test_step``) receives it (when the
+    module has none, the DataModule lends one that does nothing). It is a plain object, so
     Lightning leaves it as it is when it moves a batch to the device.
 
     Attributes:
         episodes: this rank's finished evaluation episodes, in request order.
         seconds: wall-clock seconds the round took on this rank.
-        frames: frames this rank's collector had collected when the round ran.
+        frames: frames this rank had collected when the round ran (its collector's count, or the
+            count restored from a checkpoint when no collector ran yet).
     """
 
     __slots__ = ("episodes", "seconds", "frames")
@@ -206,7 +217,9 @@ class EpisodeStatsLogger(RolloutCallback):
         prog_bar: show the episode return, frames and fps in the progress bar.
         step: x-axis of what is written to the loggers: ``"frames"`` (total frames
             collected, all ranks; as SB3 / CleanRL curves) or ``"batches"``
-            (Lightning's step, shared with metrics the module logs itself).
+            (Lightning's step). The DataModule writes Lightning's own rows (what the
+            module logs itself) at the same axis, and refuses a :class:`RolloutEvaluation`
+            with another one.
         clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
 
     Raises:
@@ -307,18 +320,22 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Log each evaluation round of the validation loop as ``eval/...`` metrics, and record videos.
+    """Log each evaluation round of the validation (or test) loop as ``eval/...`` (``test/...``) metrics, and
+    record videos.
 
     The rounds themselves are run by :class:`~lightning_rollout.lightning.RolloutDataModule`
     when Lightning validates (see its ``eval_every_n_frames`` and the Trainer's
-    ``val_check_interval`` / ``check_val_every_n_epoch``): fresh deterministic
-    episodes with the module's current weights. This callback reduces them across
-    ranks and logs ``eval/episode_reward`` (mean), ``eval/episode_reward_min``,
-    ``eval/episode_reward_max``, ``eval/episode_length`` and ``eval/seconds``
-    (mean over ranks) as epoch-level validation metrics: they are in
+    ``val_check_interval`` / ``check_val_every_n_epoch``; ``Trainer.validate`` and
+    ``Trainer.test`` run one round): fresh deterministic episodes with the module's
+    current weights. This callback reduces them across ranks and logs
+    ``eval/episode_reward`` (mean), ``eval/episode_reward_min``,
+    ``eval/episode_reward_max``, ``eval/episode_length`` and ``eval/seconds`` (mean
+    over ranks) as epoch-level validation metrics: they are in
     ``trainer.callback_metrics`` when ``ModelCheckpoint`` and ``EarlyStopping`` run
-    at validation end, and written to every logger once per round, at the step
-    ``step`` names. The DataModule adds one unless the trainer has one.
+    at validation end, in what ``Trainer.validate`` returns, and Lightning writes them
+    to every logger once per round, at the x-axis ``step`` names. A round of
+    ``Trainer.test`` is logged the same way under ``test_prefix``. The DataModule adds
+    one unless the trainer has one.
 
     With ``record_video``, one episode of the evaluation rounds ``0, N, 2N, ...`` is
     rendered (``render_mode="rgb_array"``, in the evaluation env's thread, global rank
@@ -330,10 +347,12 @@ class RolloutEvaluation(RolloutCallback):
     ``render_mode="rgb_array"`` itself. ``fit`` waits for the last clip at its end.
 
     Args:
-        prefix: metric name prefix.
+        prefix: metric name prefix of validation rounds.
+        test_prefix: metric name prefix of ``Trainer.test`` rounds.
         prog_bar: show the mean evaluation return in the progress bar.
         step: x-axis of what is written to the loggers: ``"frames"`` (total frames
-            collected by all ranks when the round ran) or ``"batches"`` (Lightning's step).
+            collected by all ranks when the round ran) or ``"batches"`` (Lightning's step);
+            the same as :class:`EpisodeStatsLogger`'s (the DataModule raises ``ValueError`` otherwise).
         record_video: ``None`` (default): no video; an int ``N``: one episode every ``N``
             evaluation rounds; a :class:`~lightning_rollout.lightning.VideoRecording` for
             the frame rate, frame cap, outputs and folder.
@@ -352,10 +371,11 @@ class RolloutEvaluation(RolloutCallback):
             with ``mp4=False``); it exists once the writer is done (at the latest when ``fit`` returns).
     """
 
-    def __init__(self, *, prefix: str = "eval", prog_bar: bool = True, step: StepAxis = "frames",
-                 record_video: int | VideoRecording | None = None) -> None:
+    def __init__(self, *, prefix: str = "eval", test_prefix: str = "test", prog_bar: bool = True,
+                 step: StepAxis = "frames", record_video: int | VideoRecording | None = None) -> None:
         _check_step(step)
         self.prefix = prefix
+        self.test_prefix = test_prefix
         self.prog_bar = prog_bar
         self.step = step
         self.record_video = as_video_recording(record_video)
@@ -367,7 +387,7 @@ class RolloutEvaluation(RolloutCallback):
         self._recording = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.record_video is not None and stage == "fit":
+        if self.record_video is not None:
             # trainer.log_dir is a collective (every rank must ask): resolved once, here
             self._video_dir = self.record_video.dirpath or os.path.join(
                 trainer.log_dir or trainer.default_root_dir, "videos")
@@ -380,29 +400,35 @@ class RolloutEvaluation(RolloutCallback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not isinstance(batch, EvalRound) or trainer.sanity_checking:
-            return
+        if isinstance(batch, EvalRound) and not trainer.sanity_checking:
+            self._log_round(trainer, pl_module, batch, self.prefix)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                          batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if isinstance(batch, EvalRound):
+            self._log_round(trainer, pl_module, batch, self.test_prefix)
+
+    def _log_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: EvalRound, p: str) -> None:
+        """Reduce one round across ranks and log it under ``p/...`` (epoch-level: Lightning writes it at the
+        round's end, at the x-axis the DataModule set)."""
         self.last_round = batch
         self.evaluations += 1
         episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
                                   [float(e.length) for e in batch.episodes])
         (frames, seconds), _ = _reduce(trainer, [float(batch.frames), batch.seconds])
-        step = int(frames) if self.step == "frames" else _logger_step(trainer)
         if self._recording:
             self._recording = False
-            self._write_video(trainer, step)
+            self._write_video(trainer, int(frames) if self.step == "frames" else _logger_step(trainer), p)
         if not episodes["count"]:
             return
-        p = self.prefix
         metrics = {f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_min": episodes["min"],
                    f"{p}/episode_reward_max": episodes["max"], f"{p}/episode_length": episodes["length"],
                    f"{p}/seconds": seconds / trainer.world_size}
         for name, value in metrics.items():  # the same value on every rank: sync_dist only averages equals
             pl_module.log(name, value, prog_bar=self.prog_bar and name == f"{p}/episode_reward", on_step=False,
-                          on_epoch=True, batch_size=1, logger=False, sync_dist=trainer.world_size > 1)
-        _write_to_loggers(trainer, metrics, step)
+                          on_epoch=True, batch_size=1, sync_dist=trainer.world_size > 1)
 
-    def _write_video(self, trainer: pl.Trainer, step: int) -> None:
+    def _write_video(self, trainer: pl.Trainer, step: int, prefix: str) -> None:
         assert self.video_recorder is not None and self.record_video is not None
         frames = self.video_recorder.take()
         if frames is None:
@@ -411,9 +437,9 @@ class RolloutEvaluation(RolloutCallback):
         mp4_path = None
         if config.mp4:
             mp4_path = os.path.join(self._video_dir or os.path.join(trainer.default_root_dir, "videos"),
-                                    f"{self.prefix}-{self.step}-{step:010d}.mp4")
+                                    f"{prefix}-{self.step}-{step:010d}.mp4")
         writers = _summary_writers(trainer) if config.tensorboard else []
-        self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{self.prefix}/video",
+        self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
                                   step=step)
         self.last_video = mp4_path
 
@@ -463,7 +489,35 @@ def _whole(value: float) -> str:
     return str(int(round(value)))
 
 
-class RolloutProgressBar(TQDMProgressBar):
+class _RLFigures:
+    """What both RL progress bars show: the figures of :class:`EpisodeStatsLogger` and :class:`RolloutEvaluation`."""
+
+    rollout_prefix = "rollout"
+    eval_prefix = "eval"
+
+    def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
+        """What the bar shows for these progress-bar metrics.
+
+        ``frames`` and ``fps`` as whole numbers, ``ret`` and ``eval`` with one decimal, all as
+        strings (the bars write strings as they are, where TQDM would write ``1.23e+7`` and Rich
+        ``12345678.000`` for a number), then every other metric unchanged. Missing or non-finite
+        figures are left out.
+        """
+        items = dict(metrics)
+        r, e = self.rollout_prefix, self.eval_prefix
+        shown: dict[str, int | str | float] = {}
+        for key, name, render in ((f"{r}/frames", "frames", _whole), (f"{r}/fps", "fps", _whole),
+                                  (f"{r}/episode_reward", "ret", _figure), (f"{e}/episode_reward", "eval", _figure)):
+            value = items.pop(key, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                shown[name] = render(value)
+        shown.update(items)
+        return shown
+
+
+class RolloutProgressBar(_RLFigures, TQDMProgressBar):
     """Lightning's TQDM bar showing RL figures, fitting in 80 columns.
 
     The training bar reads ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123,
@@ -493,20 +547,95 @@ class RolloutProgressBar(TQDMProgressBar):
         items.pop("v_num", None)
         return self.shown(items)
 
-    def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
-        """What the bar shows for these progress-bar metrics.
 
-        ``frames`` and ``fps`` as whole numbers, ``ret`` and ``eval`` with one decimal, all as
-        strings (tqdm writes strings as they are, where it would write ``1.23e+7`` for a number),
-        then every other metric unchanged. Missing or non-finite figures are left out.
-        """
-        items = dict(metrics)
-        r, e = self.rollout_prefix, self.eval_prefix
-        shown: dict[str, int | str | float] = {}
-        for key, name, render in ((f"{r}/frames", "frames", _whole), (f"{r}/fps", "fps", _whole),
-                                  (f"{r}/episode_reward", "ret", _figure), (f"{e}/episode_reward", "eval", _figure)):
-            value = items.pop(key, None)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                shown[name] = render(value)
-        shown.update(items)
-        return shown
+class RolloutRichProgressBar(_RLFigures, RichProgressBar):
+    """Lightning's Rich bar showing RL figures, on one line of 100 columns.
+
+    Lightning picks ``RichProgressBar`` as its default bar when the ``rich`` package is
+    installed; the DataModule then swaps that stock bar for this one (as it does
+    :class:`RolloutProgressBar` for the TQDM bar; ``RolloutDataModule(progress_bar=False)``
+    keeps the stock one). The training bar reads
+    ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``:
+    the same figures as :class:`RolloutProgressBar` (:meth:`shown`), after the share of the epoch
+    done and the elapsed time, as the TQDM bar shows them. Batches/s, the batch count, the
+    remaining time and the logger's version are left out and the bar is 16 columns wide, so
+    that a long run's figures (``frames: 12345678 fps: 123456 ret: -1234.5 eval: 500.0``)
+    stay on one line of 100 columns; other progress-bar metrics follow, as Rich formats them.
+
+    Args:
+        refresh_rate, leave, theme, console_kwargs: as ``RichProgressBar``.
+        rollout_prefix, eval_prefix: prefixes of the metrics to show.
+
+    Raises:
+        ModuleNotFoundError: ``rich`` is not installed (from ``RichProgressBar``).
+    """
+
+    BAR_WIDTH = 16
+
+    def __init__(self, *, refresh_rate: int = 100, leave: bool = False,
+                 theme: RichProgressBarTheme | None = None, console_kwargs: dict[str, Any] | None = None,
+                 rollout_prefix: str = "rollout", eval_prefix: str = "eval") -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme or RichProgressBarTheme(),
+                         console_kwargs=console_kwargs)
+        self.rollout_prefix = rollout_prefix
+        self.eval_prefix = eval_prefix
+
+    def configure_columns(self, trainer: pl.Trainer) -> list:
+        """Description, a narrow bar, the share of the epoch done and the elapsed time; the metrics column
+        follows (Lightning appends it)."""
+        from lightning.pytorch.callbacks.progress.rich_progress import CustomBarColumn
+        from rich.progress import TextColumn, TimeElapsedColumn
+
+        return [
+            TextColumn("[progress.description]{task.description}"),
+            CustomBarColumn(bar_width=self.BAR_WIDTH, complete_style=self.theme.progress_bar,
+                            finished_style=self.theme.progress_bar_finished, pulse_style=self.theme.progress_bar_pulse),
+            TextColumn("{task.percentage:>3.0f}%", style=self.theme.batch_progress),
+            TimeElapsedColumn(),
+        ]
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        items = dict(super().get_metrics(trainer, pl_module))
+        items.pop("v_num", None)
+        return self.shown(items)
+
+
+def _checkpoint_saved_at(checkpoint: ModelCheckpoint) -> int | None:
+    """The global step of ``checkpoint``'s last save (``None`` if unknown)."""
+    return getattr(checkpoint, "_last_global_step_saved", None)
+
+
+class _LastCheckpointAtFitEnd(pl.Callback):
+    """Makes every ``ModelCheckpoint(save_last=...)`` hold the last step when ``fit`` ends.
+
+    ``ModelCheckpoint`` saves ``last.ckpt`` along with its other saves (at validation end,
+    every ``every_n_train_steps``...) and, at the end of ``fit``, only if it never saved one.
+    A run that stops between two of its saves (``max_steps``, ``max_time``, an endless
+    collector's epoch limit) would leave ``last.ckpt`` at an older step, and a resume from it
+    would repeat the batches since. This callback (added by the DataModule; Lightning runs it
+    before the checkpoint callbacks, which come last) saves the last checkpoint of each
+    ``ModelCheckpoint`` whose last save is older than the current step, through the
+    ``ModelCheckpoint`` itself (its file name, version counter and removal of the previous
+    ``last``). With ``save_last="link"`` it writes the file instead of linking to the older
+    checkpoint. Nothing is saved under ``fast_dev_run``, as ``ModelCheckpoint`` saves nothing then.
+    """
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fast_dev_run:
+            return
+        for checkpoint in trainer.checkpoint_callbacks:
+            if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.save_last:
+                continue
+            saved_at = _checkpoint_saved_at(checkpoint)
+            if saved_at is None or saved_at == trainer.global_step:
+                continue
+            candidates = checkpoint._monitor_candidates(trainer)
+            if checkpoint.save_last == "link":
+                path = checkpoint.format_checkpoint_name(candidates, checkpoint.CHECKPOINT_NAME_LAST)
+                if trainer.is_global_zero and os.path.islink(path):
+                    os.remove(path)  # a link to an older checkpoint: the file is written in its place
+                trainer.strategy.barrier()
+                checkpoint.last_model_path = path
+                checkpoint._save_checkpoint(trainer, path)
+            else:
+                checkpoint._save_last_checkpoint(trainer, candidates)

@@ -14,9 +14,18 @@ What it does for you:
   time Lightning validates, so ``ModelCheckpoint`` / ``EarlyStopping`` act on
   ``eval/...`` at validation end, scheduled by ``eval_every_n_frames`` or by the
   Trainer's own ``val_check_interval`` / ``check_val_every_n_epoch``;
+  ``Trainer.validate`` runs one round and returns its ``eval/...`` metrics,
+  ``Trainer.test`` the same under ``test/...`` (``test_dataloader()``);
 * dispatches collection events to every :class:`RolloutCallback` in
   ``trainer.callbacks`` and adds :class:`EpisodeStatsLogger`,
-  :class:`RolloutEvaluation` and :class:`RolloutProgressBar` unless told not to;
+  :class:`RolloutEvaluation` and the RL progress bar (:class:`RolloutProgressBar`
+  for Lightning's TQDM bar, :class:`RolloutRichProgressBar` for its Rich bar) unless
+  told not to;
+* puts every row the loggers receive on one x-axis: with the callbacks' default
+  ``step="frames"``, Lightning's own rows (what the module logs with ``self.log``)
+  are written at the total frames collected, as the rollout and evaluation rows are;
+* makes every ``ModelCheckpoint(save_last=...)`` hold the last step when ``fit`` ends,
+  whatever ended it;
 * when a ``RolloutEvaluation(record_video=...)`` is among the callbacks, builds the
   evaluation envs (global rank zero) so that they render ``rgb_array`` frames and can be
   recorded (see :mod:`lightning_rollout.lightning.video`);
@@ -34,6 +43,7 @@ is called from env threads.
 from __future__ import annotations
 
 import math
+import re
 import signal
 import threading
 import time
@@ -43,7 +53,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
@@ -52,7 +63,17 @@ from ..collector import ThreadedCollector
 from ..envs import EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
-from .callbacks import EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar, overrides
+from .callbacks import (
+    EpisodeStatsLogger,
+    EvalRound,
+    RolloutCallback,
+    RolloutEvaluation,
+    RolloutProgressBar,
+    RolloutRichProgressBar,
+    StepAxis,
+    _LastCheckpointAtFitEnd,
+    overrides,
+)
 from .video import VideoRecorder
 
 __all__ = ["RolloutDataModule"]
@@ -132,9 +153,9 @@ class _Batches:
 
 
 class _EvalRounds:
-    """What ``val_dataloader()`` returns: one :class:`EvalRound` per validation run.
+    """What ``val_dataloader()`` (``test_dataloader()``) returns: one :class:`EvalRound` per validation (test) run.
 
-    The episodes run when Lightning fetches the round, inside its validation loop
+    The episodes run when Lightning fetches the round, inside its validation (test) loop
     (module in ``eval()`` mode, gradients off). During Lightning's sanity check the
     evaluation envs are built and the policy probed, but no episode runs.
     """
@@ -154,15 +175,51 @@ class _EvalRounds:
 
 
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
-    """The ``validation_step`` a :class:`RolloutDataModule` lends, for the length of ``fit``, to a module
-    without one: Lightning runs its validation loop only for modules that have a ``validation_step``. The
-    episodes already ran when the round was fetched; :class:`RolloutEvaluation` logs them."""
+    """The ``validation_step`` (or ``test_step``) a :class:`RolloutDataModule` lends, for the length of ``fit``,
+    ``validate`` or ``test``, to a module without one: Lightning runs its validation (test) loop only for
+    modules that have one. The episodes already ran when the round was fetched; :class:`RolloutEvaluation`
+    logs them."""
     return None
+
+
+# Trainer(precision=...) values that cast the module's weights, and the dtype they cast to
+_CASTING_PRECISIONS = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "64-true": "torch.float64"}
+_EVAL_STEPS = {TrainerFn.VALIDATING: "validation_step", TrainerFn.TESTING: "test_step"}
+
+
+def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
+    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (``"frames"``
+    when it has neither).
+
+    Raises:
+        ValueError: they name different axes.
+    """
+    axes = {c.step for c in callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation))}
+    if len(axes) > 1:
+        raise ValueError("the trainer's EpisodeStatsLogger and RolloutEvaluation write at different x-axes "
+                         "(step='frames' and step='batches'); pass the same step= to both, so that every row the "
+                         "loggers receive has one x-axis")
+    return axes.pop() if axes else "frames"
+
+
+def _warn_about_checkpoint_names(trainer: pl.Trainer) -> None:
+    """Warn about a ``ModelCheckpoint`` whose ``filename`` would write a metric name holding ``/``."""
+    for checkpoint in trainer.checkpoint_callbacks:
+        if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.filename
+                and checkpoint.auto_insert_metric_name):
+            continue
+        names = [name for name in re.findall(r"\{([^:}]+)", checkpoint.filename) if "/" in name]
+        if names:
+            warnings.warn(
+                f"ModelCheckpoint(filename={checkpoint.filename!r}) writes the metric name {names[0]!r} into "
+                "each file name, and its '/' makes a folder per checkpoint; pass auto_insert_metric_name=False "
+                "and name the figure yourself, e.g. filename='epoch={epoch}-step={step}-reward="
+                f"{{{names[0]}:.1f}}'", UserWarning, stacklevel=2)
 
 
 class RolloutDataModule(pl.LightningDataModule):
     """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector`
-    and whose validation loop runs evaluation episodes.
+    and whose validation (and test) loop runs evaluation episodes.
 
     Args:
         env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or an
@@ -195,14 +252,16 @@ class RolloutDataModule(pl.LightningDataModule):
             more frames (rounded up to whole batches), whatever the optimizer steps per
             batch. Sets the Trainer's ``val_check_interval`` to that many batches and its
             ``check_val_every_n_epoch`` to ``None`` (so leave those two at their
-            defaults). ``None``: Lightning's own schedule (by default once per epoch,
-            i.e. at the end of a finite collector's run).
+            defaults). A Trainer whose ``fast_dev_run`` or ``limit_train_batches`` makes an
+            epoch shorter than that keeps Lightning's default schedule instead (evaluation
+            at the end of each epoch), so a smoke run evaluates. ``None``: Lightning's own
+            schedule (by default once per epoch, i.e. at the end of a finite collector's run).
         eval_every_n_steps: deprecated (it counts optimizer steps, not frames): use
             ``eval_every_n_frames``. Still honoured when one optimizer step is taken per
             batch; a module with manual optimization or gradient accumulation gets a
             ``ValueError`` at ``fit``.
-        eval_episodes: episodes per evaluation round (per rank); ``0`` turns evaluation
-            off (no ``val_dataloader``).
+        eval_episodes: episodes per evaluation round (per rank), in ``fit``, ``validate`` and
+            ``test``; ``0`` turns evaluation off (no ``val_dataloader`` / ``test_dataloader``).
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
@@ -212,10 +271,13 @@ class RolloutDataModule(pl.LightningDataModule):
             ``False`` keeps Lightning's own ending, ``sys.exit(1)``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
         progress_bar: replace Lightning's stock ``TQDMProgressBar`` by a
-            :class:`RolloutProgressBar` (frames, frames/s, returns).
+            :class:`RolloutProgressBar` and its stock ``RichProgressBar`` (its default
+            when ``rich`` is installed) by a :class:`RolloutRichProgressBar` (frames,
+            frames/s, returns).
 
     Raises:
-        ValueError: bad configuration, with what to change.
+        ValueError: bad configuration, with what to change (at construction, or at ``setup`` for
+            a Trainer that does not fit it: see :meth:`setup`).
     """
 
     def __init__(
@@ -316,9 +378,47 @@ class RolloutDataModule(pl.LightningDataModule):
         self._iterator: Iterator[Any] | None = None
         self._dispatcher: _Dispatcher | None = None
         self._eval_loop: MultiEnvLoop | None = None
-        self._lent_to: pl.LightningModule | None = None
+        self._lent: list[tuple[pl.LightningModule, str]] = []  # (module, step name) lent for this stage
+        self._axis_connector: Any = None  # the Trainer's logger connector while it writes at frames
         self._pending_state: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
+
+    # -- the trainer ------------------------------------------------------------------------------
+    @property
+    def trainer(self) -> pl.Trainer | None:  # type: ignore[override]
+        """The Trainer this DataModule is attached to (``None`` before it is).
+
+        Lightning attaches it at the start of ``fit`` / ``validate`` / ``test``, before it checks that
+        the module has a ``validation_step`` / ``test_step``; for ``validate`` and ``test`` the DataModule
+        lends the module one then (see :meth:`setup` for ``fit``).
+        """
+        return self.__dict__.get("_trainer")
+
+    @trainer.setter
+    def trainer(self, trainer: pl.Trainer | None) -> None:
+        self.__dict__["_trainer"] = trainer
+        if trainer is None or not self.__dict__.get("eval_episodes"):
+            return
+        step = _EVAL_STEPS.get(trainer.state.fn)
+        selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
+        module = getattr(selector, "model", None)  # the module being attached along with this DataModule
+        if step is not None and isinstance(module, pl.LightningModule):
+            self._lend(module, step)
+
+    def _lend(self, module: pl.LightningModule, step: str) -> None:
+        """Give ``module`` a do-nothing ``step`` (``validation_step`` / ``test_step``) unless it has its own."""
+        if not is_overridden(step, module):
+            setattr(module, step, types.MethodType(_lent_validation_step, module))
+            self._lent.append((module, step))
+
+    @property
+    def frames(self) -> int:
+        """Frames this rank has collected: its collector's count, else the count restored from a checkpoint
+        (``0`` before any)."""
+        if self.collector is not None:
+            return int(self.collector.frames)
+        state = self._pending_state or {}
+        return int(state.get("collector", {}).get("frames", 0))
 
     # -- pickling (ddp_spawn) -------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -326,8 +426,10 @@ class RolloutDataModule(pl.LightningDataModule):
         (applied when the copy builds its collector)."""
         state = self.__dict__.copy()
         counters = self.state_dict()
-        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_lent_to", "_final_state", "trainer"):
+        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_final_state", "_trainer",
+                    "_axis_connector"):
             state[key] = None
+        state["_lent"] = []
         state["_pending_state"] = counters or None
         state["last_collect_seconds"] = 0.0
         return state
@@ -339,37 +441,92 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.eval_episodes > 0
 
     def setup(self, stage: str) -> None:
-        """Prepare ``fit``: add the built-in callbacks, lend a ``validation_step`` and set the evaluation schedule.
+        """Prepare ``fit``, ``validate`` or ``test``: check the Trainer, add the built-in callbacks, set the
+        loggers' x-axis and, for ``fit``, the evaluation schedule and a lent ``validation_step``.
 
         Runs before the callbacks' own ``setup`` hooks (so ``EarlyStopping`` and ``ModelCheckpoint``
-        see the schedule set here).
+        see the schedule set here). Warns (``UserWarning``) about a ``ModelCheckpoint`` whose ``filename``
+        would write a metric name holding ``/`` (a folder per checkpoint).
 
         Raises:
-            ValueError: ``eval_every_n_frames`` together with a non-default ``val_check_interval`` /
+            ValueError: a ``Trainer(precision=...)`` that casts the module's weights (``"bf16-true"``,
+                ``"16-true"``, ``"64-true"``: the policy could not act on the envs' float32 observations);
+                an :class:`EpisodeStatsLogger` and a :class:`RolloutEvaluation` with different ``step``
+                axes; ``eval_every_n_frames`` together with a non-default ``val_check_interval`` /
                 ``check_val_every_n_epoch`` of the Trainer, or the deprecated ``eval_every_n_steps``
                 with a module that does not take exactly one optimizer step per batch.
         """
-        if stage != "fit" or self.trainer is None:
-            return
         trainer = self.trainer
+        if trainer is None:
+            return
+        self._check_precision(trainer)
         self._dispatcher = None  # rebuilt from this trainer's callbacks on first use
         callbacks = trainer.callbacks
-        if self.log_stats and not any(isinstance(c, EpisodeStatsLogger) for c in callbacks):
-            callbacks.insert(0, EpisodeStatsLogger())
+        axis = _step_axis(callbacks)
+        if stage == "fit":
+            if self.log_stats and not any(isinstance(c, EpisodeStatsLogger) for c in callbacks):
+                callbacks.insert(0, EpisodeStatsLogger(step=axis))
+            if not any(isinstance(c, _LastCheckpointAtFitEnd) for c in callbacks):
+                callbacks.insert(0, _LastCheckpointAtFitEnd())
+            _warn_about_checkpoint_names(trainer)
         if self.evaluates and not any(isinstance(c, RolloutEvaluation) for c in callbacks):
-            callbacks.insert(0, RolloutEvaluation())
+            callbacks.insert(0, RolloutEvaluation(step=axis))
         if self.progress_bar:
-            for i, c in enumerate(callbacks):
-                if type(c) is TQDMProgressBar:  # Lightning's stock bar (not a subclass of the user's)
+            for i, c in enumerate(callbacks):  # Lightning's stock bars (not a subclass of the user's)
+                if type(c) is TQDMProgressBar:
                     callbacks[i] = RolloutProgressBar(refresh_rate=c.refresh_rate,
                                                       process_position=c.process_position,
                                                       leave=getattr(c, "_leave", False))
-        if self.evaluates:
+                elif type(c) is RichProgressBar:
+                    callbacks[i] = RolloutRichProgressBar(refresh_rate=c.refresh_rate, leave=c._leave,
+                                                          theme=c.theme, console_kwargs=c._console_kwargs)
+        self._set_axis(trainer, axis)
+        if stage == "fit" and self.evaluates:
             self._set_eval_schedule(trainer)
             module = trainer.lightning_module
-            if module is not None and not is_overridden("validation_step", module):
-                module.validation_step = types.MethodType(_lent_validation_step, module)
-                self._lent_to = module
+            if module is not None:
+                self._lend(module, "validation_step")
+
+    @staticmethod
+    def _check_precision(trainer: pl.Trainer) -> None:
+        precision = str(getattr(trainer, "precision", "32-true"))
+        dtype = _CASTING_PRECISIONS.get(precision)
+        if dtype is not None:
+            raise ValueError(
+                f"Trainer(precision={precision!r}) casts the module's weights, the acting policy's included, to "
+                f"{dtype}, while the envs' observations stay float32: the policy cannot act on them. Use "
+                "precision='bf16-mixed' or '16-mixed' (the weights stay float32 and training_step runs under "
+                "autocast) or '32-true'")
+
+    def _set_axis(self, trainer: pl.Trainer, axis: StepAxis) -> None:
+        """With ``axis="frames"``, make Lightning write its own rows (``self.log`` values, epoch-level
+        evaluation metrics) at the frames collected by all ranks, instead of at its batch counter.
+
+        Lightning's logger connector picks the step of every row it writes (its ``log_metrics``); this
+        wraps that method of this Trainer's connector, until teardown. A row that logs a ``"step"`` value
+        of its own keeps it, as Lightning does.
+        """
+        self._restore_axis()
+        connector = getattr(trainer, "_logger_connector", None)
+        if axis != "frames" or connector is None or not callable(getattr(connector, "log_metrics", None)):
+            return
+        write = connector.log_metrics
+        dm = self
+
+        def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
+            if "step" not in metrics:
+                if step is None:  # Lightning adds the epoch to the rows it steps itself
+                    metrics = {**metrics, "epoch": trainer.current_epoch}
+                step = dm.frames * trainer.world_size
+            write(metrics, step=step)
+
+        connector.log_metrics = log_metrics
+        self._axis_connector = connector
+
+    def _restore_axis(self) -> None:
+        if self._axis_connector is not None:
+            self._axis_connector.__dict__.pop("log_metrics", None)
+            self._axis_connector = None
 
     def _set_eval_schedule(self, trainer: pl.Trainer) -> None:
         if self.eval_every_n_steps is not None:
@@ -396,8 +553,23 @@ class RolloutDataModule(pl.LightningDataModule):
                 "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
                 f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
                 f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
+        epoch = self._limited_epoch(trainer)
+        if defaults and epoch is not None and epoch < batches:
+            return  # a smoke run (fast_dev_run, limit_train_batches): evaluate at each epoch's end, as Lightning does
         trainer.val_check_interval = batches
         trainer.check_val_every_n_epoch = None
+
+    def _limited_epoch(self, trainer: pl.Trainer) -> int | None:
+        """Batches of an epoch under the Trainer's ``limit_train_batches`` (which ``fast_dev_run`` sets), or
+        ``None`` when it does not limit them."""
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            return limit
+        if not isinstance(limit, float) or limit >= 1.0:
+            return None
+        full = (math.ceil(self.total_frames / self.frames_per_batch) if self.total_frames > 0
+                else self.batches_per_epoch or 1000)
+        return int(full * limit)
 
     def _actor(self) -> Any:
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -491,15 +663,22 @@ class RolloutDataModule(pl.LightningDataModule):
         """The evaluation rounds, one per validation run (``None`` while no validation loop can run).
 
         Lightning asks whether a DataModule defines ``val_dataloader`` before the DataModule's
-        ``setup`` lends the module its ``validation_step``; answering ``None`` until then keeps
-        Lightning from warning "val_dataloader but no validation_step". It is defined when
+        ``setup`` lends the module its ``validation_step`` in ``fit``; answering ``None`` until then
+        keeps Lightning from warning "val_dataloader but no validation_step". It is defined when
         evaluation is on and the module has a ``validation_step`` of its own or lent.
         """
-        trainer = getattr(self, "trainer", None)
+        return self._eval_rounds if self._has_step("validation_step") else None
+
+    @property
+    def test_dataloader(self) -> Callable[[], _EvalRounds] | None:  # type: ignore[override]
+        """The evaluation round of ``Trainer.test`` (the same fresh deterministic episodes as a validation
+        round, logged as ``test/...``); ``None`` while no test loop can run."""
+        return self._eval_rounds if self._has_step("test_step") else None
+
+    def _has_step(self, step: str) -> bool:
+        trainer = self.trainer
         module = trainer.lightning_module if trainer is not None else None
-        if not self.evaluates or module is None or not is_overridden("validation_step", module):
-            return None
-        return self._eval_rounds
+        return self.evaluates and module is not None and is_overridden(step, module)
 
     def _eval_rounds(self) -> _EvalRounds:
         return _EvalRounds(self)
@@ -559,8 +738,7 @@ class RolloutDataModule(pl.LightningDataModule):
         seconds = time.perf_counter() - start
         if events is not None:
             events.on_eval_end(episodes)
-        frames = self.collector.frames if self.collector is not None else 0
-        return EvalRound(episodes, seconds=seconds, frames=frames)
+        return EvalRound(episodes, seconds=seconds, frames=self.frames)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -600,13 +778,14 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._eval_loop is not None:
             self._eval_loop.close()
             self._eval_loop = None
-        if self._lent_to is not None:
-            self._lent_to.__dict__.pop("validation_step", None)
-            self._lent_to = None
+        for module, step in self._lent:
+            module.__dict__.pop(step, None)
+        self._lent.clear()
+        self._restore_axis()
 
     def teardown(self, stage: str) -> None:
-        """Join every env thread and take back the lent ``validation_step`` (the counters stay available
-        for a later checkpoint)."""
+        """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
+        loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""
         self._close()
 
     def on_exception(self, exception: BaseException) -> None:
