@@ -4,7 +4,10 @@ Two dangers at exit, both from daemon threads:
 
 * a loop or policy the script never closed still has threads running. One
   ``atexit`` hook closes every object registered with :func:`close_at_exit`
-  (held weakly) that is still alive, which stops and joins its threads first.
+  (held weakly) that is still alive, the last registered first (a loop before
+  the worker processes it built), which stops and joins its threads first. It
+  runs before ``multiprocessing``'s own exit hook, which joins every
+  non-daemonic child process: worker processes are closed before that join.
 * a thread **abandoned** after a timeout (an env call past ``step_timeout``, a
   forward pass past ``policy_timeout``, a thread still running after a
   ``join_timeout``; registered with :func:`abandon`) cannot be stopped: Python
@@ -14,11 +17,13 @@ Two dangers at exit, both from daemon threads:
   without an active exception", exit status -6), whatever the script did.
 
 So, after closing, the hook waits up to :data:`EXIT_GRACE_S` seconds in total
-for every ``lightning_rollout-*`` thread still alive. When one is still running
-after that, the interpreter must not finalize: the hook flushes ``logging``,
-``sys.stdout`` and ``sys.stderr``, prints one line on stderr naming the threads,
-and ends the process with :func:`os._exit`, with the exit code the script was
-about to exit with:
+for every ``lightning_rollout-*`` thread still alive, except those registered
+with :func:`exempt_at_exit` (a thread that only waits on a file descriptor,
+such as a worker process's parent-death watchdog, cannot abort finalization).
+When one is still running after that, the interpreter must not finalize: the
+hook flushes ``logging``, ``sys.stdout`` and ``sys.stderr``, prints one line on
+stderr naming the threads, and ends the process with :func:`os._exit`, with the
+exit code the script was about to exit with:
 
 * the code passed to ``sys.exit()`` in the main thread (recorded by a thin wrapper
   installed while lightning_rollout threads exist; ``None`` is 0, a string is 1);
@@ -35,7 +40,9 @@ after this one) are skipped by ``os._exit``, except ``logging.shutdown`` and
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
+import multiprocessing.util  # noqa: F401 (imported first: its exit hook then runs after ours)
 import os
 import signal
 import sys
@@ -44,7 +51,7 @@ import time
 import weakref
 from typing import Any, Protocol
 
-__all__ = ["EXIT_GRACE_S", "abandon", "close_at_exit"]
+__all__ = ["EXIT_GRACE_S", "abandon", "close_at_exit", "exempt_at_exit"]
 
 EXIT_GRACE_S = 2.0  # seconds the exit hook waits, in total, for threads still running after closing
 THREAD_PREFIX = "lightning_rollout-"
@@ -54,8 +61,10 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-_LIVE: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_LIVE: weakref.WeakValueDictionary[int, _Closable] = weakref.WeakValueDictionary()  # in registration order
+_ORDER = itertools.count()
 _ABANDONED: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_EXEMPT: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _LOCK = threading.Lock()
 _EXIT_STATUS: list[Any] = []  # the last sys.exit() argument given in the main thread, if any
 
@@ -69,9 +78,20 @@ _LAST_UNCAUGHT_AT_IMPORT = _last_uncaught()
 
 
 def close_at_exit(obj: _Closable) -> None:
-    """Close ``obj`` at interpreter exit if it is still alive then (weak reference)."""
-    _LIVE.add(obj)
+    """Close ``obj`` at interpreter exit if it is still alive then (weak reference). Objects are closed
+    the last registered first. Registering an object again keeps its first place."""
+    with _LOCK:
+        if not any(o is obj for o in _LIVE.values()):
+            _LIVE[next(_ORDER)] = obj
     _record_sys_exit()
+
+
+def exempt_at_exit(thread: threading.Thread) -> None:
+    """The exit hook neither waits for ``thread`` nor names it, whatever its name: a daemon that only
+    waits on a file descriptor or a lock (never inside a torch call) cannot abort finalization. Safe
+    from any thread."""
+    with _LOCK:
+        _EXEMPT.add(thread)
 
 
 def abandon(thread: threading.Thread) -> None:
@@ -106,9 +126,10 @@ def _record_sys_exit() -> None:
 def _still_running() -> list[threading.Thread]:
     with _LOCK:
         abandoned = set(_ABANDONED)
+        exempt = set(_EXEMPT)
     current = threading.current_thread()
     ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
-    return [t for t in abandoned | ours if t.is_alive() and t is not current]
+    return [t for t in (abandoned | ours) - exempt if t.is_alive() and t is not current]
 
 
 def _intended_status() -> tuple[int, bool]:
@@ -160,7 +181,9 @@ def _exit_now(stuck: list[threading.Thread]) -> None:
 
 @atexit.register
 def _close_live() -> None:
-    for obj in list(_LIVE):
+    with _LOCK:
+        live = [obj for _, obj in sorted(_LIVE.items(), key=lambda item: item[0], reverse=True)]
+    for obj in live:
         try:
             obj.close()
         except Exception:  # exiting: nothing to report to

@@ -14,22 +14,27 @@ thread in a child and waits for it without holding the GIL, so envs whose step
 holds the GIL (pure Python, ALE) run on every core. The main process's share
 (:class:`LocalEnvs`) is stepped by the env thread itself, after every child was
 sent its part of the step and before their replies are gathered, so the main
-process steps envs while the children do instead of sleeping (measured on 2
-cores against the same block over two children and an idle main process:
-``docs/performance.rst``).
+process steps envs while the children do instead of sleeping.
 
 Protocol (one duplex ``Pipe`` per block; a block server thread in the child owns
 the child end, the env thread in the parent owns the other):
 
-* start-up, child -> parent: ``("ready", keys, observation_spec, action_spec,
-  loop_keys, roots)`` once the block's envs are built and reset (``roots``: each
-  env's first root entries, reset with its seed), or ``("error", ...)``;
-  parent -> child: ``("buffers", inputs, next, root, stats)``: the block's shared
-  tensors, allocated by the parent from the loop's column layout.
+* start-up, child -> parent: ``("started",)`` as soon as the child runs this module's
+  code (before it unpickles its env factories), then ``("ready", keys,
+  observation_spec, action_spec, loop_keys, roots)`` once the block's envs are built
+  and reset (``roots``: each env's first root entries, reset with its seed), or
+  ``("error", ...)``. The ready message is pickled with plain :mod:`pickle`: its
+  spec tensors are copied, not moved to shared memory (which would start a
+  ``multiprocessing`` listener, and its ``pymp-*`` temp folder, in the child).
+  parent -> child: ``("buffers", inputs, next, root, stats, ...)``: the block's shared
+  tensors, allocated by the parent from the loop's column layout; the child answers
+  ``("ok", None)`` once attached, or ``("error", ...)``. A ``("close",)`` instead of
+  the buffers closes the block's envs (a construction given up).
 * then, parent -> child: ``("step", envs)`` (``None``: the whole block),
   ``("reset", j, seed)``, ``("random", j, columns)``, ``("close",)``;
   child -> parent: ``("ok", payload)`` or ``("error", j, phase, kind, message,
-  traceback)``.
+  traceback)``. Whatever an env call raises, ``KeyboardInterrupt`` and ``SystemExit``
+  included, is answered, naming the env of the block whose call raised.
 
 Shared buffers are torch tensors in shared memory (``share_memory_()``), viewed as
 numpy on both sides and written once per step by one side. For a step of ``n`` envs
@@ -46,19 +51,31 @@ that steps envs (the main process counted), polls its pipe for up to ``_SPIN_S``
 (2 ms) before it blocks on it, so the next step's request finds it running. Each
 step's request is on the critical path of the round, and waking a blocked child
 costs more than the poll (on a virtual machine an idle vCPU halts and is woken
-through the hypervisor). Measured on 2 cores, ``num_workers=2``: HalfCheetah +15-30%,
-the GIL-bound env +11%, Pong +2-7% (``benchmarks/PROFILE.md``, round seven). The poll
-releases the GIL at each call, the spin is bounded, and with fewer cores than busy
+through the hypervisor). The poll releases the GIL at each call, the spin is
+bounded, and with fewer cores than busy
 processes, or several parts (server threads) in one child, nobody spins: a spinning
 thread would take the core or the GIL another needs. Every other wait blocks (a
 spin in the parent while it waits for a reply measured within noise).
 
-Lifetime: children start with the ``spawn`` method (safe with CUDA in the parent),
-ignore SIGINT (Ctrl-C is the parent's to handle), run torch with one thread, and
-exit when the parent closes their blocks or when the parent dies (a watchdog
-thread waits on the parent's sentinel). :meth:`WorkerProcesses.close` asks every
-block to close, joins each process within a bound, then terminates and kills.
-Every parent-side wait polls the loop's stop flag and the child's liveness.
+Lifetime: children start with the ``spawn`` method (safe with CUDA in the parent) and
+are not daemonic, so an env may start processes of its own. A child is started with
+SIGINT blocked (the parent blocks it in the starting thread, and a blocked signal
+stays blocked across ``exec``), so a Ctrl-C reaching the process group while the
+child imports is not delivered to it; the child's first step then ignores SIGINT for
+good (Ctrl-C is the parent's to handle). Children run torch with one thread, and
+exit when the parent closes their blocks or when the parent dies (a watchdog thread
+waits on the parent's sentinel); they end with ``os._exit`` after closing their envs
+and removing ``multiprocessing``'s temp folder if they made one. A child that dies
+without reporting an error is described by when it died (while starting, while
+building its envs, or later) and by its exit code or the signal that killed it.
+:meth:`WorkerProcesses.close` asks every block whose child is listening to close
+(its envs are closed), terminates at once a child still starting or building its
+envs, joins each process within a bound, then terminates and kills; then it closes
+the pipes, drops the shared tensors and closes the ``Process`` objects, so every file
+descriptor is released at once, whatever the garbage collector does. Every
+parent-side wait polls the loop's stop flag and the child's liveness. A daemonic
+process (a ``DataLoader`` worker) cannot have children: worker processes are refused
+there with a :class:`~lightning_rollout.errors.CollectionError`.
 """
 
 from __future__ import annotations
@@ -67,6 +84,7 @@ import multiprocessing as mp
 import os
 import pickle
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -79,12 +97,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._exit import close_at_exit, exempt_at_exit
 from ..envs import ActionError, EnvAdapter, EnvFactory, InfoKeys, make_adapter
+from ..errors import CollectionError
 from ..specs import ArraySpec, EnvKeys, NestedKey
 from .block import EnvBlock, EnvFailure, RemoteTraceback
 
-__all__ = ["EnvFailure", "LocalEnvs", "RemoteEnvs", "RemoteTraceback", "WorkerProcesses", "spin_seconds",
-           "steps_in_main_process"]
+__all__ = ["EnvFailure", "LocalEnvs", "RemoteEnvs", "RemoteTraceback", "WorkerDied", "WorkerProcesses",
+           "build_adapter", "spin_seconds", "steps_in_main_process"]
 
 _POLL_S = 0.05
 _POLL_MS = int(_POLL_S * 1000)
@@ -92,13 +112,18 @@ _SPIN_S = 0.002  # how long a child polls its pipe before it blocks on it (see "
 # The two messages of every step, pickled once (what Connection.send would send).
 _STEP_ALL = pickle.dumps(("step", None))
 _OK = pickle.dumps(("ok", None))
+_STARTED = pickle.dumps(("started",))
 
 
 @dataclass(frozen=True)
 class _BlockPlan:
     env_ids: tuple[int, ...]
-    factories: tuple[EnvFactory, ...]
+    factories: tuple[EnvFactory | bytes, ...]  # a child's: each pickled (unpickled there, where a failure is reported)
     seeds: tuple[int | None, ...]
+
+
+class _Explained(Exception):
+    """An error whose message says everything (replies and errors show it without its type name)."""
 
 
 def _to_shared(spec: ArraySpec, rows: int) -> torch.Tensor:
@@ -110,11 +135,50 @@ def _numpy(tensors: dict[NestedKey, torch.Tensor]) -> dict[NestedKey, np.ndarray
     return {k: t.numpy() for k, t in tensors.items()}
 
 
+def _out_of_fds(text: str) -> bool:
+    """Whether an error's text says a process ran out of file descriptors: ``EMFILE`` / ``ENFILE``, or
+    file descriptors sent over a pipe that did not arrive (the kernel drops those a receiver at its limit
+    cannot take: ``multiprocessing`` says it "received 0 items of ancdata")."""
+    return any(words in text for words in ("Too many open files", "EMFILE", "ENFILE", "items of ancdata"))
+
+
+_FDS_HINT = ("; a process ran out of file descriptors: every env in a worker process holds a few in both processes "
+             "(its pipe and its shared buffers). Raise the limit (`ulimit -n`, or resource.setrlimit(RLIMIT_NOFILE) "
+             "before building the loop), or run fewer envs per worker process (fewer env threads: a larger "
+             "envs_per_thread)")
+
+
+def build_adapter(factory: EnvFactory, *, max_episode_steps: int | None, validate: bool,
+                  info_keys: InfoKeys | None) -> EnvAdapter:
+    """``make_adapter(factory(), ...)``; an env that the adapter refuses (a bad space, a bad argument) is
+    closed before the error propagates, so a refused construction leaves no env open."""
+    env = factory()
+    try:
+        return make_adapter(env, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
+    except BaseException:
+        closer = getattr(env, "close", None)
+        if callable(closer):
+            try:
+                closer()
+            except Exception:  # closing must not hide the refusal
+                pass
+        raise
+
+
 # -- child side ------------------------------------------------------------------------------------
 def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None) -> tuple[Any, ...]:
     """The ``("error", ...)`` reply for ``exc`` raised by env ``j`` in ``phase``, with its traceback."""
     kind = kind or ("action" if isinstance(exc, ActionError) else "env")
-    return ("error", j, phase, kind, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc)))
+    message = str(exc) if isinstance(exc, _Explained) else f"{type(exc).__name__}: {exc}"
+    return ("error", j, phase, kind, message, "".join(traceback.format_exception(exc)))
+
+
+def _send(conn: Any, message: tuple[Any, ...]) -> None:
+    """Send ``message`` to the parent; a pipe already gone (the parent closed it or died) is ignored."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass
 
 
 def _pipe_poller(conn: Any) -> Any:
@@ -144,16 +208,28 @@ def steps_in_main_process(num_envs: int, envs_per_thread: int) -> bool:
 def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_steps: int | None, validate: bool,
                 info_keys: InfoKeys | None) -> tuple[Any, ...]:
     """Build ``plan``'s envs into ``adapters`` and reset each with its seed; return the ``("ready", ...)``
-    message of the block (see the module docs), in a child or for the main process's share.
+    message of the block (see the module docs), in a child or for the main process's share. A pickled
+    factory (a child's) is unpickled first.
 
     Raises:
-        EnvFailure: for the first env that failed to build (``"create"``) or to reset (``"reset"``),
-            whatever it raised as the cause; ``adapters`` then holds the envs built so far.
+        EnvFailure: for the first env whose factory could not be unpickled, or that failed to build
+            (``"create"``) or to reset (``"reset"``), whatever it raised as the cause; ``adapters`` then
+            holds the envs built so far (the caller closes them).
     """
     for j, factory in enumerate(plan.factories):
+        if isinstance(factory, bytes):
+            try:
+                factory = pickle.loads(factory)
+            except BaseException as exc:
+                explained = _Explained(
+                    f"the env factory could not be unpickled in the worker process ({type(exc).__name__}: {exc}); "
+                    "it must be importable there: define it in a module, or at the top level of a script run as a "
+                    "file (python script.py), not in an interactive session or `python -c`")
+                explained.__cause__ = exc
+                raise EnvFailure(j, "create", "env", explained) from exc
         try:
-            adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
-                                         info_keys=info_keys))
+            adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=validate,
+                                          info_keys=info_keys))
         except BaseException as exc:
             raise EnvFailure(j, "create", "env", exc) from exc
     roots = []
@@ -167,70 +243,118 @@ def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_ste
 
 
 class _BlockServer:
-    """Serves one block's commands in the child (its own thread)."""
+    """Serves one block's commands in the child (its own thread once attached).
+
+    Built in the child's main thread: builds and resets the block's envs and sends ``("ready", ...)``, or
+    sends ``("error", ...)``, closes the envs built and raises :class:`EnvFailure`.
+    """
 
     def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool,
                  info_keys: InfoKeys | None = None, spin: float = 0.0) -> None:
         self.plan, self.conn, self.validate, self.spin = plan, conn, validate, spin
         self.adapters: list[EnvAdapter] = []
+        self.block: EnvBlock | None = None
         try:
             ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
                                 info_keys=info_keys)
+            # Plain pickle: the spec tensors are copied (ForkingPickler would share them through a listener).
+            conn.send_bytes(pickle.dumps(ready))
         except EnvFailure as failure:
-            conn.send(_error_reply(failure.j, failure.phase, failure.cause))
+            self.close()
+            _send(conn, _error_reply(failure.j, failure.phase, failure.cause))
             raise
-        conn.send(ready)
+        except BaseException as exc:  # the ready message could not be pickled or sent
+            self.close()
+            _send(conn, _error_reply(0, "create", exc, "env"))
+            raise EnvFailure(0, "create", "env", exc) from exc
         self.keys: EnvKeys = ready[1]
 
-    def attach(self, message: tuple[Any, ...]) -> None:
-        _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
-        self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
-        self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
-        self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
-                              checked_root=checked_root, zero_done=zero_done,
-                              watched=False)  # the parent's RemoteEnvs notes each call for step_timeout
+    def attach(self) -> bool:
+        """Receive the block's shared buffers and answer ``("ok", None)``; False when the parent sent
+        ``("close",)`` instead (it gave the construction up). A failure (receiving the buffers' file
+        descriptors, say) is answered with ``("error", ...)`` and raised."""
+        try:
+            message = self.conn.recv()
+            if message[0] == "close":
+                return False
+            _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
+            self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
+            self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
+            self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
+                                  checked_root=checked_root, zero_done=zero_done,
+                                  watched=False)  # the parent's RemoteEnvs notes each call for step_timeout
+        except BaseException as exc:
+            explained = _Explained(f"worker process could not attach the shared buffers of envs "
+                                   f"{list(self.plan.env_ids)} ({type(exc).__name__}: {exc})")
+            explained.__cause__ = exc  # its traceback goes with the reply
+            _send(self.conn, _error_reply(0, "attach", explained, "env"))
+            raise
+        self.conn.send_bytes(_OK)
+        return True
 
     def serve(self) -> None:
+        """Answer the parent's commands until ``("close",)`` (the envs are closed) or until the pipe is
+        gone (the parent closed it or died)."""
         conn, spin = self.conn, self.spin
         poller = _pipe_poller(conn) if spin else None
-        while True:
-            if poller is not None:  # poll for the next request a little before blocking on it (module docs)
-                deadline = time.perf_counter() + spin
-                while not poller.poll(0) and time.perf_counter() < deadline:
-                    pass
-            message = conn.recv()
-            op = message[0]
-            if op == "close":
-                self.block.close()
-                conn.send(("ok", None))
-                return
-            try:
-                reply = getattr(self, f"_{op}")(*message[1:])
-                if reply is None:  # a step: nothing to return
+        try:
+            while True:
+                if poller is not None:  # poll for the next request a little before blocking on it (module docs)
+                    deadline = time.perf_counter() + spin
+                    while not poller.poll(0) and time.perf_counter() < deadline:
+                        pass
+                message = conn.recv()
+                op = message[0]
+                if op == "close":
+                    self.close()
                     conn.send_bytes(_OK)
-                    continue
-            except EnvFailure as failure:
-                reply = (("error", failure.j, "check", "env", str(failure), "") if failure.phase == "check"
-                         else _error_reply(failure.j, failure.phase, failure.cause, failure.kind))
-            except Exception as exc:  # a bug of ours: still answered, so the parent never waits for nothing
-                reply = _error_reply(0, op, exc, "env")
-            conn.send(reply)
+                    return
+                try:
+                    reply = getattr(self, f"_{op}")(*message[1:])
+                    if reply is None:  # a step: nothing to return
+                        conn.send_bytes(_OK)
+                        continue
+                except EnvFailure as failure:
+                    reply = (("error", failure.j, "check", "env", str(failure), "") if failure.phase == "check"
+                             else _error_reply(failure.j, failure.phase, failure.cause, failure.kind))
+                except BaseException as exc:  # SystemExit, KeyboardInterrupt or an error the block does not wrap
+                    j = self.block.busy_env if self.block is not None else 0  # the env whose call raised
+                    reply = _error_reply(max(j, 0), "reset" if op == "reset" else "step", exc)
+                conn.send(reply)
+        except (EOFError, OSError):  # the parent closed the pipe or died: nobody to answer
+            return
+
+    def close(self) -> None:
+        """Close the block's envs (idempotent; errors are swallowed, as :meth:`EnvBlock.close`)."""
+        adapters, self.adapters = self.adapters, []
+        block, self.block = self.block, None
+        if block is not None:
+            block.close()
+            return
+        for adapter in adapters:
+            try:
+                adapter.close()
+            except Exception:
+                pass
 
     def _step(self, envs: Sequence[int] | None) -> None:
         """Step ``envs`` (``None``: the whole block): rows ``0:n`` of the shared buffers are theirs."""
-        n = len(self.adapters) if envs is None else len(envs)
+        assert self.block is not None
+        n = len(self.block.adapters) if envs is None else len(envs)
         self.block.step({k: v[:n] for k, v in self.inputs.items()}, range(n) if envs is None else envs,
                         {k: v[:n] for k, v in self.next.items()}, self.reward[:n], self.terminated[:n],
                         self.truncated[:n])
         return None
 
     def _reset(self, j: int, seed: int | None) -> tuple[Any, ...]:
+        assert self.block is not None
         root = self.block.reset(j, seed)
         for k, buf in self.root.items():
             buf[0] = root[k]
         return ("ok", None)
 
     def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> tuple[Any, ...]:
+        assert self.block is not None
         return ("ok", self.block.random_action(j, columns))
 
 
@@ -245,52 +369,125 @@ def _watch_parent() -> None:
     os._exit(0)
 
 
+def _mp_temp_dir() -> str | None:
+    """``multiprocessing``'s ``pymp-*`` folder of this process, ``None`` before one is made. A child inherits
+    its parent's (a ``Process`` copies its creator's config), which is the parent's to remove."""
+    return mp.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+
+
+def _remove_mp_temp_dir(inherited: str | None) -> None:
+    """Remove the ``pymp-*`` folder ``multiprocessing`` made in this process, if it made one rather than
+    ``inherited`` (its own removal runs at a normal interpreter exit, which ``os._exit`` skips)."""
+    tempdir = _mp_temp_dir()
+    if tempdir and tempdir != inherited:
+        shutil.rmtree(tempdir, ignore_errors=True)
+
+
 def _child_main(plans: list[_BlockPlan], conns: list[Any], max_episode_steps: int | None, validate: bool,
                 info_keys: InfoKeys | None = None, spin: float = 0.0) -> None:
+    """A worker process: build each plan's block, attach its buffers, serve it; then end the process
+    (``os._exit``) with every env closed, whatever happened (an error is reported on the block's pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes us
+    if hasattr(signal, "pthread_sigmask"):  # started with SIGINT blocked (WorkerProcesses._start)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     torch.set_num_threads(1)
-    threading.Thread(target=_watch_parent, name="lightning_rollout-worker-watchdog", daemon=True).start()
+    inherited_temp_dir = _mp_temp_dir()
+    watchdog = threading.Thread(target=_watch_parent, name="lightning_rollout-worker-watchdog", daemon=True)
+    exempt_at_exit(watchdog)  # it only waits: never a reason to delay this process's exit
+    watchdog.start()
     servers: list[_BlockServer] = []
+    code = 0
     try:
+        for conn in conns:
+            conn.send_bytes(_STARTED)
         for plan, conn in zip(plans, conns):
             servers.append(_BlockServer(plan, conn, max_episode_steps, validate, info_keys, spin))
-        for server in servers:
-            server.attach(server.conn.recv())
-    except BaseException:
-        return  # the error was sent; the parent closes everything
-    threads = [threading.Thread(target=s.serve, name=f"lightning_rollout-block{s.plan.env_ids[0]}", daemon=True)
-               for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        if all(server.attach() for server in servers):  # else the parent gave the construction up
+            threads = [threading.Thread(target=s.serve, name=f"lightning_rollout-block{s.plan.env_ids[0]}",
+                                        daemon=True) for s in servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    except BaseException:  # reported to the parent on the block's pipe (or the pipe is gone)
+        code = 1
+    for server in servers:
+        server.close()
+    _remove_mp_temp_dir(inherited_temp_dir)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # the parent owns every resource; skip finalization (the watchdog thread is still waiting)
+    os._exit(code)  # the parent owns every resource; skip finalization (the watchdog thread is still waiting)
 
 
 # -- parent side -------------------------------------------------------------------------------------
-def check_picklable(factories: Sequence[EnvFactory]) -> None:
-    """Raise a ``ValueError`` saying what to do when an env factory cannot be sent to a worker process."""
+def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
+    """Each env factory pickled (what a worker process is sent); a ``ValueError`` saying what to do when
+    one cannot be."""
+    blobs: dict[int, bytes] = {}  # by id: a factory given for many envs is pickled once
+    out = []
     for i, factory in enumerate(factories):
+        blob = blobs.get(id(factory))
+        if blob is None:
+            try:
+                blob = blobs[id(factory)] = pickle.dumps(factory)
+            except Exception as exc:
+                raise ValueError(
+                    f"num_workers > 1 runs envs in worker processes, which need the env factory to be picklable; "
+                    f"env {i}'s factory {factory!r} is not ({type(exc).__name__}: {exc}). Define it at module level "
+                    "(not a lambda or a local function), or pass a gymnasium id or a functools.partial of a "
+                    "module-level function") from exc
+        out.append(blob)
+    return out
+
+
+def _exit_status(process: Any) -> str:
+    """How ``process`` ended, in words: its exit code, or the signal that killed it (waits up to 1 s for
+    it to be reaped: its pipe closes a little before it exits)."""
+    process.join(1.0)
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe but is still running"
+    if code < 0:
         try:
-            pickle.dumps(factory)
-        except Exception as exc:
-            raise ValueError(
-                f"num_workers > 1 runs envs in worker processes, which need the env factory to be picklable; env "
-                f"{i}'s factory {factory!r} is not ({type(exc).__name__}: {exc}). Define it at module level (not a "
-                "lambda or a local function), or pass a gymnasium id or a functools.partial of a module-level "
-                "function") from exc
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == getattr(signal, "SIGKILL", 9) else ""
+        return f"was killed by {name} (exit code {code}){oom}"
+    return f"exited with code {code}"
 
 
-def _receive(conn: Any, process: Any) -> tuple[Any, ...]:
-    """The next message from a child; a closed pipe (the child died) becomes an :class:`EnvFailure`."""
+class WorkerDied(RuntimeError):
+    """A worker process ended without reporting an error (chained as the cause of the loop's error)."""
+
+
+def _death(block: RemoteEnvs) -> EnvFailure:
+    """The failure of ``block`` whose process ended without a word: said by when it ended (while
+    starting, while building its envs, after) and how (exit code or signal)."""
+    name, status = block.process.name, _exit_status(block.process)
+    if not block.started:
+        text = (f"worker process {name!r} {status} while starting, before it ran lightning_rollout's code: 'spawn' "
+                "starts a worker by importing the main module again and unpickling what it is sent, and that failed "
+                "(the worker's traceback is on stderr)")
+        if block.process.exitcode == 1:
+            text += (". A script that builds the loop at its top level must guard it with "
+                     "`if __name__ == \"__main__\":`; or pass num_workers=1 to keep the envs in threads")
+    elif not block.ready:
+        text = (f"worker process {name!r} {status} while building its envs, without reporting an error (a crash "
+                "in native code, os._exit in an env, or the process was killed)")
+    else:
+        text = f"worker process {name!r} {status}"
+    failure = EnvFailure(0, "create" if not block.ready else "step", "env", WorkerDied(text))
+    failure.process = block.index
+    return failure
+
+
+def _receive(block: RemoteEnvs) -> tuple[Any, ...]:
+    """The next message from ``block``'s child; a closed pipe (the child died) becomes its :func:`_death`."""
     try:
-        return conn.recv()
+        return block.conn.recv()
     except (EOFError, OSError) as exc:
-        process.join(1.0)
-        raise EnvFailure(0, "step", "env", RuntimeError(
-            f"worker process {process.name!r} died (exit code {process.exitcode})")) from exc
+        raise _death(block) from exc
 
 
 def _payload(reply: tuple[Any, ...]) -> Any:
@@ -307,16 +504,28 @@ class RemoteEnvs:
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
     """
 
-    def __init__(self, pool: WorkerProcesses, process: Any, conn: Any, rows: int, index: int) -> None:
-        self.pool, self.process, self.conn, self.rows = pool, process, conn, rows
+    def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
+        self.process, self.conn, self.rows = process, conn, rows
         self.index = index  # the worker process's index, named in errors
+        self.started = False  # the child runs our code (its "started" arrived)
+        self.ready = False  # its envs are built (its "ready" arrived): it reads its pipe from now on
         self._poller = _pipe_poller(conn)
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
         self.root: dict[NestedKey, np.ndarray] = {}
+        self.reward = self.terminated = self.truncated = np.empty(0)
+        self._keep: tuple[Any, ...] | None = None  # the shared tensors (the parent's references)
         self.busy_env = -1  # as EnvBlock's: read by the driver's step_timeout check
         self.busy_phase = "step"
         self.busy_since = 0.0
+
+    def release(self) -> None:
+        """Close the pipe and drop the shared buffers (their file descriptors are closed now)."""
+        self.conn.close()
+        self._poller = None
+        self.inputs, self.next, self.root = {}, {}, {}
+        self.reward = self.terminated = self.truncated = np.empty(0)
+        self._keep = None
 
     def _call(self, message: tuple[Any, ...], stop: threading.Event | None) -> Any:
         self.conn.send(message)
@@ -330,12 +539,11 @@ class RemoteEnvs:
             if stop is not None and stop.is_set():
                 raise _Stopped()
             if not self.process.is_alive():
-                failure = EnvFailure(0, "step", "env", RuntimeError(
-                    f"worker process {self.process.name!r} died (exit code {self.process.exitcode})"))
-                failure.process = self.index
-                raise failure
+                if conn.poll(0):  # its last words arrived before it ended
+                    break
+                raise _death(self)
         try:
-            return _payload(_receive(conn, self.process))
+            return _payload(_receive(self))
         except EnvFailure as failure:
             failure.process = self.index
             raise
@@ -563,21 +771,38 @@ class WorkerProcesses:
         seeds: the seed of each env's first reset (``None``: unseeded).
         max_episode_steps, validate, info_keys: as the loop's.
         name: used in process names.
-        start_method: ``"spawn"`` (default) or ``"forkserver"``; both are safe with CUDA.
+        start_method: ``"spawn"`` (default) or ``"forkserver"``; both are safe with CUDA. Only a
+            ``"spawn"`` child is started with SIGINT blocked (a ``"forkserver"`` child is forked from the
+            server, with the server's signal handlers).
         timeout: seconds to wait for the processes to build and reset their envs.
+        on_error: ``(env id, phase, failure, worker process or None) -> exception`` raised for an env that
+            failed to build or reset, or a worker process that failed or died before it was attached.
+
+    If the construction fails (or is interrupted), every env built is closed and every process ended
+    before the exception propagates; see :meth:`close`.
 
     Raises:
         ValueError: an unpicklable factory, or envs whose specs differ.
-        EnvError: an env failed to build or reset (named by its global id and its process).
+        CollectionError: this process is daemonic (a ``DataLoader`` worker), so it cannot start processes;
+            or it ran out of file descriptors starting them.
+        EnvError: (from ``on_error``) an env failed to build or reset, or a worker process failed or died
+            while starting (named by the env's global id and the process, the cause chained).
     """
 
     def __init__(self, factories: Sequence[EnvFactory], num_workers: int, envs_per_thread: int, *,
                  seeds: Sequence[int | None], max_episode_steps: int | None, validate: bool, name: str,
                  info_keys: InfoKeys | None = None,
                  start_method: str = "spawn", timeout: float = 120.0,
-                 on_error: Callable[[int, str, EnvFailure, int], BaseException]) -> None:
-        check_picklable(factories)
+                 on_error: Callable[[int, str, EnvFailure, int | None], BaseException]) -> None:
+        blobs = check_picklable(factories)
+        if mp.current_process().daemon:
+            raise CollectionError(
+                f"num_workers={num_workers} runs envs in worker processes, and this process cannot start any: it "
+                f"is daemonic ({mp.current_process().name!r}: a torch DataLoader worker, a multiprocessing Pool "
+                "worker), and daemonic processes are not allowed to have children. Build the loop or collector in "
+                "the main process, or pass num_workers=1 to keep its envs in threads")
         ctx = torch.multiprocessing.get_context(start_method)
+        self._on_error = on_error
         g = envs_per_thread
         num_envs = len(factories)
         num_blocks = num_envs // g
@@ -601,12 +826,15 @@ class WorkerProcesses:
             lo, hi = int(bounds[p]), int(bounds[p + 1])
             for b in range(lo // g, -(-hi // g)):
                 start, stop = max(lo, b * g), min(hi, (b + 1) * g)
-                plans.append(_BlockPlan(tuple(range(start, stop)), tuple(factories[start:stop]),
-                                        tuple(seeds[start:stop])))
+                # the main process's share is built from the factories, a child's from their pickles
+                own = factories[start:stop] if local and p == 0 else blobs[start:stop]
+                plans.append(_BlockPlan(tuple(range(start, stop)), tuple(own), tuple(seeds[start:stop])))
                 part_of.append((p, b, start - b * g))
+        self.plans = plans
         self.blocks: list[RemoteEnvs | LocalEnvs] = []  # every part, in env order (the main process's first)
         self.processes: list[Any] = []  # the children (worker processes 1 to num_workers - 1 when local)
         self.process_of: list[int] = []  # part -> process index (0: the main process when local)
+        self.groups: list[RemoteEnvs | RemoteGroup] = []
         self._closed = False
         self._remote: list[RemoteEnvs] = []  # the children's parts (closed by close() even if construction fails)
         from .auto import usable_cores  # here: auto imports this module
@@ -614,19 +842,25 @@ class WorkerProcesses:
         children = num_workers - 1 if local else num_workers
         cores = usable_cores()
         self.spins: list[float] = []  # each child's spin before it blocks on its pipe (seconds; "Waiting" above)
+        close_at_exit(self)  # non-daemonic children: ended before multiprocessing's exit hook joins them
         try:
             for p in range(1 if local else 0, num_workers):  # children first: they build while we do
                 mine = [plan for plan, (q, _, _) in zip(plans, part_of) if q == p]
-                pairs = [ctx.Pipe(duplex=True) for _ in mine]
                 self.spins.append(spin_seconds(len(mine), children, cores))
-                process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
-                                                                 validate, info_keys, self.spins[-1]),
-                                      name=f"lightning_rollout-{name}-worker{p}", daemon=True)
-                process.start()
+                try:
+                    pairs = [ctx.Pipe(duplex=True) for _ in mine]
+                    process = ctx.Process(target=_child_main, args=(mine, [c for _, c in pairs], max_episode_steps,
+                                                                     validate, info_keys, self.spins[-1]),
+                                          name=f"lightning_rollout-{name}-worker{p}", daemon=False)
+                    self._start(process)
+                except OSError as exc:  # out of file descriptors, or of processes
+                    hint = _FDS_HINT if _out_of_fds(str(exc)) else ""
+                    raise CollectionError(f"could not start worker process {p} ({type(exc).__name__}: {exc})"
+                                          f"{hint}") from exc
                 self.processes.append(process)
                 for (parent_end, child_end), plan in zip(pairs, mine):
                     child_end.close()
-                    self._remote.append(RemoteEnvs(self, process, parent_end, len(plan.env_ids), p))
+                    self._remote.append(RemoteEnvs(process, parent_end, len(plan.env_ids), p))
             for plan, (q, _, _) in zip(plans, part_of):
                 if local and q == 0:
                     try:
@@ -642,7 +876,7 @@ class WorkerProcesses:
             grouped: list[list[tuple[int, RemoteEnvs | LocalEnvs]]] = [[] for _ in range(num_blocks)]
             for part, (_, b, offset) in zip(self.blocks, part_of):
                 grouped[b].append((offset, part))
-            self.groups: list[RemoteEnvs | RemoteGroup] = [  # a LocalEnvs is always in a group
+            self.groups = [  # a LocalEnvs is always in a group
                 parts[0][1] if len(parts) == 1 else RemoteGroup(parts) for parts in grouped]
             self.first_roots: list[dict[NestedKey, np.ndarray]] = []
             ready = []
@@ -654,8 +888,7 @@ class WorkerProcesses:
                 try:
                     reply = self._wait_ready(block, timeout)
                 except EnvFailure as failure:
-                    raise on_error(plans[b].env_ids[failure.j], failure.phase, failure,
-                                   self.process_of[b]) from failure.cause
+                    raise self._error(b, failure) from failure.cause
                 ready.append(reply)
                 self.first_roots.extend(reply[5])
             _, self.keys, self.observation_spec, self.action_spec, self.loop_keys, _ = ready[0]
@@ -668,65 +901,116 @@ class WorkerProcesses:
             raise
 
     @staticmethod
-    def _wait_ready(block: RemoteEnvs, timeout: float) -> tuple[Any, ...]:
-        deadline = time.monotonic() + timeout
-        while not block.conn.poll(_POLL_S):
-            if not block.process.is_alive():
-                raise EnvFailure(0, "create", "env", RuntimeError(
-                    f"worker process {block.process.name!r} exited while building its envs (exit code "
-                    f"{block.process.exitcode}). Worker processes start with 'spawn', which imports your main "
-                    "script again: guard its top level with `if __name__ == \"__main__\":`, or pass "
-                    "num_workers=1 to keep the envs in threads"))
-            if time.monotonic() > deadline:
-                raise EnvFailure(0, "create", "env", TimeoutError(
-                    f"worker process {block.process.name!r} did not build its envs within {timeout} s"))
+    def _start(process: Any) -> None:
+        """Start ``process`` with SIGINT blocked in this thread, so that the child starts with it blocked (the
+        mask is kept across ``exec``): a Ctrl-C while it imports is not delivered to it. A SIGINT arriving
+        meanwhile goes to another thread of this process, or waits until the mask is restored: none is lost."""
+        if not hasattr(signal, "pthread_sigmask"):
+            process.start()
+            return
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # it unblocks SIGINT in the thread that starts it: before the mask
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            reply = _receive(block.conn, block.process)
-        except EnvFailure as failure:
-            raise EnvFailure(0, "create", "env", RuntimeError(
-                f"{failure}; worker processes start with 'spawn', which imports your main script again: guard its "
-                "top level with `if __name__ == \"__main__\":`, or pass num_workers=1")) from failure
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _error(self, b: int, failure: EnvFailure) -> BaseException:
+        """The constructor's error for part ``b``'s ``failure`` (``on_error``, with the env's global id)."""
+        if _out_of_fds(str(failure)):
+            failure = EnvFailure(failure.j, failure.phase, failure.kind, failure.cause)
+            failure.args = (f"{failure.args[0]}{_FDS_HINT}",)
+        failure.process = self.process_of[b]
+        return self._on_error(self.plans[b].env_ids[failure.j], failure.phase, failure, self.process_of[b])
+
+    @staticmethod
+    def _wait_ready(block: RemoteEnvs, timeout: float) -> tuple[Any, ...]:
+        """``block``'s ``("ready", ...)`` message (after its ``("started",)``). Raises :class:`EnvFailure`:
+        the child's error, its death (:func:`_death`), or ``timeout`` s passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while not block.conn.poll(_POLL_S):
+                if not block.process.is_alive() and not block.conn.poll(0):
+                    raise _death(block)
+                if time.monotonic() > deadline:
+                    raise EnvFailure(0, "create", "env", TimeoutError(
+                        f"worker process {block.process.name!r} did not build its envs within {timeout} s"))
+            reply = _receive(block)
+            if reply[0] != "started":
+                break
+            block.started = True
         _payload(reply)  # raises the child's error
+        block.ready = True
         return reply
 
     def attach(self, specs: dict[NestedKey, ArraySpec], *, inputs: Sequence[NestedKey], nxt: Sequence[NestedKey],
                checked_next: dict[NestedKey, ArraySpec], checked_root: dict[NestedKey, ArraySpec],
                zero_done: dict[NestedKey, ArraySpec]) -> None:
-        """Allocate each block's shared buffers from the loop's column layout and hand them to its child."""
+        """Allocate each block's shared buffers from the loop's column layout, hand them to its child and wait
+        until every child attached them.
+
+        Raises:
+            CollectionError: this process ran out of file descriptors allocating or sending them.
+            EnvError: (from ``on_error``) a child could not attach them, or died.
+        """
         keys = self.keys
-        for block in self.blocks:
+        sent = []
+        for b, block in enumerate(self.blocks):
             if isinstance(block, LocalEnvs):
                 block.attach(checked_next, checked_root, zero_done)
                 continue
             g = block.rows
-            shared_in = {k: _to_shared(specs[k], g) for k in inputs}
-            shared_next = {k: _to_shared(keys.next[k], g) for k in nxt}
-            shared_root = {k: _to_shared(keys.root[k], g) for k in keys.root}
-            stats = (torch.zeros(g, dtype=torch.float64).share_memory_(),
-                     torch.zeros(g, dtype=torch.bool).share_memory_(), torch.zeros(g, dtype=torch.bool).share_memory_())
-            block.conn.send(("buffers", shared_in, shared_next, shared_root, stats, checked_next, checked_root,
-                             zero_done))
+            try:
+                shared_in = {k: _to_shared(specs[k], g) for k in inputs}
+                shared_next = {k: _to_shared(keys.next[k], g) for k in nxt}
+                shared_root = {k: _to_shared(keys.root[k], g) for k in keys.root}
+                stats = (torch.zeros(g, dtype=torch.float64).share_memory_(),
+                         torch.zeros(g, dtype=torch.bool).share_memory_(),
+                         torch.zeros(g, dtype=torch.bool).share_memory_())
+                block._keep = (shared_in, shared_next, shared_root, stats)  # the parent's references
+                block.conn.send(("buffers", shared_in, shared_next, shared_root, stats, checked_next, checked_root,
+                                 zero_done))
+            except (OSError, RuntimeError) as exc:  # shm_open / dup refused: out of file descriptors, of memory
+                hint = _FDS_HINT if _out_of_fds(str(exc)) else ""
+                raise CollectionError(f"could not share the buffers of envs {list(self.plans[b].env_ids)} with "
+                                      f"worker process {block.index} ({type(exc).__name__}: {exc}){hint}") from exc
             block.inputs, block.next, block.root = _numpy(shared_in), _numpy(shared_next), _numpy(shared_root)
             block.reward, block.terminated, block.truncated = (t.numpy() for t in stats)
-            block._keep = (shared_in, shared_next, shared_root, stats)  # the parent's references
+            sent.append((b, block))
+        for b, block in sent:  # every child attaches at once; each answers
+            try:
+                block._reply(None)
+            except EnvFailure as failure:
+                raise self._error(b, failure) from failure.cause
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close every block (the main process's envs too), join every child within ``timeout`` s, then
-        terminate / kill. Idempotent."""
+        """Close every block (the main process's envs too) and end every child, then release every resource
+        at once: pipes, shared tensors and ``Process`` objects (no file descriptor waits for the garbage
+        collector). Idempotent.
+
+        A child whose blocks are all built is asked to close them (its envs are closed) and joined within
+        ``timeout`` s in all, then terminated and killed; a child still starting or building its envs
+        (construction given up: an error elsewhere, Ctrl-C) cannot read the request before it is done, so
+        it is terminated at once.
+        """
         if self._closed:
             return
         self._closed = True
         for block in self.blocks:
             if isinstance(block, LocalEnvs):
                 block.close()
+        listening = {id(p): all(part.ready for part in self._remote if part.process is p) for p in self.processes}
         for block in self._remote:
-            try:
-                if block.process.is_alive():
-                    block.conn.send(("close",))
-            except (OSError, ValueError):  # the pipe is already gone
-                pass
+            if listening[id(block.process)] and block.process.is_alive():
+                _send(block.conn, ("close",))
         for process in self.processes:
-            process.join(timeout)
+            if not listening[id(process)] and process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.terminate()
                 process.join(1.0)
@@ -734,4 +1018,10 @@ class WorkerProcesses:
                 process.kill()
                 process.join(1.0)
         for block in self._remote:
-            block.conn.close()
+            block.release()
+        for process in self.processes:
+            try:
+                process.close()  # its sentinel's file descriptor
+            except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
+                pass
+        self.blocks, self._remote, self.processes, self.groups = [], [], [], []
