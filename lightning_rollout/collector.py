@@ -48,7 +48,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds
-from .envs import EnvFactory, InfoKeys, resolve_env_factory
+from .envs import EnvFactory, InfoKeys, close_env_quietly, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
@@ -81,6 +81,93 @@ class _with_kwargs:
         return self.factory(**self.kwargs)
 
 
+class _WithPolicyTransforms:
+    """A picklable factory appending the transforms a policy needs (``auto_register_policy_transforms=True``).
+
+    A TorchRL env gets the ``InitTracker`` and ``TensorDictPrimer`` its specs lack, by TorchRL's own rule
+    (what ``Collector`` appends); a gymnasium env is returned as it is: the loop writes its ``is_init`` and
+    carries the recurrent state itself.
+    """
+
+    def __init__(self, factory: Any, policy: torch.nn.Module) -> None:
+        self.factory = factory
+        self.policy = policy
+
+    def __call__(self) -> Any:
+        env = self.factory()
+        if isinstance(env, EnvBase):
+            from torchrl.modules.utils.utils import _maybe_append_env_transforms_from_module
+
+            env = _maybe_append_env_transforms_from_module(env, self.policy)
+        return env
+
+
+def _ordinal(device: torch.device | None) -> torch.device | None:
+    """TorchRL's ordinal form of a device (``"cuda"`` is the current CUDA device's index)."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
+    """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``) for these arguments.
+
+    ``storing_device``, else ``device``, else ``env_device`` when it equals ``policy_device`` (each of those
+    two defaulting to ``device``); ``None`` otherwise, the batch then having no device. Only the arguments
+    count, not where the env or the policy's weights are.
+    """
+    as_dev = lambda d: _ordinal(torch.device(d)) if d is not None else None  # noqa: E731
+    policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
+    stored = as_dev(storing_device or device)
+    return env_ if stored is None and env_ == policy_ else stored
+
+
+def _check_torchrl_options(*, backend: Any, backend_options: Any, num_collectors: Any, sync: Any,
+                           return_same_td: Any, use_buffers: Any, replay_buffer: Any, cudagraph_policy: Any,
+                           weight_updater: Any, weight_sync_schemes: Any, weight_recv_schemes: Any) -> None:
+    """Refuse the values of TorchRL ``Collector`` options that would change something ThreadedCollector cannot
+    do; the values that change nothing here (TorchRL's defaults, empty mappings, ``False``) pass.
+
+    Raises:
+        ValueError: an option with another value, naming it and what to do instead.
+        TypeError: ``use_buffers=True`` with a ``replay_buffer`` (as TorchRL's ``Collector`` raises).
+    """
+    if backend not in (None, "direct"):
+        raise ValueError(f"backend={backend!r}: ThreadedCollector collects in this process (backend='direct'): envs "
+                         "in threads, or in worker processes with num_workers=n; drop backend, or use torchrl's "
+                         f"Collector(backend={backend!r}) for that kind of collection")
+    if backend_options:
+        raise ValueError(f"backend_options={backend_options!r}: ThreadedCollector has no backend to configure; "
+                         "pass its options as keyword arguments (num_envs=, num_workers=, envs_per_thread=...)")
+    if num_collectors is not None:
+        raise ValueError(f"num_collectors={num_collectors!r}: ThreadedCollector is one collector; set num_envs= "
+                         "(envs stepped in threads) and num_workers= (worker processes) instead")
+    if sync is not None:
+        raise ValueError(f"sync={sync!r} applies to TorchRL's multi-collector backends; ThreadedCollector is one "
+                         "collector: drop sync (on_policy=True, the default, never overlaps a batch with "
+                         "training; on_policy=False does)")
+    if return_same_td:
+        raise ValueError("return_same_td=True is not supported: each batch is a new TensorDict, whose memory is "
+                         "recycled once nothing references it; drop return_same_td, or copy each batch into a "
+                         "TensorDict of your own with buffer.update_(batch)")
+    if use_buffers and replay_buffer is not None:
+        raise TypeError("replay_buffer is exclusive with use_buffers: drop use_buffers (it does not change "
+                        "ThreadedCollector's batches)")
+    if cudagraph_policy not in (None, False):
+        raise ValueError(f"cudagraph_policy={cudagraph_policy!r} is not supported: a CUDA graph needs one input "
+                         "shape, and the policy is called on the rows of 1 to num_envs envs; pass "
+                         "cudagraph_policy=False, or compile_policy={'mode': 'reduce-overhead'} (CUDA graphs per "
+                         "batch size, by torch.compile)")
+    if weight_updater is not None:
+        raise ValueError("weight_updater is not supported: ThreadedCollector's envs share this process's policy; "
+                         "push weights with collector.update_policy_weights_(module, state_dict or TensorDict)")
+    for name, schemes in (("weight_sync_schemes", weight_sync_schemes), ("weight_recv_schemes", weight_recv_schemes)):
+        if schemes:
+            raise ValueError(f"{name} is not supported: ThreadedCollector has no remote workers to send weights to "
+                             "or parent collector to receive them from; push weights with "
+                             "collector.update_policy_weights_(...)")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
@@ -88,8 +175,9 @@ def _is_number(value: Any) -> bool:
 class ThreadedCollector(BaseCollector):
     """TorchRL collector whose envs run in threads behind one autobatched policy.
 
-    Takes every keyword argument of torchrl 0.14's ``Collector`` that has a
-    meaning for one process, with the same defaults and rounding rules, and
+    Takes every keyword argument of torchrl 0.14's ``Collector``, with the same
+    defaults and rounding rules (refusing, with what to do instead, the values
+    of those whose meaning does not carry over), and
     yields batches in its layout: ``[num_envs, T]`` with dim names
     ``[None, "time"]`` (``[T]`` for one env), TorchRL's keys, dtypes and
     trajectory ids, ``"_"``-prefixed entries left out. The deliberate
@@ -100,7 +188,9 @@ class ThreadedCollector(BaseCollector):
             an unbatched torchrl ``EnvBase`` (transforms included), a list of
             such factories (one per env), or an unbatched env instance (then
             ``num_envs`` must be 1). A batched env is refused: pass a factory of
-            one env and ``num_envs``.
+            one env and ``num_envs``. The refused env is closed first (its worker
+            processes end), whether a factory built it or it was passed: the
+            collector owns its envs, as TorchRL's ``Collector`` does.
         policy: what TorchRL's collectors accept: a ``TensorDictModule`` (an
             actor, a ``TensorDictSequential`` with exploration modules, an
             ``LSTMModule`` policy...), a function of a TensorDict, an
@@ -136,9 +226,12 @@ class ThreadedCollector(BaseCollector):
             names ``[None, "time"]``, each row one env's consecutive steps (for
             GAE / on-policy losses). ``"flat"``: ``[frames_per_batch]`` in arrival
             order (for replay buffers).
-        device: default for ``policy_device`` and ``storing_device``.
-        storing_device: where batches are delivered (default: ``device``, else
-            ``env_device``, else the CPU, as TorchRL's collectors deliver them).
+        device: default for ``policy_device``, ``storing_device`` and ``env_device``.
+        storing_device: where batches are delivered, and their ``device`` (default:
+            ``device``, else ``env_device`` when ``policy_device`` is the same device).
+            Otherwise the batches have ``device=None``, their tensors on ``env_device``,
+            else the CPU: TorchRL's ``Collector`` rule, read from these arguments only
+            (``collector.storing_device`` is that device, or ``None``).
         policy_device: where the policy runs (default: where its parameters are).
             A device other than the policy's own makes the collector act with a copy.
         env_device: accepted for TorchRL compatibility: envs run on the CPU in their
@@ -180,10 +273,26 @@ class ThreadedCollector(BaseCollector):
         processor: an :class:`EventProcessor` receiving timestep / episode events.
         interrupter: an :class:`Interrupter`; when it fires, the current batch ends early.
         name: used in thread names.
+        compact_obs: leave the observation and state entries out of ``"next"`` (they are
+            the next row's root entries), as TorchRL's ``compact_obs`` does.
+        auto_register_policy_transforms: ``True``: append to each TorchRL env the
+            ``InitTracker`` / ``TensorDictPrimer`` an ``nn.Module`` policy needs and the
+            env lacks (TorchRL's rule); ``None`` / ``False``: envs as built.
+        worker_idx: kept as ``collector.worker_idx``, as TorchRL keeps it.
+        use_buffers, no_cuda_sync: accepted, with no effect (batches are always written
+            into preallocated columns; no explicit CUDA synchronisation is made: copies to
+            ``storing_device`` are blocking). ``use_buffers=True`` with a ``replay_buffer``
+            raises ``TypeError``, as in TorchRL.
+        backend, backend_options, num_collectors, sync, return_same_td, cudagraph_policy,
+            weight_updater, weight_sync_schemes, weight_recv_schemes: TorchRL's defaults
+            (and ``backend="direct"``, ``False``, empty mappings) are accepted; other values
+            are refused with what to use instead (``docs/torchrl.rst``).
 
     Raises:
-        ValueError: inconsistent options, with what to change.
-        TypeError: a policy TorchRL could not call either.
+        ValueError: inconsistent options, or a TorchRL option value this collector cannot
+            honour, with what to change.
+        TypeError: a policy TorchRL could not call either; ``use_buffers=True`` with a
+            ``replay_buffer``.
     """
 
     def __init__(
@@ -192,6 +301,10 @@ class ThreadedCollector(BaseCollector):
         policy: TensorDictModuleBase | Callable[..., Any] | None = None,
         *,
         policy_factory: Callable[[], Callable[..., Any]] | None = None,
+        backend: str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        num_collectors: int | None = None,
+        sync: bool | None = None,
         frames_per_batch: int,
         total_frames: int = -1,
         num_envs: int | None = None,
@@ -213,19 +326,29 @@ class ThreadedCollector(BaseCollector):
         split_trajs: bool | None = None,
         track_traj_ids: bool = True,
         exploration_type: ExplorationType = ExplorationType.RANDOM,
+        return_same_td: bool = False,
         reset_when_done: bool = True,
         interruptor: Any = None,
         set_truncated: bool = False,
+        use_buffers: bool | None = None,
         replay_buffer: Any = None,
         extend_buffer: bool = True,
         trust_policy: bool | None = None,
         compile_policy: bool | dict[str, Any] | None = None,
+        cudagraph_policy: bool | dict[str, Any] | None = None,
+        no_cuda_sync: bool = False,
+        weight_updater: Any = None,
+        weight_sync_schemes: Mapping[str, Any] | None = None,
+        weight_recv_schemes: Mapping[str, Any] | None = None,
         track_policy_version: bool = False,
+        worker_idx: int | None = None,
         trajs_per_batch: int | None = None,
         trajs_per_write: int | None = None,
         traj_format: Literal["padded", "cat"] | None = None,
+        auto_register_policy_transforms: bool | None = None,
         pre_collect_hook: Callable[[], None] | None = None,
         post_collect_hook: Callable[[TensorDictBase], None] | None = None,
+        compact_obs: bool = False,
         on_policy: bool = True,
         seed: int | None = None,
         step_timeout: float | None = None,
@@ -240,10 +363,22 @@ class ThreadedCollector(BaseCollector):
             if policy is not None:
                 raise TypeError("policy_factory cannot be used with policy argument.")
             policy = policy_factory()
+        _check_torchrl_options(
+            backend=backend, backend_options=backend_options, num_collectors=num_collectors, sync=sync,
+            return_same_td=return_same_td, use_buffers=use_buffers, replay_buffer=replay_buffer,
+            cudagraph_policy=cudagraph_policy, weight_updater=weight_updater,
+            weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes)
+        if worker_idx is not None:
+            check_int("worker_idx", worker_idx, 0)
+        if auto_register_policy_transforms not in (None, True, False):
+            raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
+                             f"{auto_register_policy_transforms!r}")
         if create_env_kwargs:
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
+        if auto_register_policy_transforms and isinstance(policy, torch.nn.Module):
+            factories = [_WithPolicyTransforms(f, policy) for f in factories]
         check_int("frames_per_batch", frames_per_batch, 1)
         if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
             total_frames = -1
@@ -328,8 +463,18 @@ class ThreadedCollector(BaseCollector):
         self.postproc = postproc
         self.on_policy = on_policy
         self.max_frames_per_traj = max_frames_per_traj
-        self.storing_device = torch.device(storing_device or device or env_device or "cpu")
+        # TorchRL's device rule (``Collector._get_devices``): the batch's ``device`` is ``storing_device``, else
+        # ``device``, else the env's device when it is the policy's (both given); otherwise ``None`` and the
+        # tensors stay where the env left them (``env_device``, here the CPU when unset).
+        self.storing_device = _storing_device(device=device, storing_device=storing_device,
+                                              policy_device=policy_device, env_device=env_device)
+        self._delivery_device = torch.device(self.storing_device or env_device or "cpu")
         self.env_device = torch.device(env_device) if env_device is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.return_same_td = False
+        self.no_cuda_sync = bool(no_cuda_sync)
+        self.compact_obs = bool(compact_obs)
+        self.worker_idx = None if worker_idx is None else int(worker_idx)
         self.processor = processor
         self.interrupter = interrupter
         self.interruptor = interruptor
@@ -374,12 +519,16 @@ class ThreadedCollector(BaseCollector):
         self._wrapped_policy = self._autobatch.policy
         if self.policy is None:
             self.policy = self._acting_policy = self._wrapped_policy
+        keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
+        self._compact_next_keys: list[tuple[str, ...]] = (
+            [("next", *_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _factories(create_env_fn: Any, num_envs: int | None) -> list[EnvFactory]:
         if isinstance(create_env_fn, (EnvBase, gym.Env)):
             if isinstance(create_env_fn, EnvBase) and tuple(create_env_fn.batch_size) != ():
+                close_env_quietly(create_env_fn)  # the collector owned it, as TorchRL's does: its workers end here
                 raise ValueError(
                     f"got a batched env (batch_size={tuple(create_env_fn.batch_size)}); ThreadedCollector "
                     "parallelises itself: pass a factory of one env and num_envs (e.g. lambda: GymEnv(...))")
@@ -536,9 +685,7 @@ class ThreadedCollector(BaseCollector):
             return None
         self._frames += frames
         self._iter += 1
-        batch = self._export(batch)
-        if self.storing_device.type != "cpu":
-            batch = batch.to(self.storing_device)
+        batch = self._place(self._export(batch))
         if self.split_trajs:
             if self.layout == "flat":  # arrival order interleaves envs; split_trajectories needs them contiguous
                 batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
@@ -552,12 +699,22 @@ class ThreadedCollector(BaseCollector):
             self.post_collect_hook(batch)
         return batch
 
+    def _place(self, batch: TensorDictBase) -> TensorDictBase:
+        """Move a CPU batch to ``storing_device`` (else ``env_device``) and give it TorchRL's ``device``:
+        ``storing_device`` as resolved at construction, ``None`` when that is ``None``."""
+        if self._delivery_device.type != "cpu" or self.storing_device is not None:
+            batch = batch.to(self._delivery_device)  # tensors already on that device are not copied
+        if self.storing_device is None and batch.device is not None:
+            batch.clear_device_()
+        return batch
+
     def _export(self, batch: TensorDictBase) -> TensorDictBase:
         """The loop's batch in TorchRL's layout: one env gives ``[T]``; entries TorchRL would not write
-        are left out (``("collector", "env_id")``; ``policy_version`` unless ``track_policy_version``)."""
+        are left out (``("collector", "env_id")``; ``policy_version`` unless ``track_policy_version``;
+        the observations and state under ``"next"`` with ``compact_obs``)."""
         if self.layout == "env_time" and self.num_envs == 1:
             batch = batch[0]
-        drop: list[Any] = [("collector", "env_id")]
+        drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
         else:
@@ -580,7 +737,7 @@ class ThreadedCollector(BaseCollector):
         else:
             shape, names = [self.frames_per_batch], None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
-        batch = self._export(layout.to_tensordict(columns, shape, names=names))
+        batch = self._place(self._export(layout.to_tensordict(columns, shape, names=names)))
         private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
         return batch.exclude(*private) if private else batch
 
@@ -715,7 +872,11 @@ class ThreadedCollector(BaseCollector):
         With no argument the weights are pulled from the policy given at
         construction. Otherwise pass a module, a ``state_dict`` or a
         ``TensorDict`` of weights (``TensorDict.from_module(policy)``).
-        Requests already queued are answered with the old weights.
+        Requests already queued are answered with the old weights. With
+        ``on_policy=True`` an update made while a batch is collected (from any
+        thread) applies from the next batch. Non-persistent buffers go with the
+        weights: a ``state_dict`` (which lacks them) takes them from the policy
+        given at construction.
 
         Raises:
             ValueError: more than one source of weights, or an unknown ``model_id``.
@@ -730,7 +891,7 @@ class ThreadedCollector(BaseCollector):
         if model_id not in (None, "policy"):
             raise ValueError(f"only model_id 'policy' exists here, got {model_id!r}")
         source = sources[0] if sources else self.policy
-        self._autobatch.update(source)
+        self._autobatch.update(source, buffers_from=self.policy if isinstance(self.policy, torch.nn.Module) else None)
 
     # -- seeds, reset, state --------------------------------------------------------------------------------
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -774,15 +935,22 @@ class ThreadedCollector(BaseCollector):
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
         """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
 
-        Every field is checked before anything changes: ``frames``, ``batches``,
-        ``next_traj_id`` and ``policy_version`` must be ints ``>= 0`` and ``seed`` an
-        int ``>= -1`` (``-1``: unseeded); numpy ints are accepted, bools, floats
-        (``1e9`` included), strings and ``None`` are not. ``policy_state_dict`` must
-        be a mapping (a ``state_dict``; empty when no weights were saved).
+        Applied whole or not at all: everything is checked before anything changes.
+        ``frames``, ``batches``, ``next_traj_id`` and ``policy_version`` must be ints ``>= 0``
+        and ``seed`` an int ``>= -1`` (``-1``: unseeded); numpy ints are accepted, bools,
+        floats (``1e9`` included), strings and ``None`` are not. ``policy_state_dict`` must
+        be a mapping (a ``state_dict``; empty when no weights were saved) with the acting
+        policy's keys and shapes. The state is applied by the thread that iterates the
+        collector (between batches), or by any thread while none iterates it.
 
         Raises:
-            ValueError: a foreign or truncated state (missing keys), or a field of the
-                wrong type or range; the message names the field and what it got.
+            ValueError: a foreign or truncated state (missing keys), a field of the wrong
+                type or range, or weights of another architecture; the message names the
+                field and what it got.
+            CollectionError: another thread is iterating the collector (mid-batch or between
+                two of its batches; ``pause()`` a background collection first), a collection
+                call of this thread is running (an event processor calling it), or the
+                collector is shut down.
         """
         if not isinstance(state_dict, Mapping):
             raise ValueError(f"not a ThreadedCollector state: expected a dict from state_dict(), got "
@@ -803,18 +971,54 @@ class ThreadedCollector(BaseCollector):
         if not isinstance(weights, Mapping):
             raise ValueError(f"ThreadedCollector state: 'policy_state_dict' must be a mapping (a state_dict, empty "
                              f"when no weights were saved), got {type(weights).__name__}")
-        if next(iter(weights.keys()), None) is not None:  # first: weights of the wrong shape change nothing
-            self._autobatch.update(weights)
-        self._frames = fields["frames"]
-        self._iter = fields["batches"] - 1
-        self._autobatch.set_version(fields["policy_version"])
-        seed = fields["seed"]
-        if not self._loop._started:
-            self._loop.set_traj_id_start(fields["next_traj_id"])
+        has_weights = next(iter(weights.keys()), None) is not None
+        with self._iteration_claim():  # refused at once while another thread iterates: nothing changed yet
+            if self._shut:
+                raise CollectionError("load_state_dict: the collector is shut down; load the state into a new one")
+            if self._loop._driver_lock.locked():
+                raise CollectionError("load_state_dict: called while this collector is collecting a batch (from an "
+                                      "event processor or policy?); call it between batches")
+            if has_weights:
+                self._check_weights(weights)
+            seed = fields["seed"]
+            reseed = self._loop._started and seed >= 0
+            if has_weights:
+                self._autobatch.update(weights)  # checked above: only an env or policy fault can fail it now
+            if reseed:
+                self._loop.reset_envs(seeds=[seed + fields["frames"] + i for i in range(self.num_envs)])
+            self._frames = fields["frames"]
+            self._iter = fields["batches"] - 1
+            self._autobatch.set_version(fields["policy_version"])
+            if not self._loop._started:
+                self._loop.set_traj_id_start(fields["next_traj_id"])
+                if seed >= 0:
+                    self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume
             if seed >= 0:
-                self._seed = self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume
-        elif seed >= 0:
-            self.set_seed(seed + self._frames)
+                self._seed = seed + self._frames
+
+    def _check_weights(self, weights: Mapping[str, Any]) -> None:
+        """Refuse a ``state_dict`` the acting policy would take only in part (``load_state_dict`` copies the
+        entries that fit before it raises about the others): same keys, same shapes.
+
+        Raises:
+            ValueError: a missing or unexpected key, or a shape that differs, named.
+        """
+        target = getattr(self._autobatch.weights, "state_dict", None)
+        if not isinstance(self._autobatch.weights, torch.nn.Module) or target is None:
+            return  # a plain callable keeps whatever it is given
+        current = target()
+        unexpected, absent = sorted(set(weights) - set(current)), sorted(set(current) - set(weights))
+        if unexpected or absent:
+            raise ValueError(f"ThreadedCollector state: the policy rejected the new weights (missing keys {absent}, "
+                             f"unexpected keys {unexpected}); load a state saved from a policy of the same "
+                             "architecture")
+        for key, value in weights.items():
+            have = current[key]
+            if isinstance(have, torch.Tensor) and (not isinstance(value, torch.Tensor) or value.shape != have.shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"ThreadedCollector state: the policy rejected the new weights ({key!r} has shape "
+                                 f"{tuple(have.shape)} in the policy, {got} in the state); load a state saved from "
+                                 "a policy of the same architecture")
 
 
 def _parts(key: Any) -> tuple[str, ...]:

@@ -6,18 +6,29 @@ comes from and describes the env by the leaves of its TorchRL specs
 column per leaf, nested keys included.
 
 * :class:`GymAdapter` wraps a ``gymnasium.Env``. Its specs are TorchRL's own
-  conversion of the gymnasium spaces (``Box``, ``Discrete``, ``MultiBinary``,
-  ``MultiDiscrete``, ``Dict`` nested to any depth, ``Tuple`` as keys
-  ``"0"``, ``"1"``... under its parent); a non-``Dict`` observation is stored
-  under ``"observation"``. It adds what TorchRL's ``InitTracker``,
+  conversion of each leaf space (``Box``, ``Discrete``, ``MultiBinary``,
+  ``MultiDiscrete``), in ``Dict`` spaces nested to any depth and ``Tuple``
+  spaces as keys ``"0"``, ``"1"``... under their parent (TorchRL's
+  ``GymWrapper`` stacks a ``Tuple`` of like spaces into one entry and cannot
+  convert a mixed one); a non-``Dict`` observation (a ``Tuple`` too) is stored
+  under ``"observation"``. Observation entries named after a root key of
+  TorchRL's or of the loop (``action``, ``reward``, ``done``, ``is_init``...,
+  :data:`~lightning_rollout.specs.TORCHRL_ROOT_KEYS` and
+  :data:`~lightning_rollout.specs.LOOP_ROOT_KEYS`) are refused with a
+  ``ValueError`` naming the entry. It adds what TorchRL's ``InitTracker``,
   ``StepCounter`` and ``RewardSum`` transforms would add: ``is_init``,
   ``step_count`` and ``episode_reward``. Discrete actions are accepted as an
   index or one-hot, as the policy gives them, and are checked against the
   action space (:class:`ActionError` names what is wrong). ``info_keys`` adds
   entries of the env's ``info`` dict as observation entries (see :class:`GymAdapter`).
 * :class:`TorchRLAdapter` wraps an unbatched torchrl ``EnvBase`` (transforms
-  included): its keys are the leaves of its ``full_*_spec``; a step is
+  included): its keys are the leaves of its ``full_*_spec`` (none named after
+  the loop's own :data:`~lightning_rollout.specs.LOOP_ROOT_KEYS`); a step is
   ``env.step`` on a tensordict holding the root entries handed to it.
+
+Random actions (``random_action``, and the default random policy) are drawn as
+gymnasium's ``Box.sample`` draws them, finite in dims with an infinite bound
+(:func:`~lightning_rollout.specs.random_sample`).
 
 Adapters are not thread-safe: each is owned by exactly one env thread after
 construction. Construction happens in the caller's thread, so a bad env id or
@@ -36,7 +47,8 @@ from tensordict import TensorDict
 from torchrl.data import Composite, TensorSpec
 from torchrl.envs import EnvBase
 
-from .specs import ArraySpec, EnvKeys, NestedKey, leaves
+from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, leaves, random_sample,
+                    reserved_key_problem)
 
 __all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "InfoKeys",
            "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
@@ -49,6 +61,8 @@ InfoKeys = Sequence[NestedKey] | Mapping[NestedKey, TensorSpec]
 _FLAG = ArraySpec((1,), np.dtype(bool))
 _COUNT = ArraySpec((1,), np.dtype(np.int64))
 _RETURN = ArraySpec((1,), np.dtype(np.float32))
+#: Root names a gymnasium env's observation (or info) entries may not have: TorchRL's and the loop's own.
+_GYM_RESERVED = {**TORCHRL_ROOT_KEYS, **LOOP_ROOT_KEYS}
 _SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
 
@@ -86,7 +100,8 @@ class EnvAdapter(Protocol):
         ...
 
     def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        """A uniformly random valid action, one array per action key, in the layout of ``columns``."""
+        """A random valid action, one array per action key, in the layout of ``columns`` (uniform where
+        the action space is bounded; finite, as gymnasium's ``Box.sample``, where it is not)."""
         ...
 
     def close(self) -> None:
@@ -197,9 +212,13 @@ class GymAdapter:
             dict ``{key: TorchRL spec}`` (unbatched specs); a tuple key reads nested dicts.
 
     Raises:
-        ValueError: the observation or action space is not supported; an info key
-            clashes with an observation entry, is missing from the first reset's
-            ``info`` without a spec, or is not numeric there.
+        ValueError: the observation or action space is not supported; an observation
+            entry or info key is named after a root key of TorchRL's or of the loop
+            (``action``, ``reward``, ``done``, ``terminated``, ``truncated``, ``next``,
+            ``is_init``, ``step_count``, ``episode_reward``, ``collector``,
+            ``policy_version``, ``_stats``); an info key clashes with an observation
+            entry, is missing from the first reset's ``info`` without a spec, or is
+            not numeric there.
     """
 
     loop_keys = True
@@ -209,11 +228,15 @@ class GymAdapter:
         self.validate = validate
         obs_space = env.observation_space
         spaces: dict[NestedKey, gym.Space] = {}
-        _space_leaves(obs_space, ("observation",) if not isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
-                      else (), spaces)
+        self._dict_obs = isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
+        self._obs_root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
+        _space_leaves(obs_space, self._obs_root, spaces)
         if not spaces:
             raise ValueError(f"the observation space {obs_space!r} has no entries")
-        self._dict_obs = isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
+        problem = reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
+                                       fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)")
+        if problem is not None:
+            raise ValueError(problem)
         self._obs_paths = {k if isinstance(k, tuple) else (k,) for k in spaces}
         self.observation_spec = Composite({k: _gym_spec(s, categorical=True) for k, s in spaces.items()})
         self.observation_spec["is_init"] = _bool_spec()
@@ -257,6 +280,10 @@ class GymAdapter:
             if k in taken or (isinstance(k, tuple) and k[0] in self.observation_spec.keys()):
                 raise ValueError(f"info key {k!r} clashes with an observation entry of the env (or the loop's "
                                  "is_init / step_count / episode_reward)")
+            problem = reserved_key_problem([k], _GYM_RESERVED, where="info_keys",
+                                           fix="store it in info under another name (e.g. with a gymnasium Wrapper)")
+            if problem is not None:
+                raise ValueError(problem)
             spec = given.get(k)
             if spec is None:
                 if given:
@@ -279,7 +306,7 @@ class GymAdapter:
             out: dict[NestedKey, Any] = {"observation": np.asarray(obs)}
         else:
             out = {}
-            _leaf_values(obs, (), out, self._obs_paths)
+            _leaf_values(obs, self._obs_root, out, self._obs_paths)
             out = {k: np.asarray(v) for k, v in out.items()}
         for k, (spec, dtype) in self._info.items():
             value = _info_value(info, k)
@@ -413,7 +440,8 @@ class TorchRLAdapter:
             torchrl's collectors do for ``max_frames_per_traj``.
 
     Raises:
-        ValueError: a batched env, or a spec that cannot be stored in columns.
+        ValueError: a batched env, a spec that cannot be stored in columns, or an entry
+            named after the loop's ``collector``, ``policy_version`` or ``_stats``.
     """
 
     loop_keys = False
@@ -435,6 +463,10 @@ class TorchRLAdapter:
         self.keys = EnvKeys.from_specs(observation=env.full_observation_spec, state=env.full_state_spec,
                                        reward=env.full_reward_spec, done=env.full_done_spec,
                                        action=env.full_action_spec, where="env's")
+        problem = reserved_key_problem([*self.keys.root, *self.keys.next, *self.keys.action], LOOP_ROOT_KEYS,
+                                       where="env's specs", fix="rename it with TorchRL's RenameTransform")
+        if problem is not None:
+            raise ValueError(problem)
         self.observation_spec = env.full_observation_spec
         self.action_spec = env.full_action_spec
         self._root_keys = list(self.keys.root)
@@ -472,7 +504,7 @@ class TorchRLAdapter:
         return out, reward, terminated, truncated
 
     def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        sample = self.env.full_action_spec.rand()
+        sample = random_sample(self.env.full_action_spec)
         out = {}
         for k, spec in columns.items():
             value = sample.get(k).numpy()
@@ -523,6 +555,16 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
     return env
 
 
+def close_env_quietly(env: EnvBase) -> None:
+    """Close a TorchRL env that is being refused (ending the processes of a batched one), unless it is
+    closed already; an error while closing is dropped, so the refusal's own error is the one raised."""
+    try:
+        if not env.is_closed:
+            env.close()
+    except Exception:  # noqa: S110 - the refusal is the error the caller needs
+        pass
+
+
 def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True,
                  info_keys: InfoKeys | None = None) -> EnvAdapter:
     """Wrap an env instance in the matching adapter (``max_episode_steps`` goes to a TorchRL env as a
@@ -531,13 +573,18 @@ def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bo
     ``info_keys`` go to a :class:`GymAdapter`. A TorchRL env reads its ``info`` with its own
     ``set_info_dict_reader``; its ``info_keys`` must then be a list of entries of its observation
     spec (they are only named, for :class:`~lightning_rollout.events.EpisodeEnd` ``.info``).
+    A TorchRL env that is refused (batched, or with specs no column fits) is closed first.
 
     Raises:
-        ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``; ``info_keys``
-            that a TorchRL env does not have.
+        ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``; a batched TorchRL
+            env; ``info_keys`` that a TorchRL env does not have.
     """
     if isinstance(env, EnvBase):
-        adapter = TorchRLAdapter(env, max_episode_steps=max_episode_steps)
+        try:
+            adapter = TorchRLAdapter(env, max_episode_steps=max_episode_steps)
+        except BaseException:
+            close_env_quietly(env)  # refused (a batched env, specs no column fits): its workers end here
+            raise
         missing = [k for k in info_key_list(info_keys) if k not in adapter.keys.observation]
         if missing or isinstance(info_keys, Mapping):
             adapter.close()

@@ -30,9 +30,23 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   flushes: requests queued before the update are answered with the old weights
   first. Every answer carries the :attr:`~AutobatchPolicy.version` of the
   weights that produced it; each update increments it by one.
+* :meth:`AutobatchPolicy.updates_held` pins the weights for a span (an on-policy
+  collection call): an update made meanwhile, from any thread, waits in ``_held``
+  and is applied when the last hold ends, so every answer of the span has one
+  version. A hold starts once every update queued before it is applied
+  (``_updates`` empty, none being applied: ``_applying``).
+* Module weights carry their non-persistent buffers (``register_buffer(...,
+  persistent=False)``, e.g. a running normaliser's statistics), which no
+  ``state_dict`` holds: :meth:`AutobatchPolicy.update` copies them from the module
+  given, or from ``buffers_from`` for a ``state_dict``.
+* The policy is handed its own copy of every request's entries (a forward pass
+  on a batch of several requests concatenates them anyway; a pass on another
+  device moves them): a policy that writes into its input in place cannot change
+  the observations stored by the loops, whatever the layout.
 * A forward pass that raises, returns a batch of the wrong size or no
-  ``action`` fails every request it was answering with :class:`PolicyError`
-  (the original exception chained). Every wait polls a stop flag, so nothing
+  ``action``, or does not write an output key the probe saw it write, fails every
+  request it was answering with :class:`PolicyError` naming the key (the original
+  exception chained). Every wait polls a stop flag, so nothing
   blocks forever.
 * An error in the inference thread's own loop (not in a forward pass) marks the
   policy **failed** (``_failure``): the thread then answers every queued, taken
@@ -62,6 +76,7 @@ import copy
 import inspect
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -80,6 +95,17 @@ __all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "a
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
 _SAME_WEIGHTS = object()  # update() was handed the acting policy itself
+
+
+class _ModuleState:
+    """The weights of a module handed to :meth:`AutobatchPolicy.update`: its ``state_dict`` and its
+    non-persistent buffers (``{qualified name: tensor}``), which no ``state_dict`` holds."""
+
+    __slots__ = ("state_dict", "buffers")
+
+    def __init__(self, state_dict: Mapping[str, Any], buffers: dict[str, torch.Tensor]) -> None:
+        self.state_dict = state_dict
+        self.buffers = buffers
 
 
 class PolicyAnswer:
@@ -198,8 +224,8 @@ class Agent:
 
         A request that would be flushed by itself in this thread anyway (the caller-runs flush: nothing
         else queued, no weight update waiting, the request a whole flush by itself) is answered without
-        being queued: no request is handed between threads and no answer is stored to be read back
-        (measured: 1.03x on the CartPole loop). Otherwise it is queued as :meth:`submit` does.
+        being queued: no request is handed between threads and no answer is stored to be read back.
+        Otherwise it is queued as :meth:`submit` does.
 
         Args:
             obs, deterministic, exploration_type: as for :meth:`submit`.
@@ -306,8 +332,8 @@ class AutobatchPolicy:
             swapped in around each forward pass), so a stochastic policy draws the same actions run to
             run whatever other threads do with torch's global generator. ``None``: the global one.
         flush_in_caller: a request that is a whole flushable batch by itself runs its
-            forward pass in the submitting thread (default; saves two thread hand-offs,
-            +35% on CartPole with one thread of 8 envs). ``False``: every forward pass
+            forward pass in the submitting thread (default; saves two thread hand-offs).
+            ``False``: every forward pass
             runs on the inference thread. Forced to ``False`` by ``policy_timeout``.
         policy_timeout: seconds one call of the policy (a forward pass, or the
             probe at construction) may take; ``None`` (default): no limit. A pass
@@ -391,6 +417,12 @@ class AutobatchPolicy:
         self._pending_rows = 0
         self._active_rows = 0
         self._updates: list[tuple[Any, threading.Event]] = []
+        # Weight pinning (updates_held): the threads holding it (one entry per hold), the updates made
+        # meanwhile (applied when the last hold ends), and whether the inference thread has taken updates
+        # it has not finished applying (a hold starts only once they are applied).
+        self._holders: list[int] = []
+        self._held: list[tuple[Any, threading.Event]] = []
+        self._applying = False
         self._closed = False
         self._thread: threading.Thread | None = None
         # Failure and hang detection (see Agent.result and _serve).
@@ -407,6 +439,12 @@ class AutobatchPolicy:
     def version(self) -> int:
         """Version of the current weights: 0 at start, +1 per :meth:`update`."""
         return self._version
+
+    @property
+    def pending_updates(self) -> int:
+        """Updates made and not applied yet: queued for the inference thread, or held by
+        :meth:`updates_held` until the pinned span ends."""
+        return len(self._updates) + len(self._held) + int(self._applying)
 
     @property
     def in_keys(self) -> list[NestedKey] | None:
@@ -589,38 +627,61 @@ class AutobatchPolicy:
         return {k: (tuple(v.shape[1:]), v.dtype) for k, v in outputs.items()}
 
     # -- weights -------------------------------------------------------------------
-    def update(self, state: Any, *, timeout: float | None = 60.0) -> int:
+    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
         """Replace the weights; requests queued before this call get the old ones.
+
+        While the weights are pinned (:meth:`updates_held`, an on-policy collection call), the update
+        waits for the pinned span to end and is applied before the next one starts. Called from the
+        thread that holds the pin (an event processor run during that collection call), it is not
+        waited for: it is applied when the span ends, and a rejected ``state`` is then reported as a
+        ``RuntimeWarning``.
+
+        Non-persistent buffers (``register_buffer(..., persistent=False)``) are part of the weights:
+        copied from ``state`` when it is a module, from ``buffers_from`` when it is a ``state_dict``
+        (which never holds them), from the TensorDict when it is one (``TensorDict.from_module``).
 
         Args:
             state: a ``state_dict``, an ``nn.Module`` / ``TensorDictModule`` with the
-                same parameters, or, for a plain callable without ``load_state_dict``,
-                any object (kept and returned by :meth:`state`).
-            timeout: seconds to wait for the inference thread to apply it.
+                same parameters, a ``TensorDict`` of weights, or, for a plain callable
+                without ``load_state_dict``, any object (kept and returned by :meth:`state`).
+            timeout: seconds to wait for the update to be applied (a pinned span included).
+            buffers_from: the module whose non-persistent buffers go with a ``state_dict``
+                (typically the learner's module that ``state`` was taken from); ignored for
+                other kinds of ``state``.
 
         Returns:
-            The new :attr:`version`.
+            The new :attr:`version` (called from the pinning thread: the version it will
+            have once applied).
 
         Raises:
             CollectionError: closed, or not applied within ``timeout``.
-            ValueError: the policy rejected ``state`` (wrong keys or shapes); the
-                version is unchanged and collection goes on with the old weights;
-                or ``timeout`` is not a finite number of seconds.
+            ValueError: the policy rejected ``state`` (wrong keys or shapes, a non-persistent
+                buffer of another shape); the version is unchanged and collection goes on
+                with the old weights; or ``timeout`` is not a finite number of seconds.
         """
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if state is self.policy or state is self.weights:
             state = _SAME_WEIGHTS  # the acting policy itself: weights are shared, only the version moves
         elif isinstance(state, torch.nn.Module):
-            state = state.state_dict()
+            state = _ModuleState(state.state_dict(), _non_persistent_buffers(state))
+        elif (isinstance(buffers_from, torch.nn.Module) and buffers_from is not self.weights
+              and isinstance(state, Mapping) and not isinstance(state, TensorDictBase)):
+            state = _ModuleState(state, _non_persistent_buffers(buffers_from))
         done = threading.Event()
         with self._cond:
             if self._closed:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
-            if self._thread is None:  # nothing queued: apply in place
+            if self._holders:  # pinned: applied when the span ends
+                self._held.append((state, done))
+                if threading.get_ident() in self._holders:  # the pinning thread cannot wait for its own span
+                    done.unwaited = True  # type: ignore[attr-defined]
+                    return self._version + len(self._held)
+            elif self._thread is None:  # nothing queued: apply in place
                 self._apply_update(state)
                 return self._version
-            self._updates.append((state, done))
-            self._cond.notify()
+            else:
+                self._updates.append((state, done))
+                self._cond.notify()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(_POLL_S):
             if self._closed:
@@ -666,6 +727,44 @@ class AutobatchPolicy:
         with self._weights_held("the version cannot be set"):
             self._version = version
 
+    @contextlib.contextmanager
+    def updates_held(self) -> Iterator[None]:
+        """Pin the weights for the ``with`` block: every answer given meanwhile has one :attr:`version`.
+
+        On entry, waits until every update made before it is applied (the inference thread applies
+        them between flushes; the wait ends early once the policy is closed or failed, or a forward
+        pass runs past ``policy_timeout``: the requests of the block then fail). Updates made during
+        the block, from any thread, are applied once the last hold ends, in order, before any later
+        hold starts. Holds may nest and overlap (several loops sharing this policy).
+
+        Threading: entered and left by the same thread (a loop's driver).
+        """
+        me = threading.get_ident()
+        with self._cond:
+            self._holders.append(me)
+            while (self._updates or self._applying) and not self._closed and self._failure is None:
+                since = self._busy_since
+                if (since and self.policy_timeout is not None
+                        and time.perf_counter() - since > self.policy_timeout):
+                    break  # a stuck pass: the block's own requests report it
+                self._cond.wait(_POLL_S)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holders.remove(me)
+                if not self._holders and self._held:
+                    held, self._held = self._held, []
+                    if self._closed:
+                        for _, done in held:
+                            done.error = CollectionError(  # type: ignore[attr-defined]
+                                "the AutobatchPolicy was closed before the update was applied")
+                            done.set()
+                    else:  # applied by the inference thread; the next hold waits for them
+                        self._updates.extend(held)
+                        self._ensure_started()
+                        self._cond.notify_all()
+
     def _apply_update(self, state: Any) -> None:
         with self._weights_lock:
             try:
@@ -673,10 +772,17 @@ class AutobatchPolicy:
                     pass
                 elif isinstance(state, TensorDictBase) and isinstance(self.weights, torch.nn.Module):
                     state.to_module(self.weights)
+                elif isinstance(state, _ModuleState) and hasattr(self.weights, "load_state_dict"):
+                    pairs = (_buffer_targets(self.weights, state.buffers)
+                             if isinstance(self.weights, torch.nn.Module) else [])
+                    self.weights.load_state_dict(state.state_dict)  # type: ignore[attr-defined]
+                    with torch.no_grad():
+                        for target, value in pairs:
+                            target.copy_(value)
                 elif hasattr(self.weights, "load_state_dict"):
                     self.weights.load_state_dict(state)  # type: ignore[attr-defined]
-                else:
-                    self._plain_state = state
+                else:  # a callable without load_state_dict keeps what it was given (a module's state_dict)
+                    self._plain_state = state.state_dict if isinstance(state, _ModuleState) else state
             except Exception as exc:  # the version does not move; the inference thread keeps serving
                 raise ValueError(f"the policy rejected the new weights ({type(exc).__name__}: {exc}); pass a "
                                  "state_dict, TensorDict or module of the same architecture") from exc
@@ -767,6 +873,9 @@ class AutobatchPolicy:
         while True:
             try:
                 with cond:
+                    if self._applying:  # the updates taken last round are applied: a waiting hold may start
+                        self._applying = False
+                        cond.notify_all()
                     while True:
                         if self._closed:
                             return
@@ -789,6 +898,7 @@ class AutobatchPolicy:
                             timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
                         cond.wait(timeout)
                     updates, self._updates = self._updates, []
+                    self._applying = bool(updates)
                 while batches:
                     with self._weights_lock:
                         self._busy_batch = batches[0]  # watched by Agent.result for policy_timeout
@@ -804,6 +914,9 @@ class AutobatchPolicy:
                         self._apply_update(state)
                     except Exception as exc:  # re-raised by update() in its caller's thread
                         done.error = exc  # type: ignore[attr-defined]
+                        if getattr(done, "unwaited", False):  # nobody waits for it: say so
+                            warnings.warn(f"a weight update made during an on-policy collection call was "
+                                          f"rejected when applied after it: {exc}", RuntimeWarning, stacklevel=1)
                     finally:
                         done.set()
             except BaseException as exc:  # noqa: BLE001 (nothing may end this thread silently)
@@ -814,6 +927,7 @@ class AutobatchPolicy:
                 with cond:
                     if self._failure is None:
                         self._failure = error
+                    self._applying = False
                     self.flush_in_caller = False  # later requests reach this thread, which fails them
                     cond.notify_all()
                 _fail_requests([r for batch in batches for r in batch if not r.agent._done.is_set()], self._failure)
@@ -884,7 +998,7 @@ class AutobatchPolicy:
             explore = self._modes[mode] = set_exploration_type(mode)
         try:
             with explore:
-                result = self._direct(_as_tensor(obs[key]))  # type: ignore[misc]
+                result = self._direct(_own_tensor(obs[key]))  # type: ignore[misc]
             outputs = self._direct_outputs(result, rows)
         except BaseException as exc:
             raise _named(exc, agent.env_ids)  # noqa: B904 (the cause is set there)
@@ -903,10 +1017,15 @@ class AutobatchPolicy:
         # A tensor module gets only the entries it reads; a TensorDict policy every entry of the requests.
         keys = (self._direct_in if direct is not None
                 else self.input_keys if self.input_keys is not None else list(batch[0].obs))
-        if len(batch) == 1:
-            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
-        else:
+        # The policy gets its own copy of the entries (a request's arrays are views of the loops' storage): one
+        # written in place cannot change a stored observation. Several requests are concatenated, and a move to
+        # another device copies, anyway; one request on the CPU is copied (measured: < 1 us for CartPole rows).
+        if len(batch) > 1:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
+        elif self._on_cpu:
+            stacked = {k: _own_tensor(batch[0].obs[k]) for k in keys}
+        else:
+            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
         if not self._on_cpu:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         call = self._call_direct if direct is not None else self._call_tensordict
@@ -935,11 +1054,16 @@ class AutobatchPolicy:
             outputs = {out_keys[0]: _to_numpy(result, out_keys[0])}
         else:
             if isinstance(result, dict):
-                if set(out_keys) - set(result):
-                    raise PolicyError(f"the policy returned a dict with keys {sorted(map(str, result))}; "
-                                      f"expected the out_keys {out_keys}")
+                missing = [k for k in out_keys if k not in result]
+                if missing:
+                    raise PolicyError(f"the policy did not write {missing[0]!r}: it returned a dict with keys "
+                                      f"{sorted(map(str, result))}; expected the out_keys {out_keys}")
                 result = tuple(result[k] for k in out_keys)
             result = result if isinstance(result, tuple) else (result,)
+            if len(result) < len(out_keys):
+                missing = out_keys[len(result):]
+                raise PolicyError(f"the policy did not write {missing[0]!r}: it returned {len(result)} tensor(s) for "
+                                  f"out_keys {out_keys}; return one tensor per output key at every call")
             if len(result) != len(out_keys):
                 raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: "
                                   "return one tensor per output key (or list every output in out_keys)")
@@ -956,7 +1080,10 @@ class AutobatchPolicy:
                 td.get(prefix).batch_size = torch.Size([rows, *dims])
         if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
             td = td[0]
-        given = dict(td.items(True, True)) if self.output_keys is None else None  # before an in-place policy
+        # Before an in-place policy: at the probe every leaf; later, the output keys the input carries (a root
+        # output comes back as an input at the next step), whose value must be replaced, not left as given.
+        given = (dict(td.items(True, True)) if self.output_keys is None
+                 else {k: td.get(k) for k in self.output_keys if k in stacked})
         out = self.policy(td)
         if out is None:
             out = td
@@ -976,11 +1103,15 @@ class AutobatchPolicy:
             self._rng_state = torch.get_rng_state()
             torch.set_rng_state(saved)
 
-    def _outputs(self, out: TensorDictBase, given: dict[NestedKey, Any] | None) -> dict[NestedKey, np.ndarray]:
-        """The entries the policy wrote: at probe time (``given``: the input's entries before the call)
-        every leaf that is new or was replaced, afterwards exactly those keys."""
+    def _outputs(self, out: TensorDictBase, given: dict[NestedKey, Any]) -> dict[NestedKey, np.ndarray]:
+        """The entries the policy wrote (``given``: the input's leaves before the call): at probe time every
+        leaf that is new or was replaced, afterwards exactly those keys, each of them written again.
+
+        Raises:
+            PolicyError: after the probe, an output key is missing, or still holds the tensor it was handed
+                (carried from the previous step, or written in place into it), naming the key.
+        """
         if self.output_keys is None:
-            assert given is not None
             keys = [k for k, v in out.items(True, True) if given.get(k, None) is not v]
             declared = getattr(self.policy, "out_keys", None) or []
             keys += [k for k in (_as_key(k) for k in declared) if k not in keys and k in out.keys(True, True)]
@@ -993,6 +1124,10 @@ class AutobatchPolicy:
             value = out.get(k, None)
             if value is None:
                 raise PolicyError(f"the policy did not write {k!r}, which it wrote when probed at construction")
+            if given and value is given.get(k, None):
+                raise PolicyError(f"the policy did not write {k!r}, which it wrote when probed at construction: its "
+                                  f"input carries the previous step's {k!r}, returned as it was handed (write a new "
+                                  "tensor for every output key at every call, not in place)")
             outputs[k] = _to_numpy(value, k)
         return outputs
 
@@ -1174,7 +1309,9 @@ class BatchedRandomPolicy(TensorDictModuleBase):
         return cls(spec, action_key=policy.action_key)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return tensordict.update(self.action_spec.rand(tensordict.batch_size))
+        from .specs import random_sample  # finite samples where a Box bound is infinite, as gymnasium's
+
+        return tensordict.update(random_sample(self.action_spec, tensordict.batch_size))
 
 
 class _SpecView:
@@ -1271,6 +1408,13 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(value) if type(value) is np.ndarray else torch.as_tensor(value)
 
 
+def _own_tensor(value: Any) -> torch.Tensor:
+    """``value`` as a tensor of its own memory (a copy): what the policy writes into it stays there."""
+    if type(value) is np.ndarray:
+        return torch.from_numpy(value.copy())
+    return torch.as_tensor(value).clone()
+
+
 def _to_numpy(value: Any, key: NestedKey = "action") -> np.ndarray:
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (tuple, list)):
@@ -1282,6 +1426,41 @@ def _to_numpy(value: Any, key: NestedKey = "action") -> np.ndarray:
     if not value.is_cpu:
         value = value.cpu()
     return value.numpy()
+
+
+def _non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s non-persistent buffers (``register_buffer(..., persistent=False)``), by qualified name."""
+    found: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for name in sub._non_persistent_buffers_set:
+            value = sub._buffers.get(name)
+            if value is not None:
+                found[f"{prefix}.{name}" if prefix else name] = value
+    return found
+
+
+def _buffer_targets(module: torch.nn.Module, buffers: Mapping[str, torch.Tensor]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(target, value)`` pairs: each of ``buffers`` (qualified name: tensor) with ``module``'s non-persistent
+    buffer of that name, checked before anything is copied.
+
+    Raises:
+        ValueError: ``module`` has no non-persistent buffer of a name, or one of another shape.
+    """
+    if not buffers:
+        return []
+    own = _non_persistent_buffers(module)
+    pairs = []
+    for name, value in buffers.items():
+        target = own.get(name)
+        if target is None:
+            raise ValueError(f"non-persistent buffer {name!r} of the source has no counterpart in the acting policy "
+                             f"(its non-persistent buffers: {sorted(own)})")
+        if target.shape != value.shape:
+            raise ValueError(f"non-persistent buffer {name!r} has shape {tuple(value.shape)} in the source and "
+                             f"{tuple(target.shape)} in the acting policy")
+        pairs.append((target, value))
+    return pairs
 
 
 def _module_device(policy: Any) -> torch.device:

@@ -19,17 +19,37 @@ Nothing here holds state or threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite, TensorSpec
 
-__all__ = ["ArraySpec", "EnvKeys", "NestedKey", "columns_of", "next_key", "np_dtype", "sub_batch_dims"]
+__all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "next_key",
+           "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
 
 NestedKey = str | tuple[str, ...]
+
+#: Root keys TorchRL gives a meaning of its own in every transition (an observation entry of one of these names
+#: would be read or overwritten as that entry), and what writes them.
+TORCHRL_ROOT_KEYS: dict[str, str] = {
+    "action": "TorchRL's action key (the policy writes it)",
+    "reward": "TorchRL's reward key (written under 'next' from the env's reward)",
+    "done": "TorchRL's done flag", "terminated": "TorchRL's terminated flag", "truncated": "TorchRL's truncated flag",
+    "next": "TorchRL's sub-tensordict of the next step",
+    "is_init": "the is_init entry the loop writes (TorchRL's InitTracker)",
+    "step_count": "the step_count entry the loop writes (TorchRL's StepCounter)",
+    "episode_reward": "the episode_reward entry the loop writes (TorchRL's RewardSum)",
+}
+#: Root keys the loop writes beside every env's entries (its bookkeeping), and what they hold.
+LOOP_ROOT_KEYS: dict[str, str] = {
+    "collector": "the collector's ('collector', 'traj_ids') / ('collector', 'env_id') entries",
+    "policy_version": "the policy_version entry of the weights that acted",
+    "_stats": "the loop's per-step statistics column",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +117,72 @@ class EnvKeys:
                    reward=columns_of(reward, where=f"{where} reward spec"),
                    done=columns_of(done, where=f"{where} done spec"),
                    action=columns_of(action, where=f"{where} action spec"), sub_batch=sub)
+
+
+def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *, where: str, fix: str) -> str | None:
+    """The message refusing the first of ``keys`` whose top-level name is in ``reserved``, or ``None``.
+
+    Args:
+        keys: entry keys (nested keys as tuples).
+        reserved: root name -> what it holds (:data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`).
+        where: what the keys are ("observation space"), for the message.
+        fix: what to do, for the message.
+    """
+    for key in keys:
+        root = key[0] if isinstance(key, tuple) else key
+        if root in reserved:
+            named = "" if key == root else f" (under {root!r})"
+            return (f"entry {key!r} of the {where}{named} collides with {reserved[root]}: its values would be "
+                    f"overwritten or read as that entry; {fix}")
+    return None
+
+
+def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
+    """``spec.rand(shape)``, with finite values where a continuous ``Bounded`` leaf has an infinite bound.
+
+    TorchRL samples ``Bounded`` leaves uniformly in ``[low, high]``, which gives ``inf`` or ``NaN`` for a
+    dim with an infinite bound (a gymnasium ``Box(0, inf)``). Those leaves are sampled per dim as
+    gymnasium's ``Box.sample`` samples them: unbounded on both sides from a standard normal, bounded below
+    as ``low + Exponential(1)``, bounded above as ``high - Exponential(1)``, bounded on both sides
+    uniformly. Draws from torch's default CPU generator (a seeded :class:`AutobatchPolicy` swaps its own
+    stream in around a forward pass).
+
+    Args:
+        spec: a leaf spec or a ``Composite`` (nested leaves included) without batch dims of its own
+            beyond those its leaves carry.
+        shape: leading batch dims of the sample.
+
+    Returns:
+        What ``spec.rand(shape)`` returns (a tensor, or a TensorDict for a composite).
+    """
+    sample = spec.rand(shape)
+    if isinstance(spec, Composite):
+        for key, leaf in spec.items(True, True):
+            finite = _finite_sample(leaf, tuple(shape), sample.get(key))
+            if finite is not None:
+                sample.set(key, finite)
+        return sample
+    finite = _finite_sample(spec, tuple(shape), sample)
+    return sample if finite is None else finite
+
+
+def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
+    """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn``, TorchRL's
+    uniform sample, kept in the dims bounded on both sides), else ``None``."""
+    from torchrl.data import Bounded
+
+    if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
+        return None
+    low, high = leaf.space.low, leaf.space.high
+    low_finite, high_finite = torch.isfinite(low), torch.isfinite(high)
+    if bool(low_finite.all()) and bool(high_finite.all()):
+        return None
+    full = (*shape, *leaf.shape)
+    exponential = torch.empty(full, dtype=leaf.dtype).exponential_().to(drawn.device)
+    normal = torch.randn(full, dtype=leaf.dtype).to(drawn.device)
+    out = torch.where(low_finite & high_finite, drawn, normal)
+    out = torch.where(low_finite & ~high_finite, low + exponential, out)
+    return torch.where(~low_finite & high_finite, high - exponential, out)
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:

@@ -102,6 +102,6 @@ def test_worker_processes_step_envs_for_a_gpu_policy_in_the_main_process():
 
 
 def test_env_device_cuda_without_storing_device_delivers_batches_there_as_torchrl_does():
-    batches = _collect(env_device="cuda")  # TorchRL's collectors leave the data on the env's device
-    assert all(b.device.type == "cuda" for b in batches)
+    batches = _collect(env_device="cuda")  # TorchRL's collectors leave the data on the env's device, device None
+    assert all(b.device is None and all(t.is_cuda for t in b.values(True, True)) for b in batches)
     assert_batches_equal(batches, _collect())

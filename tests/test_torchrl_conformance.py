@@ -30,10 +30,9 @@ The differences ``docs/torchrl.rst`` ("Deliberate differences") declares. Only t
 ``ThreadedCollector`` variant is marked, with the reason; a strict xfail names the exception
 expected (``raises=``), so a failure of another kind still fails:
 
-* ``use_buffers`` and ``compact_obs`` are not taken (they tune TorchRL's own buffers).
-  ``use_buffers``, only a tuning parametrization in the tests that pass it, is not passed to
-  ``ThreadedCollector`` (:data:`conformance_helpers.TORCHRL_TUNING_KWARGS`);
-  ``test_compact_obs_drops_next_obs`` is a strict xfail (``raises=TypeError``).
+* ``use_buffers`` (accepted, no effect: it tunes TorchRL's own buffers), only a tuning
+  parametrization in the tests that pass it, is not passed to ``ThreadedCollector``
+  (:data:`conformance_helpers.TORCHRL_TUNING_KWARGS`).
 
 * ``TestCollectorGeneric::test_excluded_keys[exclude=False]`` (strict xfail): the test turns
   off ``Collector``'s private ``_exclude_private_keys`` flag to keep ``_``-prefixed keys;
@@ -513,8 +512,6 @@ class TestCollectorGeneric:
         ``data[obs][..., 1:] == ref_data[('next', obs)][..., :-1]`` against a
         parallel non-compact reference.
         """
-        mark_deliberate_difference(request, collector_cls, "ThreadedCollector does not take `compact_obs` "
-                                   "(docs/torchrl.rst)", raises=TypeError)
 
         def make_env():
             return TransformedEnv(ContinuousActionVecMockEnv(), InitTracker())

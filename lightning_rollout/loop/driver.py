@@ -72,7 +72,7 @@ from torchrl.envs.utils import ExplorationType
 
 from .._checks import check_device, check_int, check_seconds
 from .._exit import abandon, close_at_exit
-from ..envs import EnvAdapter, EnvFactory, InfoKeys, info_key_list, make_adapter, resolve_env_factory
+from ..envs import EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
@@ -81,7 +81,7 @@ from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
 from .block import EnvBlock
-from .process import WorkerProcesses
+from .process import WorkerProcesses, build_adapter
 from .worker import Worker
 
 __all__ = ["EnvLoop", "MultiEnvLoop"]
@@ -92,7 +92,8 @@ _POLL_S = 0.05
 def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
     """A public collection call: one at a time (a second thread calling while one runs is refused at
     once with :class:`CollectionError`, nobody waits); whatever way it ends, the driver stops holding
-    workers active."""
+    workers active. With ``lookahead=False`` the call pins the policy's weights
+    (:meth:`AutobatchPolicy.updates_held`): a weight update made meanwhile, from any thread, applies after it."""
 
     @functools.wraps(method)
     def wrapper(self: MultiEnvLoop, *args: Any, **kwargs: Any) -> Any:
@@ -104,7 +105,10 @@ def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
                 "e.g. an event processor); a loop has one driver: call it from one thread at a time")
         self._driver_thread = threading.current_thread()
         try:
-            return method(self, *args, **kwargs)
+            if self.lookahead:
+                return method(self, *args, **kwargs)
+            with self.policy.updates_held():  # on-policy: an update made during the call applies after it
+                return method(self, *args, **kwargs)
         finally:
             if hasattr(self, "_workers"):
                 self._release_all_holds()
@@ -335,8 +339,8 @@ class MultiEnvLoop:
                 loop_keys, roots = self._pool.loop_keys, self._pool.first_roots
             else:
                 for factory in factories:
-                    adapters.append(make_adapter(factory(), max_episode_steps=max_episode_steps, validate=validate,
-                                                 info_keys=info_keys))
+                    adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=validate,
+                                                  info_keys=info_keys))  # a refused env is closed
                 keys = adapters[0].keys
                 for i, a in enumerate(adapters[1:], 1):
                     if not a.keys.same_layout(keys):
