@@ -25,6 +25,8 @@ import torch
 from tensordict.nn import TensorDictModule
 from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
 
+from lightning_rollout import RolloutDataModule
+
 from conftest import THREAD_PREFIX
 from lightning_rollout import RolloutCallback
 
@@ -196,3 +198,18 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(files[0])
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+FPB = 16  # frames per batch of the Climber tests: 2 envs x 8 steps
+
+
+def climber_dm(**kwargs) -> RolloutDataModule:
+    """A DataModule of 2 :class:`LevelEnv` envs, ``FPB`` frames a batch and 2 evaluation episodes, ``kwargs`` added."""
+    options = dict(num_envs=2, frames_per_batch=FPB, eval_episodes=2)
+    options.update(kwargs)
+    return RolloutDataModule(LevelEnv, **options)
+
+
+def eval_return(batches: int) -> float:
+    """What an evaluation episode returns after ``batches`` training batches of a Climber."""
+    return float(LEVEL_EPISODE_STEPS * batches)

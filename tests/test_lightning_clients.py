@@ -30,30 +30,23 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_helpers import (
+    FPB,
     LEVEL_EPISODE_STEPS,
     Agent,
     Climber,
     EpisodesPerBatch,
-    LevelEnv,
+    climber_dm,
+    eval_return,
     make_trainer,
     rollout_threads,
 )
 from lightning_rollout import EpisodeStatsLogger, RolloutDataModule, RolloutEvaluation
 
 REPO = Path(__file__).resolve().parents[1]
-FPB = 16  # frames per batch: 2 envs x 8 steps
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def climber_dm(**kwargs) -> RolloutDataModule:
-    options = dict(num_envs=2, frames_per_batch=FPB, eval_episodes=2)
-    options.update(kwargs)
-    return RolloutDataModule(LevelEnv, **options)
-
-
-def eval_return(batches: int) -> float:
-    return float(LEVEL_EPISODE_STEPS * batches)
 
 
 # -- progress bars -----------------------------------------------------------------------------------------------------

@@ -38,11 +38,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from conftest import MockEnv
 from lightning_helpers import (
-    LEVEL_EPISODE_STEPS,
+    FPB,
     Agent,
     Climber,
     EpisodesPerBatch,
-    LevelEnv,
+    climber_dm,
+    eval_return,
     make_trainer,
     read_scalars,
     rollout_threads,
@@ -57,20 +58,10 @@ from lightning_rollout import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FPB = 16  # frames per batch of the Climber tests: 2 envs x 8 steps
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def climber_dm(**kwargs) -> RolloutDataModule:
-    options = dict(num_envs=2, frames_per_batch=FPB, eval_episodes=2)
-    options.update(kwargs)
-    return RolloutDataModule(LevelEnv, **options)
-
-
-def eval_return(batches: int) -> float:
-    """What an evaluation episode returns after ``batches`` training batches of a Climber."""
-    return float(LEVEL_EPISODE_STEPS * batches)
 
 
 class RecordedWarnings:
