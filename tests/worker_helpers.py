@@ -98,10 +98,19 @@ class ForkingEnv(CountEnv):
 
 
 class FdStarvedEnv(CountEnv):
+    """Leaves its process no free file descriptor: the limit lowered to the highest open one, and every
+    free number below it (a closed descriptor's) taken by ``/dev/null``, held as long as the env."""
+
     def __init__(self, env_id: int = 0) -> None:
         super().__init__(env_id)
         highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
         resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        self.held: list[int] = []
+        while True:
+            try:
+                self.held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:  # EMFILE: none left
+                break
 
 
 class SlowBuildEnv(CountEnv):
