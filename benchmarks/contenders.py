@@ -10,7 +10,9 @@ workload, on the workload's ``policy_device`` (the CPU unless
 ``--policy-device``). TorchRL-protocol contenders (ours included) get it as a
 ``TensorDictModule`` actor writing a one-hot greedy ``action`` (torchrl's
 CartPole action format); the gymnasium loops call the same weights as a plain
-batched callable returning action indices.
+batched callable returning action indices. The ``one_env`` scenario's two collectors get TorchRL's PPO
+actor instead (:func:`ppo_actor`: a ``ProbabilisticActor`` sampling a ``TanhNormal`` from the same MLP) over one
+TorchRL env with PPO's transforms (:func:`ppo_env`).
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def threaded(w: Workload, *, layout: str = "env_time", envs_per_thread: int | st
 # -- torchrl --------------------------------------------------------------------------------------------------
 def _devices(w: Workload) -> dict[str, str]:
     """``policy_device`` for TorchRL's collectors when the policy is off the CPU (they cast each step's data to
-    it). With a CUDA policy, ``Collector(SerialEnv)`` still failed on a device mismatch in round eight
+    it). With a CUDA policy, ``Collector(SerialEnv)`` failed on a device mismatch in the recorded GPU run
     (``docs/performance.rst``, "A GPU and sixteen cores")."""
     return {} if w.policy_device == "cpu" else {"policy_device": w.policy_device}
 
@@ -302,6 +304,72 @@ def gym_async(w: Workload) -> Session:
     plain loop."""
     return _vector_loop(gym.vector.AsyncVectorEnv(w.gym_envs(), autoreset_mode=AutoresetMode.SAME_STEP),
                         w.callable_policy())
+
+
+# -- one TorchRL env with PPO's transforms, a ProbabilisticActor (TorchRL's sota PPO MuJoCo collection) ----------
+def ppo_env(env_id: str) -> Any:
+    """TorchRL's ``GymEnv(env_id)`` with the transforms of TorchRL's sota PPO MuJoCo script
+    (``sota-implementations/ppo/utils_mujoco.py``, ``make_env``): ``VecNorm`` of the observation, a clip to
+    [-10, 10], ``RewardSum``, ``StepCounter``, and ``DoubleToFloat`` when the observation is float64."""
+    from torchrl.envs import ClipTransform, DoubleToFloat, GymEnv, RewardSum, StepCounter, TransformedEnv, VecNorm
+
+    env = TransformedEnv(GymEnv(env_id, device="cpu"))
+    env.append_transform(VecNorm(in_keys=["observation"], decay=0.99999, eps=1e-2))
+    env.append_transform(ClipTransform(in_keys=["observation"], low=-10, high=10))
+    env.append_transform(RewardSum())
+    env.append_transform(StepCounter())
+    if env.observation_spec["observation"].dtype is torch.float64:
+        env.append_transform(DoubleToFloat(in_keys=["observation"]))
+    return env
+
+
+def ppo_actor(w: Workload, env: Any) -> Any:
+    """The sota script's actor on the workload's MLP: ``loc`` from the MLP, a state-independent ``scale``, a
+    ``TanhNormal`` over the env's action bounds, the sample and its log-probability written."""
+    from tensordict.nn import AddStateIndependentNormalScale
+    from torchrl.envs import ExplorationType
+    from torchrl.modules import ProbabilisticActor, TanhNormal
+
+    spec = env.full_action_spec_unbatched
+    action = env.action_spec_unbatched
+    module = torch.nn.Sequential(w.net, AddStateIndependentNormalScale(action.shape[-1], scale_lb=1e-8))
+    return ProbabilisticActor(TensorDictModule(module, in_keys=["observation"], out_keys=["loc", "scale"]),
+                              in_keys=["loc", "scale"], spec=spec, distribution_class=TanhNormal,
+                              distribution_kwargs={"low": action.space.low, "high": action.space.high,
+                                                   "tanh_loc": False},
+                              return_log_prob=True, default_interaction_type=ExplorationType.RANDOM)
+
+
+# The sota script's collector options, given to both collectors (ours takes TorchRL's arguments).
+_PPO_COLLECTOR = {"device": "cpu", "max_frames_per_traj": -1, "compile_policy": False, "cudagraph_policy": False}
+
+
+def torchrl_one_env(w: Workload) -> Session:
+    """torchrl ``Collector`` over one :func:`ppo_env` instance with :func:`ppo_actor`, as the sota PPO MuJoCo
+    script builds it."""
+    from torchrl.collectors import Collector
+
+    if w.num_envs != 1:
+        raise ValueError(f"torchrl_one_env steps one env, the workload has {w.num_envs}")
+    env = ppo_env(w.env_id)
+    return _collector_session(Collector(create_env_fn=env, policy=ppo_actor(w, env),
+                                        frames_per_batch=w.frames_per_batch, total_frames=-1, **_PPO_COLLECTOR))
+
+
+def threaded_one_env(w: Workload) -> Session:
+    """``lightning_rollout.ThreadedCollector`` with its defaults, given what :func:`torchrl_one_env` gives
+    TorchRL's ``Collector``: the same env instance kind, actor and options."""
+    from lightning_rollout import ThreadedCollector
+
+    if w.num_envs != 1:
+        raise ValueError(f"threaded_one_env steps one env, the workload has {w.num_envs}")
+    env = ppo_env(w.env_id)
+    collector = ThreadedCollector(env, ppo_actor(w, env), frames_per_batch=w.frames_per_batch, total_frames=-1,
+                                  name="bench", **_PPO_COLLECTOR)
+    policy, loop = collector.autobatch_policy, collector.loop
+    return _collector_session(collector, lambda: {"mean_flush_batch": policy.mean_batch_size,
+                                                  "num_workers": loop.num_workers,
+                                                  "envs_per_thread": loop.envs_per_thread})
 
 
 # -- Lightning overhead: the same training step under Trainer.fit and in a plain loop -----------------------------

@@ -1,4 +1,4 @@
-"""The six scenarios of issue 6: workload, contenders, frame counts and the targets to reach.
+"""The benchmark scenarios: workload, contenders, frame counts and the targets to reach.
 
 Contender names starting with ``threaded`` are ours (``lightning_rollout``);
 the others are the peers. Frame counts are the full run's; ``--quick`` uses
@@ -40,7 +40,7 @@ PROCESS_CONTENDERS = {"torchrl Collector(ParallelEnv)", "torchrl MultiSyncCollec
 # No collector: a helper thread per env and the batched policy in one loop (benchmarks/helper_threads.py). The
 # GIL-releasing scenarios run them so that their ideal-based targets are read against what threads reach on the
 # same machine in the same run (docs/performance.rst).
-# Free-running, the gather that suits each env best: 50 us on the stragglers, none on the 2 ms env (round nine).
+# Free-running, the gather that suits each env best: 50 us on the stragglers, none on the 2 ms env.
 HELPER_CEILING: dict[str, Builder] = {
     "helper threads lock-step (no collector)": functools.partial(c.helper_threads, free=False),
     "helper threads free, 50 us gather (no collector)": functools.partial(c.helper_threads, free=True, gather_s=50e-6),
@@ -223,6 +223,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                 "plain loop over ThreadedCollector", 0.9)],
         requires=lightning_available,
         note="each run builds its collector (and Trainer) afresh: setup is part of the figure for both"),
+    Scenario(
+        "one_env", "One TorchRL env: Pendulum with PPO's transforms, TanhNormal actor on MLP 3-64-64-1",
+        "Pendulum-v1", 1, 6_144, 2048,
+        {AUTO: c.threaded_one_env, "torchrl Collector": c.torchrl_one_env},
+        [Target(">= 1.0x Collector", (AUTO,), "torchrl Collector", 1.0)],
+        note="TorchRL's sota PPO MuJoCo collection (one GymEnv with VecNorm, ClipTransform, RewardSum, "
+             "StepCounter; a ProbabilisticActor; 2,048 frames a batch) on an env of the base install; both "
+             "collectors get the env instance, the actor and the script's options"),
     Scenario(
         "scale", "Scale: 128 CartPole envs in threads (peak RSS of the process tree)", CARTPOLE, 128, 65_536, 16,
         {"threaded env_time": _threaded(),

@@ -486,9 +486,7 @@ class TorchRLAdapter:
         return leaves(self.env.reset(), self._root_keys)
 
     def step(self, root: Mapping[NestedKey, np.ndarray]) -> tuple[dict[NestedKey, Any], float, bool, bool]:
-        td = TensorDict(batch_size=[])
-        for k, v in root.items():
-            td.set(k, torch.from_numpy(np.array(v)))
+        td = TensorDict({k: torch.from_numpy(np.array(v)) for k, v in root.items()}, batch_size=[])
         for prefix, dims in self.keys.sub_batch.items():
             sub = td.get(prefix, None)
             if sub is not None:

@@ -1074,12 +1074,15 @@ class AutobatchPolicy:
 
     def _call_tensordict(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
         """A TensorDict policy on a TensorDict of the stacked entries: the entries it wrote."""
-        td = TensorDict(stacked, batch_size=[rows], device=self.device)
+        if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env, its row
+            td = TensorDict({k: v[0] for k, v in stacked.items()}, batch_size=[], device=self.device)
+            lead: list[int] = []
+        else:
+            td = TensorDict(stacked, batch_size=[rows], device=self.device)
+            lead = [rows]
         for prefix, dims in self.sub_batch.items():
             if prefix in td.keys(True):
-                td.get(prefix).batch_size = torch.Size([rows, *dims])
-        if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env
-            td = td[0]
+                td.get(prefix).batch_size = torch.Size([*lead, *dims])
         # Before an in-place policy: at the probe every leaf; later, the output keys the input carries (a root
         # output comes back as an input at the next step), whose value must be replaced, not left as given.
         given = (dict(td.items(True, True)) if self.output_keys is None
