@@ -794,9 +794,17 @@ class ThreadedCollector(BaseCollector):
                                              name=f"lightning_rollout-{self.name}-background", daemon=True)
         self._background.start()
 
+    def is_running(self) -> bool:
+        """Whether background collection (:meth:`start`) is running (TorchRL's ``is_running``)."""
+        thread = self._background
+        return thread is not None and thread.is_alive()
+
     def _run_background(self) -> None:
+        # BaseCollector.__iter__'s choice, without its shutdown-on-error (this thread cannot join itself):
+        # with trajs_per_batch only complete trajectories reach the buffer, as TorchRL's start() writes them
+        batches = self.iterator() if self.trajs_per_batch is None else self._iter_by_trajectories()
         try:
-            for _ in self.iterator():
+            for _ in batches:
                 if self._background_stop.is_set():
                     return
         except BaseException as exc:  # re-raised by async_shutdown / shutdown

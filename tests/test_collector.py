@@ -23,9 +23,10 @@ from torch import nn
 from torchrl.collectors import BaseCollector, Collector
 from torchrl.data import LazyTensorStorage, OneHot, ReplayBuffer
 from torchrl.data.postprocs import MultiStep
-from torchrl.envs import GymEnv, SerialEnv
+from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
 from torchrl.envs.utils import ExplorationType
-from torchrl.modules import EGreedyModule, QValueActor
+from torchrl.modules import EGreedyModule, QValueActor, RandomPolicy
+from torchrl.testing.mocking_classes import CountingEnv
 from torchrl.objectives import ClipPPOLoss, DQNLoss
 from torchrl.objectives.value import GAE
 from torchrl.trainers import DefaultOptimizationStepper, Trainer, UpdateWeights
@@ -563,6 +564,23 @@ def test_start_fills_the_replay_buffer_in_the_background_until_total_frames(make
     collector.async_shutdown()
     assert len(rb) == 24
     assert rb[:]["policy_version"].shape == torch.Size([24])
+
+
+def test_start_with_trajs_per_batch_writes_only_complete_trajectories(make_collector):
+    # batches of 6 frames cut 4-step episodes: written raw, the buffer would hold their halves
+    env = TransformedEnv(CountingEnv(max_steps=4), StepCounter(4))
+    rb = ReplayBuffer(storage=LazyTensorStorage(64))
+    collector = make_collector(env, RandomPolicy(env.action_spec), frames_per_batch=6, total_frames=30,
+                               trajs_per_batch=2, replay_buffer=rb)
+    collector.start()
+    wait_for(lambda: not collector.is_running(), what="the background collection to reach total_frames")
+    collector.async_shutdown()
+    stored = rb[: len(rb)]
+    traj_ids, done = stored["collector", "traj_ids"], stored["next", "done"].squeeze(-1)
+    assert len(rb) == 28  # 7 whole episodes of 4 steps; the 2 steps of the 8th are still in flight
+    for traj in traj_ids.unique():
+        steps = done[traj_ids == traj]
+        assert steps.shape == (4,) and steps[-1] and not steps[:-1].any()
 
 
 def test_async_shutdown_stops_an_endless_background_collection(make_collector):
