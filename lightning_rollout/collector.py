@@ -48,7 +48,8 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds
-from .envs import EnvFactory, InfoKeys, close_env_quietly, resolve_env_factory
+from ._batched import is_batched, split_batched_env
+from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
@@ -179,18 +180,21 @@ class ThreadedCollector(BaseCollector):
     defaults and rounding rules (refusing, with what to do instead, the values
     of those whose meaning does not carry over), and
     yields batches in its layout: ``[num_envs, T]`` with dim names
-    ``[None, "time"]`` (``[T]`` for one env), TorchRL's keys, dtypes and
+    ``[None, "time"]`` (``[T]`` for one env, ``[*batch_size, T]`` for a batched
+    env), TorchRL's keys, dtypes and
     trajectory ids, ``"_"``-prefixed entries left out. The deliberate
     differences are listed in the TorchRL guide (``docs/torchrl.rst``).
 
     Args:
         create_env_fn: a gymnasium id, a factory returning a ``gymnasium.Env`` or
             an unbatched torchrl ``EnvBase`` (transforms included), a list of
-            such factories (one per env), or an unbatched env instance (then
-            ``num_envs`` must be 1). A batched env is refused: pass a factory of
-            one env and ``num_envs``. The refused env is closed first (its worker
-            processes end), whether a factory built it or it was passed: the
-            collector owns its envs, as TorchRL's ``Collector`` does.
+            such factories (one per env), an unbatched env instance (then
+            ``num_envs`` must be 1), or a batched env instance (``SerialEnv``,
+            ``ParallelEnv``, ``GymEnv(num_envs=k)``, a ``TransformedEnv`` of one, a
+            gymnasium ``SyncVectorEnv`` / ``AsyncVectorEnv``), taken apart into its
+            single envs and closed (``docs/torchrl.rst``, "Batched envs"). A batched
+            env that cannot be taken apart is refused, and closed first (its worker
+            processes end): the collector owns its envs, as TorchRL's ``Collector`` does.
         policy: what TorchRL's collectors accept: a ``TensorDictModule`` (an
             actor, a ``TensorDictSequential`` with exploration modules, an
             ``LSTMModule`` policy...), a function of a TensorDict, an
@@ -248,7 +252,8 @@ class ThreadedCollector(BaseCollector):
         track_traj_ids: write ``("collector", "traj_ids")`` (default ``True``).
         exploration_type: the exploration mode of every policy call.
         reset_when_done: must be ``True`` (an env is reset as soon as it is done).
-        interruptor: a TorchRL interruptor (``collection_stopped()``) ending a batch early.
+        interruptor: ends the current batch early when it fires: TorchRL's interruptor
+            (``collection_stopped()``) or an :class:`Interrupter` (``stop()``, ``reset()``).
         set_truncated: mark the last step of each env in a batch truncated (and done).
         replay_buffer: batches are written to it and iteration yields ``None``.
         extend_buffer: ``False`` writes frames one by one (``add``) in time order.
@@ -271,7 +276,6 @@ class ThreadedCollector(BaseCollector):
             each ``EpisodeEnd.info`` (see :class:`MultiEnvLoop`). A TorchRL env reads its
             info with ``env.set_info_dict_reader``; a list then names those entries.
         processor: an :class:`EventProcessor` receiving timestep / episode events.
-        interrupter: an :class:`Interrupter`; when it fires, the current batch ends early.
         name: used in thread names.
         compact_obs: leave the observation and state entries out of ``"next"`` (they are
             the next row's root entries), as TorchRL's ``compact_obs`` does.
@@ -355,7 +359,6 @@ class ThreadedCollector(BaseCollector):
         policy_timeout: float | None = None,
         info_keys: InfoKeys | None = None,
         processor: EventProcessor | None = None,
-        interrupter: Interrupter | None = None,
         name: str = "collector",
     ) -> None:
         super().__init__(pre_collect_hook=pre_collect_hook, post_collect_hook=post_collect_hook)
@@ -375,7 +378,7 @@ class ThreadedCollector(BaseCollector):
                              f"{auto_register_policy_transforms!r}")
         if create_env_kwargs:
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
-        factories = self._factories(create_env_fn, num_envs)
+        factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
         if auto_register_policy_transforms and isinstance(policy, torch.nn.Module):
             factories = [_WithPolicyTransforms(f, policy) for f in factories]
@@ -442,8 +445,13 @@ class ThreadedCollector(BaseCollector):
             warnings.warn(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
                           f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
                           "random frames will be collected", stacklevel=2)
-        if interruptor is not None and interrupter is None:
+        if isinstance(interruptor, Interrupter) or interruptor is None:
+            interrupter = interruptor
+        elif callable(getattr(interruptor, "collection_stopped", None)):
             interrupter = _TorchRLInterruptor(interruptor)
+        else:
+            raise ValueError(f"interruptor must be TorchRL's interruptor (collection_stopped()) or a "
+                             f"lightning_rollout.Interrupter, got {type(interruptor).__name__}")
 
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
@@ -476,8 +484,8 @@ class ThreadedCollector(BaseCollector):
         self.compact_obs = bool(compact_obs)
         self.worker_idx = None if worker_idx is None else int(worker_idx)
         self.processor = processor
-        self.interrupter = interrupter
         self.interruptor = interruptor
+        self._interrupter = interrupter  # what the loop polls (start() makes one when none was given)
         self.name = name
         self.trust_policy = bool(trust_policy)
         self.compiled_policy = bool(compile_policy)
@@ -510,7 +518,7 @@ class ThreadedCollector(BaseCollector):
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
                 random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=step_timeout,
                 policy_timeout=policy_timeout, info_keys=info_keys, processor=processor, interrupter=interrupter,
-                name=name, start=False)
+                env_shape=self.env_batch_size, name=name, start=False)
         except PolicyError as exc:
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
@@ -525,26 +533,28 @@ class ThreadedCollector(BaseCollector):
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _factories(create_env_fn: Any, num_envs: int | None) -> list[EnvFactory]:
+    def _factories(create_env_fn: Any, num_envs: int | None) -> tuple[list[EnvFactory], torch.Size | None]:
+        """The factory of each env, and the batch dims of a batched env given as an instance (else ``None``)."""
+        if is_batched(create_env_fn):
+            split = split_batched_env(create_env_fn)  # closes it: the collector owned it, as TorchRL's does
+            if num_envs not in (None, len(split.factories)):
+                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(split.factories)} envs "
+                                 f"(batch_size={tuple(split.batch_size)}); leave num_envs out")
+            return split.factories, split.batch_size
         if isinstance(create_env_fn, (EnvBase, gym.Env)):
-            if isinstance(create_env_fn, EnvBase) and tuple(create_env_fn.batch_size) != ():
-                close_env_quietly(create_env_fn)  # the collector owned it, as TorchRL's does: its workers end here
-                raise ValueError(
-                    f"got a batched env (batch_size={tuple(create_env_fn.batch_size)}); ThreadedCollector "
-                    "parallelises itself: pass a factory of one env and num_envs (e.g. lambda: GymEnv(...))")
             if num_envs not in (None, 1):
                 raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
             instance = create_env_fn
-            return [lambda: instance]
+            return [lambda: instance], None
         if isinstance(create_env_fn, (list, tuple)):
             if not create_env_fn:
                 raise ValueError("create_env_fn is an empty list; pass at least one factory")
             if num_envs is not None and num_envs != len(create_env_fn):
                 raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
-            return [resolve_env_factory(f) for f in create_env_fn]
+            return [resolve_env_factory(f) for f in create_env_fn], None
         n = 1 if num_envs is None else num_envs
         check_int("num_envs", n, 1)
-        return [resolve_env_factory(create_env_fn)] * n
+        return [resolve_env_factory(create_env_fn)] * n, None
 
     # -- properties TorchRL code reads ------------------------------------------------------------
     @property
@@ -656,7 +666,7 @@ class ThreadedCollector(BaseCollector):
     def collect_batch(self) -> TensorDictBase | None:
         """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``).
 
-        Returns ``None`` when the interrupter stopped collection before any frame.
+        Returns ``None`` when the interruptor stopped collection before any frame.
 
         Raises:
             CollectionError: the collector is shut down, or another thread is iterating it or
@@ -712,8 +722,8 @@ class ThreadedCollector(BaseCollector):
         """The loop's batch in TorchRL's layout: one env gives ``[T]``; entries TorchRL would not write
         are left out (``("collector", "env_id")``; ``policy_version`` unless ``track_policy_version``;
         the observations and state under ``"next"`` with ``compact_obs``)."""
-        if self.layout == "env_time" and self.num_envs == 1:
-            batch = batch[0]
+        if self.layout == "env_time":
+            batch = self._env_shaped(batch)
         drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
@@ -726,6 +736,17 @@ class ThreadedCollector(BaseCollector):
             batch = batch.exclude("collector")
         if self.set_truncated and batch.numel():
             self._truncate_last(batch)
+        return batch
+
+    def _env_shaped(self, batch: TensorDictBase) -> TensorDictBase:
+        """``[num_envs, T]`` as TorchRL shapes it for the env given: ``[T]`` for one unbatched env,
+        ``[*env_batch_size, T]`` for a batched env (``[1, T]`` for a batch of one)."""
+        if self.env_batch_size is None:
+            return batch[0] if self.num_envs == 1 else batch
+        if len(self.env_batch_size) == 1:
+            return batch
+        batch = batch.reshape(*self.env_batch_size, batch.shape[-1])
+        batch.names = [None] * len(self.env_batch_size) + ["time"]
         return batch
 
     def fake_tensordict(self) -> TensorDictBase:
@@ -787,9 +808,9 @@ class ThreadedCollector(BaseCollector):
         if self._background is not None:
             raise RuntimeError("the collector is already running in the background")
         self._background_stop.clear()
-        if self.interrupter is None:
-            self.interrupter = Interrupter()
-            self._loop.interrupter = self.interrupter
+        if self._interrupter is None:
+            self._interrupter = Interrupter()
+            self._loop.interrupter = self._interrupter
         self._background = threading.Thread(target=self._run_background,
                                              name=f"lightning_rollout-{self.name}-background", daemon=True)
         self._background.start()
@@ -827,10 +848,10 @@ class ThreadedCollector(BaseCollector):
         if thread is None:
             return
         self._background_stop.set()
-        assert self.interrupter is not None
-        self.interrupter.stop()
+        assert self._interrupter is not None
+        self._interrupter.stop()
         thread.join(timeout if timeout is not None else 10.0)
-        self.interrupter.reset()
+        self._interrupter.reset()
         self._background = None
 
     def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:

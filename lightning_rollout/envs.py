@@ -448,8 +448,9 @@ class TorchRLAdapter:
 
     def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
         if tuple(env.batch_size) != ():
-            raise ValueError(f"torchrl envs must be unbatched (batch_size=()), got batch_size={tuple(env.batch_size)}; "
-                             "pass a factory of single envs and set num_envs instead of SerialEnv/ParallelEnv")
+            raise ValueError(f"an env factory returned a batched env (batch_size={tuple(env.batch_size)}); a factory "
+                             "makes one env: pass the batched env itself (ThreadedCollector(env, ...) takes a "
+                             "SerialEnv/ParallelEnv/GymEnv(num_envs=...) apart), or a factory of one env and num_envs")
         if max_episode_steps is not None:
             from torchrl.envs import StepCounter
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import threading
 import time
 import warnings
@@ -387,9 +388,10 @@ class AutobatchPolicy:
         self.input_keys: list[NestedKey] | None = None  # set by bind(): the keys every request carries
         self.output_keys: list[NestedKey] | None = None  # set by probe(): the keys every answer carries
         self.sub_batch: dict[tuple[str, ...], tuple[int, ...]] = {}  # nested batch dims of the inputs
-        # Set by a loop of one env: the policy is then called on the env's unbatched row, as TorchRL's
-        # collector calls it on an unbatched env (not a one-argument tensor function: it always gets a batch).
-        self._unbatched = False
+        # Set by the loop: the batch dims a flush of every env's rows is called with, as TorchRL's collector
+        # calls the policy on the env it is given: () for one unbatched env, a batched env's batch_size.
+        # None (and always for a one-argument tensor function): [rows].
+        self._env_shape: tuple[int, ...] | None = None
         # A seeded policy samples from its own CPU random stream (swapped in around each forward pass,
         # which run one at a time), so its draws do not depend on who else uses torch's global generator.
         # torch.set_num_threads is per thread: the inference thread runs forward passes with the setting of the
@@ -483,13 +485,21 @@ class AutobatchPolicy:
         return self._device
 
     @property
-    def unbatched(self) -> bool:
-        """Whether one-row flushes call the policy without the batch dim (a loop of one env)."""
-        return self._unbatched
+    def env_shape(self) -> tuple[int, ...] | None:
+        """The batch dims the policy is called with on a flush of ``prod(env_shape)`` rows (every env's):
+        ``()`` for one unbatched env, ``(5, 2)`` for a batched env of that ``batch_size``; ``None``: ``[rows]``.
+        Other flushes are called with ``[rows]``. Set by the loop before its probe."""
+        return self._env_shape
 
-    @unbatched.setter
-    def unbatched(self, value: bool) -> None:
-        self._unbatched = bool(value) and not getattr(self.policy, "_lr_batched", False)
+    @env_shape.setter
+    def env_shape(self, value: Sequence[int] | None) -> None:
+        batched = value is None or getattr(self.policy, "_lr_batched", False)  # a tensor function: [rows]
+        self._env_shape = None if batched else tuple(int(d) for d in value)
+
+    def _call_shape(self, rows: int) -> tuple[int, ...]:
+        """The batch dims of a call on ``rows`` rows (see :attr:`env_shape`)."""
+        shape = self._env_shape
+        return shape if shape is not None and math.prod(shape) == rows else (rows,)
 
     @property
     def mean_batch_size(self) -> float:
@@ -991,7 +1001,7 @@ class AutobatchPolicy:
         """
         key = self._direct_one
         rows = agent.rows
-        if key is None or torch.is_grad_enabled() or (self._unbatched and rows == 1):
+        if key is None or torch.is_grad_enabled() or self._call_shape(rows) != (rows,):
             return self._compute([_Request(agent, obs, rows, mode)])[0]
         explore = self._modes.get(mode)
         if explore is None:
@@ -1040,11 +1050,14 @@ class AutobatchPolicy:
 
     def _call_direct(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
         """An exact ``TensorDictModule``'s inner module on the stacked tensors of its ``in_keys``: its outputs."""
-        one = self._unbatched and rows == 1  # one env: called on its unbatched row, as TorchRL does
-        result = self._direct(*[stacked[k][0] if one else stacked[k] for k in self._direct_in])  # type: ignore[misc]
-        if one:
-            return {k: v[None] for k, v in self._direct_outputs(result, rows, check=False).items()}
-        return self._direct_outputs(result, rows, check=False)  # _run_policy checks the rows
+        shape = self._call_shape(rows)  # one env: its unbatched row, as TorchRL calls it
+        if shape == (rows,):
+            result = self._direct(*[stacked[k] for k in self._direct_in])  # type: ignore[misc]
+            return self._direct_outputs(result, rows, check=False)  # _run_policy checks the rows
+        result = self._direct(*[stacked[k].reshape(*shape, *stacked[k].shape[1:])
+                                for k in self._direct_in])  # type: ignore[misc]
+        outputs = self._direct_outputs(result, rows, check=False)
+        return {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
 
     def _direct_outputs(self, result: Any, rows: int, *, check: bool = True) -> dict[NestedKey, np.ndarray]:
         """What the inner module returned, as numpy outputs by ``out_keys`` (with ``check``: each of ``rows``
@@ -1074,15 +1087,17 @@ class AutobatchPolicy:
 
     def _call_tensordict(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
         """A TensorDict policy on a TensorDict of the stacked entries: the entries it wrote."""
-        if self._unbatched and rows == 1:  # one env: called as TorchRL calls it on an unbatched env, its row
-            td = TensorDict({k: v[0] for k, v in stacked.items()}, batch_size=[], device=self.device)
-            lead: list[int] = []
-        else:
+        shape = self._call_shape(rows)  # one env: its unbatched row, as TorchRL calls it
+        if shape == (rows,):
             td = TensorDict(stacked, batch_size=[rows], device=self.device)
-            lead = [rows]
+        elif not shape:
+            td = TensorDict({k: v[0] for k, v in stacked.items()}, batch_size=[], device=self.device)
+        else:
+            td = TensorDict({k: v.reshape(*shape, *v.shape[1:]) for k, v in stacked.items()}, batch_size=shape,
+                            device=self.device)
         for prefix, dims in self.sub_batch.items():
             if prefix in td.keys(True):
-                td.get(prefix).batch_size = torch.Size([*lead, *dims])
+                td.get(prefix).batch_size = torch.Size([*shape, *dims])
         # Before an in-place policy: at the probe every leaf; later, the output keys the input carries (a root
         # output comes back as an input at the next step), whose value must be replaced, not left as given.
         given = (dict(td.items(True, True)) if self.output_keys is None
@@ -1094,7 +1109,9 @@ class AutobatchPolicy:
             raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
                               "a TensorDict (wrap a tensor function in a TensorDictModule)")
         outputs = self._outputs(out, given)
-        return {k: v[None] for k, v in outputs.items()} if td.batch_dims == 0 else outputs
+        if shape == (rows,):
+            return outputs
+        return {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
 
     @contextlib.contextmanager
     def _swapped_rng(self) -> Iterator[None]:

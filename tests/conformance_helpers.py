@@ -49,23 +49,24 @@ class EnvBatch:
     * TorchRL's ``Collector`` gets one batched env, built once by :meth:`batched_env`:
       ``batched()`` when given (a mock natively built with ``batch_size=(n, ...)``),
       else ``SerialEnv(n, factories, **serial_kwargs)``.
-    * ``ThreadedCollector`` gets the list of factories.
+    * ``ThreadedCollector`` gets a batched env too, the same way a user swapping the collector
+      line passes it: a ``SerialEnv`` of the factories, nested to ``batch_size`` (the
+      ``SerialEnv`` form of a natively batched mock); it takes it apart into its single envs.
 
     Args:
-        factories: one factory of an unbatched env per env.
+        factories: one factory of an unbatched env per env, row-major over ``batch_size``.
         batched: builds the batched env for ``Collector`` (default: a ``SerialEnv``).
         serial_kwargs: extra ``SerialEnv`` arguments (``device``, ``share_individual_td``...).
         seed: the original's ``env.set_seed(seed)`` before the collector is built: applied
             to the batched env for ``Collector``, passed as ``seed=`` to ``ThreadedCollector``.
-        batch_ndim: dimensions of the batched env's batch size; ThreadedCollector (batches
-            ``[num_envs, time]``) has no form of a multi-dimensional batch.
+        batch_size: the batched env's batch dims (default ``(len(factories),)``).
     """
 
     factories: Sequence[EnvFactory]
     batched: EnvFactory | None = None
     serial_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
-    batch_ndim: int = 1
+    batch_size: tuple[int, ...] | None = None
     _batched_env: EnvBase | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -73,24 +74,27 @@ class EnvBatch:
         """``n`` copies of ``factory`` (the port of ``SerialEnv(n, factory)``)."""
         return cls([factory] * n, **kwargs)
 
-    @property
-    def threaded_expressible(self) -> bool:
-        """False for a multi-dimensional batch: ThreadedCollector's batches are ``[num_envs, time]``."""
-        return self.batch_ndim <= 1
+    def _serial(self, factories: Sequence[EnvFactory], dims: Sequence[int]) -> EnvBase:
+        """``SerialEnv`` of ``factories`` nested to ``dims`` (``SerialEnv(5, [SerialEnv(2, ...), ...])``)."""
+        if len(dims) > 1:
+            width = len(factories) // dims[0]
+            factories = [functools.partial(self._serial, factories[i * width:(i + 1) * width], dims[1:])
+                         for i in range(dims[0])]
+        first = factories[0]
+        same = all(f is first for f in factories)
+        return SerialEnv(len(factories), first if same else list(factories), **self.serial_kwargs)
 
     def batched_env(self) -> EnvBase:
         """The batched env TorchRL's Collector steps (built once, seeded with ``seed``)."""
         if self._batched_env is None:
-            if self.batched is not None:
-                env = self.batched()
-            else:
-                first = self.factories[0]
-                same = all(f is first for f in self.factories)
-                env = SerialEnv(len(self.factories), first if same else list(self.factories), **self.serial_kwargs)
+            env = self.batched() if self.batched is not None else self._serial_form()
             if self.seed is not None:
                 env.set_seed(self.seed)
             self._batched_env = env
         return self._batched_env
+
+    def _serial_form(self) -> EnvBase:
+        return self._serial(self.factories, self.batch_size or (len(self.factories),))
 
     def spec_env(self, collector_cls: type[BaseCollector]) -> EnvBase:
         """The env a policy is built from (``RandomPolicy(env.action_spec)``...): the batched env, for
@@ -98,10 +102,10 @@ class EnvBatch:
         default on-policy mode (and probes it that way), so a policy shaped for the batched env works."""
         return self.batched_env()
 
-    def collector_args(self, collector_cls: type[BaseCollector]) -> tuple[EnvBase | list[EnvFactory], dict[str, Any]]:
+    def collector_args(self, collector_cls: type[BaseCollector]) -> tuple[EnvBase, dict[str, Any]]:
         """``(create_env_fn, extra kwargs)`` for ``collector_cls``."""
         if is_threaded(collector_cls):
-            return list(self.factories), ({} if self.seed is None else {"seed": self.seed})
+            return self._serial_form(), ({} if self.seed is None else {"seed": self.seed})
         return self.batched_env(), {}
 
 
@@ -120,7 +124,7 @@ def mock_env(mock: Callable[..., EnvBase], batch_size: Sequence[int], **kwargs: 
     n = int(torch.Size(batch_size).numel())
     return EnvBatch([functools.partial(mock, **kwargs)] * n,
                     batched=functools.partial(mock, batch_size=tuple(batch_size), **kwargs),
-                    batch_ndim=len(batch_size))
+                    batch_size=tuple(batch_size))
 
 
 def spec_env(env: EnvBase | EnvBatch, collector_cls: type[BaseCollector]) -> EnvBase:

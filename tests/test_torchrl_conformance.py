@@ -11,7 +11,9 @@ Rules of the port
 -----------------
 * A batched env of the original (``SerialEnv(n, fn)``, ``ParallelEnv(n, fn)``, a mock built with
   ``batch_size=(n,)``) is an :class:`~conformance_helpers.EnvBatch`: ``Collector`` gets the
-  batched env (always a ``SerialEnv``, never processes), ``ThreadedCollector`` the ``n`` factories.
+  batched env (always a ``SerialEnv``, never processes), ``ThreadedCollector`` a ``SerialEnv`` of the
+  ``n`` factories (nested to the batch's dims: ``(5, 2)`` is ``SerialEnv(5, [SerialEnv(2, ...)...])``),
+  which it takes apart into its single envs.
   A policy built from the env's specs (``RandomPolicy(env.action_spec)``...) is built from the
   batched env for both collectors, as a user swapping collectors keeps their policy: in its default
   on-policy mode ThreadedCollector calls the policy with the rows of every env at once (and an
@@ -46,10 +48,6 @@ expected (``raises=``), so a failure of another kind still fails:
   ``TestHeterogeneousEnvsCollector::test_collector_heterogeneous_env`` (lazily stacked
   heterogeneous specs): ``ThreadedCollector`` preallocates one fixed-shape column per entry and
   refuses such specs at construction, naming the entry (``lightning_rollout/specs.py``).
-* Multi-dimensional env batches (``TestNestedEnvsCollector::test_nested_env_dims[(5, 2)]``,
-  ``TestHeterogeneousEnvsCollector::test_collector_heterogeneous_env[(2, 1)]``,
-  ``TestMultiKeyEnvsCollector::test_collector[(2, 1)]``) are skipped: ``ThreadedCollector``'s
-  batches are ``[num_envs, time]``, there is no form of a 2-D batch of envs.
 * Checks of ``Collector``'s private attributes are run for ``Collector`` only:
   ``collector._wrapped_policy`` in ``TestAutoWrap::test_auto_wrap_modules`` (the original runs it
   only for ``Collector`` too) and ``collector._use_buffers`` in ``TestUniqueTraj``.
@@ -158,7 +156,6 @@ pytestmark = pytest.mark.timeout(60)
 
 CollectorCls = type[BaseCollector]
 MakeCollector = Callable[..., BaseCollector]
-MULTIDIM_BATCH = "a multi-dimensional env batch has no ThreadedCollector form (its batches are [num_envs, time])"
 FIXED_SHAPE_COLUMNS = ("ThreadedCollector stores fixed-shape columns and refuses dynamic-shape, lazily stacked "
                        "heterogeneous and non-tensor specs with a ValueError (lightning_rollout/specs.py)")
 
@@ -182,11 +179,6 @@ def make_collector(collector_cls: CollectorCls) -> Iterator[MakeCollector]:
     yield make
     for collector in made:
         collector.shutdown(raise_on_error=False)
-
-
-def skip_multidim_batch(request: pytest.FixtureRequest, collector_cls: CollectorCls, env: EnvBase | EnvBatch) -> None:
-    if isinstance(env, EnvBatch) and not env.threaded_expressible:
-        mark_deliberate_difference(request, collector_cls, MULTIDIM_BATCH, skip=True)
 
 
 class TestRandomPolicyLazyInit:
@@ -1003,7 +995,6 @@ class TestNestedEnvsCollector:
     def test_nested_env_dims(self, request, collector_cls, make_collector, batch_size, nested_dim=5,
                              frames_per_batch=20):
         env = mock_env(NestedCountingEnv, batch_size, nested_dim=nested_dim)
-        skip_multidim_batch(request, collector_cls, env)
         probe = spec_env(env, collector_cls)
         torch.manual_seed(0)
         policy = CountingEnvCountPolicy(probe.full_action_spec[probe.action_key], probe.action_key)
@@ -1028,7 +1019,6 @@ class TestHeterogeneousEnvsCollector:
                                          seed=1, max_steps=4):
         batch_size = torch.Size(batch_size)
         env = mock_env(HeterogeneousCountingEnv, batch_size, max_steps=max_steps - 1)
-        skip_multidim_batch(request, collector_cls, env)
         mark_deliberate_difference(request, collector_cls, FIXED_SHAPE_COLUMNS, raises=ValueError)
         probe = spec_env(env, collector_cls)
         torch.manual_seed(seed)
@@ -1060,7 +1050,6 @@ class TestMultiKeyEnvsCollector:
     @pytest.mark.parametrize("max_steps", [2, 3])
     def test_collector(self, request, collector_cls, make_collector, batch_size, frames_per_batch, max_steps, seed=1):
         env = mock_env(MultiKeyCountingEnv, batch_size, max_steps=max_steps)
-        skip_multidim_batch(request, collector_cls, env)
         probe = spec_env(env, collector_cls)
         torch.manual_seed(seed)
         device = get_default_devices()[0]

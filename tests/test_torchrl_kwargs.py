@@ -195,26 +195,33 @@ def _wait_for_no_new_children(before: set[int], timeout: float = 10.0) -> list[p
     return left
 
 
-@pytest.mark.parametrize("given", ["instance", "factory"])
-def test_a_refused_batched_env_is_closed_and_leaves_no_process_running(given):
+def test_a_factory_of_a_batched_env_is_refused_and_leaves_no_process_running():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if given == "instance":
-            env = GymEnv("CartPole-v1", num_envs=2)
-            assert len(_new_children(before)) == 2  # the vector env's two worker processes
-            create_env_fn = env
-        else:
-            create_env_fn = functools.partial(GymEnv, "CartPole-v1", num_envs=2)
-        with pytest.raises(ValueError, match="batch_size=\\(2,\\)") as refusal:
-            ThreadedCollector(create_env_fn, None, frames_per_batch=4, **FAST)
-    if given == "instance":
-        assert env.is_closed
+        with pytest.raises(ValueError, match="batch_size=\\(2,\\).*pass the batched env itself") as refusal:
+            ThreadedCollector(functools.partial(GymEnv, "CartPole-v1", num_envs=2), None, frames_per_batch=4, **FAST)
     # the refusal is still held (its traceback references the env, as a caller's `except ... as e` does): the
     # processes end because the env was closed, not because a dropped env was garbage-collected
     left = _wait_for_no_new_children(before)
     assert not left, f"processes left running: {[(p.pid, p.cmdline()) for p in left]}"
     assert refusal.value is not None
+
+
+def test_a_batched_env_instance_is_taken_apart_and_its_own_processes_end():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = GymEnv("CartPole-v1", num_envs=2)
+        assert len(_new_children(before)) == 2  # the vector env's two worker processes
+        collector = ThreadedCollector(env, None, frames_per_batch=4, total_frames=4, **FAST)
+    try:
+        assert env.is_closed
+        assert not _wait_for_no_new_children(before)  # the collector steps its own envs, in threads
+        batch = next(iter(collector))
+        assert batch.batch_size == (2, 2) and batch.names == [None, "time"]
+    finally:
+        collector.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------------------

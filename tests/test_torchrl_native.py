@@ -305,9 +305,10 @@ def test_loop_exposes_the_env_keys_and_what_the_policy_is_handed():
         assert "observation" in loop.env_keys.observation
 
 
-def test_batched_torchrl_env_is_refused_with_what_to_do():
-    with pytest.raises(ValueError, match="factory of one env"):
-        ThreadedCollector(SerialEnv(2, CountingEnv), None, frames_per_batch=4)
+def test_a_natively_batched_env_is_refused_with_what_to_do():
+    env = CountingEnv(batch_size=[2])  # steps its 2 envs in one call: no single env to rebuild
+    with pytest.raises(ValueError, match="cannot be taken apart.*factory of one env"):
+        ThreadedCollector(env, None, frames_per_batch=4)
 
 
 def test_policy_gets_a_tensordict_of_k_rows():

@@ -12,19 +12,19 @@ Threads and what they own
   ``envs_per_thread`` rows per key).
 * The policy's inference thread (see :mod:`lightning_rollout.policy`).
 
-Messages (only small tuples cross threads; data stays in the slots)
---------------------------------------------------------------------
-* driver -> worker, on the worker's ``SimpleQueue``: ``("step",)``,
-  ``("steps", out, start, count)`` (a quota: write ``count`` steps of the block
-  straight into the driver's batch ``out[w, j, start:]``, which the driver does not
-  read until the worker reports; :meth:`MultiEnvLoop.run_env_steps`, and
-  :meth:`MultiEnvLoop.run_steps` with one env thread, whose ``out`` is a view of its
-  flat batch), ``("episode", env_index, request_index)`` or ``("stop",)``.
-* worker -> driver, on the loop's shared ``SimpleQueue``:
-  ``("step", worker, slot)`` (a block of ``envs_per_thread`` transitions is ready in
-  that slot), ``("steps", worker, quota_end)`` (a quota ended, possibly cut),
-  ``("episode", worker, request_index, columns, length)`` or
-  ``("error", worker, exception)``.
+Messages (only small records cross threads; data stays in the slots)
+---------------------------------------------------------------------
+The typed requests and replies of :mod:`lightning_rollout.loop.messages`: the driver
+sends a worker a :class:`~.messages.StepRequest` (one step of the block, into a slot),
+a :class:`~.messages.QuotaRequest` (``count`` steps straight into the driver's batch
+``out[w, j, start:]``, which the driver does not read until the worker reports:
+:meth:`MultiEnvLoop.run_env_steps`, and :meth:`MultiEnvLoop.run_steps` with one env
+thread, whose ``out`` is a view of its flat batch), an
+:class:`~.messages.EpisodeRequest`, a :class:`~.messages.ResetRequest` or a
+:class:`~.messages.StopRequest` on the worker's ``SimpleQueue``; each worker answers
+on the loop's shared ``SimpleQueue`` with :class:`~.messages.StepReady`,
+:class:`~.messages.QuotaEnded`, :class:`~.messages.EpisodeReady`,
+:class:`~.messages.ResetDone`, or :class:`~.messages.WorkerFailed` when it failed.
 
 Double batching
 ---------------
@@ -56,6 +56,7 @@ transitions collected so far attached as ``exc.partial``.
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import random
 import threading
@@ -81,6 +82,8 @@ from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
 from .block import EnvBlock
+from .messages import (STEP, STOP, EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, ResetDone,
+                       ResetRequest, StepReady, StepRequest, WorkerFailed)
 from .process import WorkerProcesses, build_adapter
 from .worker import Worker
 
@@ -202,6 +205,9 @@ class MultiEnvLoop:
         processor: default :class:`EventProcessor` for every call.
         interrupter: default :class:`Interrupter` for every call.
         traj_id_start: first trajectory id (to continue counts after a resume).
+        env_shape: the batch dims of the batched env the envs were taken from (their product is
+            ``num_envs``): the policy is called in that shape on a flush of every env's rows, as
+            TorchRL's collector calls it on that env. Default: unbatched for one env, ``[rows]``.
         name: used in thread names.
         join_timeout: seconds :meth:`close` waits for each thread (finite).
         start: start the env threads now; ``False`` defers it to :meth:`start` or
@@ -239,6 +245,7 @@ class MultiEnvLoop:
         processor: EventProcessor | None = None,
         interrupter: Interrupter | None = None,
         traj_id_start: int = 0,
+        env_shape: Sequence[int] | None = None,
         name: str = "loop",
         join_timeout: float = 5.0,
         start: bool = True,
@@ -266,6 +273,9 @@ class MultiEnvLoop:
         check_seconds("policy_timeout", policy_timeout, allow_zero=False)
         check_device("device", device)
         check_int("traj_id_start", traj_id_start, 0)
+        if env_shape is not None and math.prod(env_shape) != num_envs:
+            raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
+        self._env_shape = tuple(env_shape) if env_shape is not None else (() if num_envs == 1 else None)
         if seed is not None:
             check_int("seed", seed, 0)
         if not isinstance(exploration_type, ExplorationType):
@@ -320,7 +330,7 @@ class MultiEnvLoop:
         self._driver_thread: threading.Thread | None = None
         self._cut = threading.Event()  # set by the driver: workers end their quota after the current step
         self._closed = False
-        self._ready: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.frames = 0
         self.episodes = 0
 
@@ -392,7 +402,7 @@ class MultiEnvLoop:
         self._in_flight = [False] * len(self._workers)
         self._idle: deque[int] = deque(range(len(self._workers)))
         self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
-        self._stray_episodes: list[tuple[Any, ...]] = []
+        self._stray_episodes: list[EpisodeReady] = []
         self._deferred: list[tuple[int, tuple[Any, ...]]] | None = None
         self._carry: dict[int, dict[NestedKey, np.ndarray]] = {}  # steps beyond an interrupted env_time batch
         self._answered_since_wait: list[int] = []  # answered workers not yet released (driver only)
@@ -415,7 +425,7 @@ class MultiEnvLoop:
                  for k, spec in keys.root.items()}
         probe.update({k: np.zeros((len(roots), *spec.shape), spec.dtype) for k, spec in keys.done.items()})
         if self._owns_policy:
-            self.policy.unbatched = len(roots) == 1
+            self.policy.env_shape = self._env_shape
         out = self.policy.probe(probe, rows=len(roots))
         outputs = {k: ArraySpec(shape, np.dtype(dtype)) for k, (shape, dtype) in out.items()}
         missing = [k for k in keys.action if k not in outputs]
@@ -601,20 +611,20 @@ class MultiEnvLoop:
         for n, i in enumerate(ids):
             per_worker.setdefault(i // self.envs_per_thread, []).append((i, None if seeds is None else seeds[n]))
         for w, items in per_worker.items():
-            self._workers[w].requests.put(("reset", items))
+            self._workers[w].requests.put(ResetRequest(items))
         waiting = set(per_worker)
         fresh: set[int] = set()  # envs with no staged step to end their trajectory: new id now
         try:
             while waiting:
                 msg = self._wait(None)
                 assert msg is not None
-                if msg[0] == "reset":
-                    waiting.discard(msg[1])
-                    if msg[2]:
-                        fresh.update(i for i, _ in per_worker[msg[1]])
-                elif msg[0] == "step":
-                    self._answered(msg[1])
-                    self._partials[msg[1]] = (msg[2], 0)
+                if isinstance(msg, ResetDone):
+                    waiting.discard(msg.worker)
+                    if msg.fresh:
+                        fresh.update(i for i, _ in per_worker[msg.worker])
+                elif isinstance(msg, StepReady):
+                    self._answered(msg.worker)
+                    self._partials[msg.worker] = (msg.slot, 0)
                 else:
                     self._stray_episodes.append(msg)
         except CollectionError as exc:
@@ -626,15 +636,15 @@ class MultiEnvLoop:
             self._new_trajectory(i)
 
     def _request_step(self, w: int) -> None:
-        self._request(w, ("step",))
+        self._request(w, STEP)
 
-    def _request(self, w: int, message: tuple[Any, ...]) -> None:
+    def _request(self, w: int, message: StepRequest | QuotaRequest) -> None:
         """Send ``message`` (a step or a quota of steps) to worker ``w``, holding it active until answered."""
         if w in self._idle:
             self._idle.remove(w)
         self._in_flight[w] = True
-        if message[0] == "steps":
-            self._workers[w].quota_end = message[2]  # progress of this quota, advanced by the worker
+        if isinstance(message, QuotaRequest):
+            self._workers[w].quota_end = message.start  # progress of this quota, advanced by the worker
         self._workers[w]._set_activity(held=True)
         if self._deferred is not None:  # a burst: every worker is held before any is woken
             self._deferred.append((w, message))
@@ -667,7 +677,7 @@ class MultiEnvLoop:
             if worker._held:
                 worker._set_activity(held=False)
 
-    def _wait(self, interrupter: Interrupter | None) -> tuple[Any, ...] | None:
+    def _wait(self, interrupter: Interrupter | None) -> Reply | None:
         """Next message from a worker; None when interrupted. Raises worker errors."""
         self._release_holds()
         while True:
@@ -680,8 +690,8 @@ class MultiEnvLoop:
                     raise CollectionError(f"the loop {self.name!r} was closed while collecting")
                 self._check_timeouts()
                 continue
-            if msg[0] == "error":
-                raise msg[2]
+            if isinstance(msg, WorkerFailed):
+                raise msg.error
             if interrupter is not None and interrupter.should_stop():
                 self._ready.put(msg)  # keep it for the next call
                 return None
@@ -696,12 +706,12 @@ class MultiEnvLoop:
             msg = self._wait(interrupter)
             if msg is None:
                 return None
-            if msg[0] == "episode":
+            if isinstance(msg, EpisodeReady):
                 self._stray_episodes.append(msg)
                 continue
-            _, w, slot = msg
-            self._answered(w)
-            return w, slot
+            assert isinstance(msg, StepReady)
+            self._answered(msg.worker)
+            return msg.worker, msg.slot
 
     def _check_timeouts(self) -> None:
         if self.step_timeout is None:
@@ -926,7 +936,7 @@ class MultiEnvLoop:
             self._deferred = []
             for w in range(W):
                 if t[w] < T and not self._in_flight[w]:
-                    self._request(w, ("steps", out, t[w], T - t[w]))
+                    self._request(w, QuotaRequest(out, t[w], T - t[w]))
                     quotas.add(w)
             self._send_deferred()
             while any(self._in_flight):
@@ -935,18 +945,19 @@ class MultiEnvLoop:
                     interrupted = True
                     self._cut.set()
                     continue
-                if msg[0] == "episode":
+                if isinstance(msg, EpisodeReady):
                     self._stray_episodes.append(msg)
                     continue
-                w = msg[1]
+                w = msg.worker
                 self._answered(w)
-                if msg[0] == "steps":
-                    t[w] = msg[2]
+                if isinstance(msg, QuotaEnded):
+                    t[w] = msg.end
                     quotas.discard(w)
                 else:  # a single step requested by an interrupted run_steps
-                    self._place(out, t, w, msg[2], T)
+                    assert isinstance(msg, StepReady)
+                    self._place(out, t, w, msg.slot, T)
                     if t[w] < T and not interrupted:
-                        self._request(w, ("steps", out, t[w], T - t[w]))
+                        self._request(w, QuotaRequest(out, t[w], T - t[w]))
                         quotas.add(w)
         except CollectionError as exc:
             self.close()  # workers stopped (a hung one only ever writes at its quota_end, past what is kept)
@@ -1043,18 +1054,18 @@ class MultiEnvLoop:
             # Late episodes of an interrupted earlier call answered requests nobody waits for any more.
             self._stray_episodes.clear()
             for env_id in envs:
-                self._workers[env_id // g].requests.put(("episode", env_id, next_request))
+                self._workers[env_id // g].requests.put(EpisodeRequest(env_id, next_request))
                 next_request += 1
             while len(results) < next_request:
                 msg = self._wait(interrupter)
                 if msg is None:
                     break
-                if msg[0] == "step":
-                    _, w, slot = msg
-                    self._answered(w)
-                    self._partials[w] = (slot, 0)
+                if isinstance(msg, StepReady):
+                    self._answered(msg.worker)
+                    self._partials[msg.worker] = (msg.slot, 0)
                     continue
-                _, w, index, cols, length, fresh = msg
+                assert isinstance(msg, EpisodeReady)
+                w, index, cols, length, fresh = msg.worker, msg.request_index, msg.columns, msg.length, msg.fresh
                 trajectory = {key: v[:length].copy() for key, v in cols.items()}
                 if processor is not None:
                     self._emit(trajectory, range(length), processor, self.eval, k, 1)
@@ -1068,7 +1079,7 @@ class MultiEnvLoop:
                 results[index] = self._layout.to_tensordict(trajectory, [length])
                 if next_request < k:
                     env_id = int(trajectory[_ENV_ID][0])
-                    self._workers[w].requests.put(("episode", env_id, next_request))
+                    self._workers[w].requests.put(EpisodeRequest(env_id, next_request))
                     next_request += 1
         except CollectionError as exc:
             done = [results[i] for i in sorted(results)]
@@ -1086,7 +1097,7 @@ class MultiEnvLoop:
         self._closed = True
         self._stop.set()
         for worker in self._workers if hasattr(self, "_workers") else ():
-            worker.requests.put(("stop",))
+            worker.requests.put(STOP)
         if self._owns_policy:
             self.policy.close(self.join_timeout)
         stuck = []

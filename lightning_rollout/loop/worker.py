@@ -56,6 +56,8 @@ from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
 from .block import EnvBlock, EnvFailure
+from .messages import (EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Request, ResetDone, ResetRequest,
+                       StepReady, StepRequest, StopRequest, WorkerFailed)
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, check_entries)
 
@@ -236,7 +238,7 @@ class Worker:
         self._nan_later = isinstance(self.envs, EnvBlock) and self.envs.nan_checked
         self._run: _Run | None = None  # the lock-step run in progress (its steps are not settled yet)
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
-        self.requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
         self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
@@ -712,7 +714,7 @@ class Worker:
             else:
                 self.agent.park()
 
-    def _wait_request(self) -> tuple[Any, ...] | None:
+    def _wait_request(self) -> Request | None:
         self._set_activity(working=False)
         try:
             while True:
@@ -722,7 +724,7 @@ class Worker:
                     if self.loop._stop.is_set():
                         return None
                     continue
-                return None if request[0] == "stop" else request
+                return None if isinstance(request, StopRequest) else request
         finally:
             self._set_activity(working=True)
 
@@ -766,7 +768,7 @@ class Worker:
                     raise _Stopped()
             # With a staged step, that step (delivered later, done) ends the env's running trajectory;
             # without one, the driver starts a new trajectory for the env's next steps.
-            loop._ready.put(("episode", self.index, request_index, cols, t, staged is None))
+            loop._ready.put(EpisodeReady(self.index, request_index, cols, t, staged is None))
             self._reset_env(j)
         finally:
             self.agent.set_rows(self.rows)
@@ -790,34 +792,35 @@ class Worker:
                 request = self._wait_request()
                 if request is None:
                     return
-                if request[0] == "step":
+                if isinstance(request, StepRequest):
                     if staged is None:
                         self._compute_slot(slot)
-                    loop._ready.put(("step", self.index, slot))
+                    loop._ready.put(StepReady(self.index, slot))
                     self._raise_pending()
                     slot ^= 1
                     staged = None
                     if loop.lookahead:
                         self._compute_slot(slot)
                         staged = slot
-                elif request[0] == "steps":
+                elif isinstance(request, QuotaRequest):
                     if self._free_cols:
-                        self._run_quota_free(request[1], request[2], request[3], staged)
+                        self._run_quota_free(request.out, request.start, request.count, staged)
                         staged = None
                     else:
-                        staged = self._run_quota(request[1], request[2], request[3], staged)
-                    loop._ready.put(("steps", self.index, self.quota_end))
+                        staged = self._run_quota(request.out, request.start, request.count, staged)
+                    loop._ready.put(QuotaEnded(self.index, self.quota_end))
                     if loop.lookahead and staged is None:
                         self._compute_slot(slot)
                         staged = slot
-                elif request[0] == "reset":
-                    for env_id, seed in request[1]:
+                elif isinstance(request, ResetRequest):
+                    for env_id, seed in request.items:
                         j = self.env_ids.index(env_id)
                         self._cut(staged, j)
                         self._reset_env(j, seed)
-                    loop._ready.put(("reset", self.index, staged is None))
+                    loop._ready.put(ResetDone(self.index, staged is None))
                 else:
-                    self._run_episode(self.env_ids.index(request[1]), request[2], staged)
+                    assert isinstance(request, EpisodeRequest)
+                    self._run_episode(self.env_ids.index(request.env_id), request.request_index, staged)
         except _Stopped:
             return
         except BaseException as exc:  # forwarded to the driver, which re-raises it
@@ -827,7 +830,7 @@ class Worker:
                                    step=self.step_index(j), phase="step")
                 wrapped.__cause__ = exc
                 exc = wrapped
-            loop._ready.put(("error", self.index, exc))
+            loop._ready.put(WorkerFailed(self.index, exc))
         finally:
             self.agent.close()
             if isinstance(self.envs, EnvBlock):  # the blocks of a loop with worker processes are closed by its pool
