@@ -90,7 +90,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -100,7 +100,7 @@ from ..envs import ActionError, EnvAdapter, GymAdapter
 from ..specs import ArraySpec, NestedKey
 from .buffers import check_entries
 
-__all__ = ["EnvBlock", "EnvFailure", "RemoteTraceback"]
+__all__ = ["Block", "EnvBlock", "EnvFailure", "RemoteTraceback"]
 
 log = logging.getLogger("lightning_rollout")
 
@@ -418,6 +418,39 @@ class _StepThreads:
                     abandon(thread)
 
 
+class Block(Protocol):
+    """What a :class:`~lightning_rollout.loop.worker.Worker` steps: its envs in this process (:class:`EnvBlock`)
+    or in worker processes (:class:`~lightning_rollout.loop.process.RemoteEnvs`,
+    :class:`~lightning_rollout.loop.process.RemoteGroup`). The worker asks what a block can do through these
+    attributes, never by its type.
+
+    Attributes:
+        parallel: its envs step in helper threads and can run free (``begin`` / ``ended`` / ``finish``,
+            :class:`EnvBlock` only).
+        nan_checked: a step leaves the NaN check of its observations to ``find_nan`` over many steps
+            (:class:`EnvBlock` only).
+        owned: the worker's thread closes it (``False``: the loop's process pool does).
+        busy_env, busy_phase, busy_since: the env call in progress (read by the driver's ``step_timeout``
+            check).
+    """
+
+    parallel: bool
+    nan_checked: bool
+    owned: bool
+    busy_env: int
+    busy_phase: str
+    busy_since: float
+
+    def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, Any]: ...
+
+    def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec], stop: threading.Event
+                      ) -> dict[NestedKey, np.ndarray]: ...
+
+    def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
+             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event | None = None,
+             *, check_nan: bool = True) -> None: ...
+
+
 class EnvBlock:
     """The envs of one block: reset, step and sample random actions, writing into given arrays.
 
@@ -435,6 +468,8 @@ class EnvBlock:
             notes each env's start; without, ``busy_since`` stays 0.0 through them (helpers' calls are
             noted either way).
     """
+
+    owned = True  # closed by the thread that steps it
 
     def __init__(self, adapters: Sequence[EnvAdapter], *, validate: bool,
                  checked_next: Mapping[NestedKey, ArraySpec], checked_root: Mapping[NestedKey, ArraySpec],

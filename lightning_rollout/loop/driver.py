@@ -81,11 +81,10 @@ from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
-from .block import EnvBlock
 from .messages import (STEP, STOP, EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, ResetDone,
                        ResetRequest, StepReady, StepRequest, WorkerFailed)
 from .process import WorkerProcesses, build_adapter
-from .worker import Worker
+from .worker import Worker, WorkerContext
 
 __all__ = ["EnvLoop", "MultiEnvLoop"]
 
@@ -337,7 +336,7 @@ class MultiEnvLoop:
         adapters: list[EnvAdapter] = []
         self._pool: WorkerProcesses | None = None
         self._owns_policy = False
-        self._first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]] = {}  # env -> (seed, root) of the probe
+        first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]] = {}  # env -> (seed, root) of the probe
         seeds = [None if seed is None else seed + i for i in range(num_envs)]
         try:
             if num_workers > 1:  # envs in worker processes: they build, reset and describe them
@@ -360,7 +359,7 @@ class MultiEnvLoop:
                                                             adapters[0].loop_keys)
                 roots = [self._first_reset(i, adapter, seeds[i]) for i, adapter in enumerate(adapters)]
             for i, root in enumerate(roots):
-                self._first_roots[i] = (seeds[i], root)
+                first_roots[i] = (seeds[i], root)
             if isinstance(policy, AutobatchPolicy):
                 self.policy = policy
             else:
@@ -379,16 +378,19 @@ class MultiEnvLoop:
             self._layout = self._probe_layout(keys, roots, loop_keys)
             self._batches = BatchPool(self._layout)  # the driver's calls' batch columns, recycled
             g = envs_per_thread
+            context = self._worker_context(num_envs // g)
+            ids = [list(range(w * g, (w + 1) * g)) for w in range(num_envs // g)]
+            firsts = [{i: first_roots[i] for i in env_ids if i in first_roots} for env_ids in ids]
             if self._pool is not None:
                 layout = self._layout
                 self._pool.attach(layout.specs, inputs=self._env_inputs, nxt=layout.env_next,
                                   checked_next=layout.checked_next if validate else {},
                                   checked_root=layout.checked_root if validate else {},
                                   zero_done={k: keys.done[k] for k in self._env_input_done})
-                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), remote=envs)
+                self._workers = [Worker(context, w, ids[w], first_roots=firsts[w], remote=envs)
                                  for w, envs in enumerate(self._pool.groups)]
             else:
-                self._workers = [Worker(self, w, list(range(w * g, (w + 1) * g)), adapters=adapters[w * g:(w + 1) * g])
+                self._workers = [Worker(context, w, ids[w], first_roots=firsts[w], adapters=adapters[w * g:(w + 1) * g])
                                  for w in range(num_envs // g)]
         except BaseException:
             for a in adapters:
@@ -443,6 +445,17 @@ class MultiEnvLoop:
         self._env_input_done = [k for k in env_inputs if k not in layout.specs]
         return layout
 
+    def _worker_context(self, blocks: int) -> WorkerContext:
+        """What each env thread reads from this loop (fixed from here on)."""
+        return WorkerContext(
+            name=self.name, layout=self._layout, policy=self.policy, ready=self._ready, stop=self._stop, cut=self._cut,
+            input_cols=tuple(self._input_cols), input_done=tuple(self._input_done),
+            env_inputs=tuple(self._env_inputs), env_input_done=tuple(self._env_input_done),
+            action_columns=self._action_columns, exploration_type=self.exploration_type, lookahead=self.lookahead,
+            validate=self.validate, parallel_steps=self.parallel_steps, free_steps=self.free_steps,
+            max_episode_steps=self.max_episode_steps, step_timeout=self.step_timeout,
+            random_steps_per_env=self._random_steps_per_env, torch_threads=self._torch_threads, blocks=blocks)
+
     def start(self) -> None:
         """Start the env threads (done by the first ``run_*`` call when ``start=False``). Idempotent."""
         self._check_open()
@@ -450,7 +463,7 @@ class MultiEnvLoop:
             self._started = True
             close_at_exit(self)  # threads stopped and joined before the interpreter finalizes
             for worker in self._workers:
-                worker.thread.start()
+                worker.start(self.seed)
 
     # -- construction helpers ------------------------------------------------------------
     @staticmethod
@@ -645,7 +658,7 @@ class MultiEnvLoop:
         self._in_flight[w] = True
         if isinstance(message, QuotaRequest):
             self._workers[w].quota_end = message.start  # progress of this quota, advanced by the worker
-        self._workers[w]._set_activity(held=True)
+        self._workers[w].set_held(True)
         if self._deferred is not None:  # a burst: every worker is held before any is woken
             self._deferred.append((w, message))
         else:
@@ -666,16 +679,16 @@ class MultiEnvLoop:
         answered, self._answered_since_wait = self._answered_since_wait, []
         for w in answered:
             worker = self._workers[w]
-            if worker._held and not self._in_flight[w]:
-                worker._set_activity(held=False)
+            if worker.held and not self._in_flight[w]:
+                worker.set_held(False)
 
     def _release_all_holds(self) -> None:
         """The driver leaves: hold nobody (a worker still in flight counts itself while it works)."""
         self._deferred = None
         self._answered_since_wait = []
         for worker in self._workers:
-            if worker._held:
-                worker._set_activity(held=False)
+            if worker.held:
+                worker.set_held(False)
 
     def _wait(self, interrupter: Interrupter | None) -> Reply | None:
         """Next message from a worker; None when interrupted. Raises worker errors."""
@@ -1104,7 +1117,7 @@ class MultiEnvLoop:
         for worker in getattr(self, "_workers", ()):
             if not worker.thread.ident:  # never started: its envs were never handed over
                 worker.agent.close()
-                if isinstance(worker.envs, EnvBlock):  # a worker process's envs are closed by its pool
+                if worker.envs.owned:  # a worker process's envs are closed by its pool
                     worker.envs.close()
                 continue
             if worker.thread is threading.current_thread():

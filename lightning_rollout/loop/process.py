@@ -504,6 +504,8 @@ class RemoteEnvs:
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
     """
 
+    parallel = nan_checked = owned = False  # a Block stepped one process round at a time, closed by the pool
+
     def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
         self.process, self.conn, self.rows = process, conn, rows
         self.index = index  # the worker process's index, named in errors
@@ -687,6 +689,8 @@ class RemoteGroup:
         parts: ``(offset, part)`` pairs in env order: ``part`` holds the block's envs
             ``offset`` to ``offset + part.rows - 1``.
     """
+
+    parallel = nan_checked = owned = False  # as RemoteEnvs
 
     def __init__(self, parts: Sequence[tuple[int, RemoteEnvs | LocalEnvs]]) -> None:
         self.parts = list(parts)

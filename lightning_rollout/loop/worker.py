@@ -9,10 +9,11 @@ worker processes, a :class:`~lightning_rollout.loop.process.RemoteEnvs` block in
 worker process, or a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in
 several processes (the main process's share, a
 :class:`~lightning_rollout.loop.process.LocalEnvs`, among them). All take the same
-calls. It answers the driver's requests (see :mod:`lightning_rollout.loop.driver`
-for the messages): a step of the whole block
-into a slot, a quota of steps straight into the driver's batch, a reset, or one
-fresh episode of one env. Each step asks the autobatching policy for the block's
+calls. It answers the driver's requests (:mod:`lightning_rollout.loop.messages`): a
+step of the whole block into a slot, a quota of steps straight into the driver's
+batch, a reset, or one fresh episode of one env. What it reads of its loop is a
+:class:`WorkerContext`, fixed once the loop is built; the driver holds a worker
+active with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`. Each step asks the autobatching policy for the block's
 rows, steps the envs, writes the transition into its columns with one vectorised
 write per key, and advances ``cur`` as TorchRL's ``step_mdp`` does. Big entries
 (images: a page or more a row) are not copied back into ``cur`` after a step of the
@@ -46,7 +47,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -55,17 +57,19 @@ from ..envs import EnvAdapter
 from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
-from .block import EnvBlock, EnvFailure
-from .messages import (EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Request, ResetDone, ResetRequest,
-                       StepReady, StepRequest, StopRequest, WorkerFailed)
+from .block import Block, EnvBlock, EnvFailure
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
-                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, check_entries)
+                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout, check_entries)
+from .messages import (EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, Request, ResetDone,
+                       ResetRequest, StepReady, StepRequest, StopRequest, WorkerFailed)
 
 if TYPE_CHECKING:
-    from .driver import MultiEnvLoop
+    from torchrl.envs.utils import ExplorationType
+
+    from ..policy import AutobatchPolicy
     from .process import RemoteEnvs, RemoteGroup
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "WorkerContext"]
 
 _POLL_S = 0.05
 # Carried entries of at least this many bytes a row are read from the last step's rows rather than
@@ -158,7 +162,7 @@ class _Run:
         sel = self.sel
         self.step_count = worker.step_count[sel]  # copies when ``sel`` indexes, else views
         self.episode_reward = worker.episode_reward[sel]
-        is_init = worker.cur.get("is_init") if worker.loop._layout.loop_keys else None
+        is_init = worker.cur.get("is_init") if worker.ctx.layout.loop_keys else None
         self.is_init = None if is_init is None else is_init[sel, 0]
         if isinstance(sel, slice) and self.quota:
             self.step_count, self.episode_reward = self.step_count.copy(), self.episode_reward.copy()
@@ -167,20 +171,67 @@ class _Run:
         self.reward_sum = self.episode_reward.copy() if worker._count_each_step else None
 
 
-class Worker:
-    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers."""
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every env thread of a loop reads, fixed once the loop is built: the loop builds one, after its probe
+    laid out the columns, and hands it to each :class:`Worker`; a worker holds no reference to its loop.
 
-    def __init__(self, loop: MultiEnvLoop, index: int, env_ids: list[int], *, adapters: list[EnvAdapter] | None = None,
-                 remote: RemoteEnvs | RemoteGroup | None = None) -> None:
-        self.loop = loop
+    ``ready``, ``stop`` and ``cut`` are the loop's own, shared by all its workers: the queue of replies
+    (:mod:`lightning_rollout.loop.messages`), the loop's closing flag and the driver's "end the quota after
+    this step" flag. The key lists name the columns a step reads: the policy's inputs (``input_cols``; the
+    root done flags it reads, which have no column, ``input_done``) and the env's (``env_inputs``,
+    ``env_input_done``).
+    """
+
+    name: str
+    layout: Layout
+    policy: AutobatchPolicy
+    ready: queue.SimpleQueue[Reply]
+    stop: threading.Event
+    cut: threading.Event
+    input_cols: tuple[NestedKey, ...]
+    input_done: tuple[NestedKey, ...]
+    env_inputs: tuple[NestedKey, ...]
+    env_input_done: tuple[NestedKey, ...]
+    action_columns: Mapping[NestedKey, ArraySpec]
+    exploration_type: ExplorationType
+    lookahead: bool
+    validate: bool
+    parallel_steps: bool
+    free_steps: bool
+    max_episode_steps: int | None
+    step_timeout: float | None
+    random_steps_per_env: int
+    torch_threads: int  # torch.get_num_threads() of the thread that built the loop (a forward may run here)
+    blocks: int  # env threads in the loop
+
+
+class Worker:
+    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers.
+
+    Args:
+        ctx: the loop's :class:`WorkerContext`.
+        index: this worker's index in the loop (its replies name it).
+        env_ids: the loop's ids of the block's envs.
+        first_roots: ``{env_id: (seed, root)}``, the construction's reset of each env, used by the thread's first
+            reset of that env when it has the same seed (this worker's own: it pops them).
+        adapters, remote: the envs, in this process (stepped by this thread) or in worker processes.
+    """
+
+    def __init__(self, ctx: WorkerContext, index: int, env_ids: list[int], *,
+                 first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]],
+                 adapters: list[EnvAdapter] | None = None, remote: RemoteEnvs | RemoteGroup | None = None) -> None:
+        self.ctx = ctx
         self.index = index
-        layout = loop._layout
+        self._first_roots = first_roots
+        self._seed: int | None = None  # the loop's seed when the thread starts (env i: seed + i)
+        layout = ctx.layout
         # The block's envs: in-process (stepped by this thread) or in worker processes.
-        self.envs: EnvBlock | RemoteEnvs | RemoteGroup = remote if remote is not None else EnvBlock(
-            adapters or [], validate=loop.validate, checked_next=layout.checked_next if loop.validate else {},
-            checked_root=layout.checked_root if loop.validate else {},
-            zero_done={k: layout.keys.done[k] for k in loop._env_input_done}, parallel=loop.parallel_steps,
-            name=loop.name, env_ids=env_ids, watched=loop.step_timeout is not None)
+        self.envs: Block = remote if remote is not None else EnvBlock(
+            adapters or [], validate=ctx.validate, checked_next=layout.checked_next if ctx.validate else {},
+            checked_root=layout.checked_root if ctx.validate else {},
+            zero_done={k: layout.keys.done[k] for k in ctx.env_input_done}, parallel=ctx.parallel_steps,
+            name=ctx.name, env_ids=env_ids, watched=ctx.step_timeout is not None)
         self.env_ids = env_ids
         self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
@@ -191,7 +242,7 @@ class Worker:
         self._free_cols: tuple[dict[NestedKey, np.ndarray], dict[NestedKey, np.ndarray]] | tuple[()] = ()
         self._pre_keys: list[NestedKey] = []
         self._post_keys: list[NestedKey] = []
-        if loop.free_steps and isinstance(self.envs, EnvBlock) and self.envs.parallel:
+        if ctx.free_steps and self.envs.parallel:
             self._free_cols = (layout.allocate(self.rows), layout.allocate(self.rows))
             post = {next_key(k) for k in layout.keys.next} - set(layout.out_keys) | {_ENV_ID, _STATS}
             self._post_keys = [k for k in layout.specs if k in post]
@@ -216,14 +267,14 @@ class Worker:
         self.step_count = np.zeros(self.rows, dtype=np.int64)
         self.episode_reward = np.zeros(self.rows, dtype=np.float64)
         self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env (settled steps)
-        self.random_left = np.full(self.rows, loop._random_steps_per_env, dtype=np.int64)
-        self._random_steps = loop._random_steps_per_env > 0  # some env still acts at random
+        self.random_left = np.full(self.rows, ctx.random_steps_per_env, dtype=np.int64)
+        self._random_steps = ctx.random_steps_per_env > 0  # some env still acts at random
         self._out_shapes = [(k, layout.specs[k].shape) for k in layout.out_keys]  # what each answer row holds
         # What a step writes and what settling does (see the module docs). A gymnasium env's loop entries are
         # settled, and carried into ``cur`` there, unless the policy reads them: then a step keeps them in
         # ``cur`` itself (``_count_each_step``, which the loop's own episode cap needs too).
-        self._loop_inputs = bool(loop_keys & set(loop._input_cols))
-        self._count_each_step = self._loop_inputs or bool(loop_keys and loop.max_episode_steps is not None)
+        self._loop_inputs = bool(loop_keys & set(ctx.input_cols))
+        self._count_each_step = self._loop_inputs or bool(loop_keys and ctx.max_episode_steps is not None)
         settled = {_ENV_ID, _STATS, _TRAJ}
         if loop_keys:
             settled |= set(_LOOP_NEXT) | (set() if self._loop_inputs else loop_keys)
@@ -235,11 +286,11 @@ class Worker:
         self._root_keys = list(layout.keys.root)  # what a reset gives
         self._slot_runs: list[_Run] = []  # each slot's run of one step (its columns as one time step), reused
         # NaN in an in-process gymnasium block's observations is looked for once a quota (see _settle).
-        self._nan_later = isinstance(self.envs, EnvBlock) and self.envs.nan_checked
+        self._nan_later = self.envs.nan_checked
         self._run: _Run | None = None  # the lock-step run in progress (its steps are not settled yet)
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self.agent: Agent = loop.policy.register(self.rows, env_ids=tuple(env_ids))
+        self.agent: Agent = ctx.policy.register(self.rows, env_ids=tuple(env_ids))
         self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
         self.pending_error: CollectionError | None = None  # raised once the steps before it are delivered
@@ -253,8 +304,22 @@ class Worker:
         self._on_envs = False  # a free-running block waiting for its envs' steps (see _run_quota_free)
         self._slot_runs = [_Run(self, {k: v[None] for k, v in slot.items()}, 0, 1, range(self.rows))
                            for slot in self.slots]
-        self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{loop.name}-env{env_ids[0]}",
+        self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{ctx.name}-env{env_ids[0]}",
                                        daemon=True)
+
+    def start(self, seed: int | None) -> None:
+        """Start the thread; its envs are first reset with ``seed + env_id`` (``None``: unseeded)."""
+        self._seed = seed
+        self.thread.start()
+
+    @property
+    def held(self) -> bool:
+        """Whether the driver holds this worker active (a request sent, its answer not yet decided on)."""
+        return self._held
+
+    def set_held(self, held: bool) -> None:
+        """The driver holds (or stops holding) this worker active: see ``_set_activity``."""
+        self._set_activity(held=held)
 
     # -- helpers ---------------------------------------------------------------------
     # What the driver's step_timeout check reads (the env call in progress, if any).
@@ -272,30 +337,30 @@ class Worker:
         return self.envs.busy_phase
 
     def _reset_env(self, j: int, seed: int | None = None) -> None:
-        loop = self.loop
+        ctx = self.ctx
         if self._carry is not None:
             self._settle_carry()
         # the construction's reset, if still valid (the loop keeps each env's until its thread starts it)
-        first = loop._first_roots.pop(self.env_ids[j], None) if loop._first_roots else None
+        first = self._first_roots.pop(self.env_ids[j], None) if self._first_roots else None
         if first is not None and first[0] == seed:
             root = first[1]
-            self._check(j, root, loop._layout.checked_root)
+            self._check(j, root, ctx.layout.checked_root)
         else:
             try:
-                root = self.envs.reset(j, seed, loop._stop)
+                root = self.envs.reset(j, seed, ctx.stop)
             except EnvFailure as failure:
                 raise self._failure_error(failure) from failure.cause
         cur = self.cur
         for k in self._root_keys:
             cur[k][j] = root[k]
-        for k in loop._layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
+        for k in ctx.layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
             cur[k][j] = 0
         self.step_count[j] = 0
         self.episode_reward[j] = 0.0
 
     def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
         """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
-        if self.loop.validate:
+        if self.ctx.validate:
             problem = check_entries(values, specs)
             if problem is not None:
                 raise EnvError(problem, env_id=self.env_ids[j], step=self.step_index(j), phase="check")
@@ -319,11 +384,11 @@ class Worker:
     def _act_random(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
         """A uniformly random action for each of envs ``envs`` in rows ``r0:r0+rows`` (its other outputs
         zero, its policy version -1); counts down their random steps."""
-        loop = self.loop
-        for k in loop._layout.out_keys:
+        ctx = self.ctx
+        for k in ctx.layout.out_keys:
             cols[k][r0:r0 + rows] = 0
         for r, j in zip(range(r0, r0 + rows), envs):
-            sample = self.envs.random_action(j, loop._action_columns, loop._stop)
+            sample = self.envs.random_action(j, ctx.action_columns, ctx.stop)
             for k, v in sample.items():
                 cols[k][r] = v
             self.random_left[j] -= 1
@@ -332,12 +397,12 @@ class Worker:
 
     def _act_policy(self, cols: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
         """The policy's outputs for ``cols`` (one row per env of ``envs``), one request."""
-        loop = self.loop
-        inputs = {k: cols[k] for k in loop._input_cols}
-        for k in loop._input_done:  # root done flags: false (no column)
+        ctx = self.ctx
+        inputs = {k: cols[k] for k in ctx.input_cols}
+        for k in ctx.input_done:  # root done flags: false (no column)
             inputs[k] = self.zero_done[k][:len(envs)]
         try:
-            answer = self.agent.act(inputs, exploration_type=loop.exploration_type, stop=loop._stop)
+            answer = self.agent.act(inputs, exploration_type=ctx.exploration_type, stop=ctx.stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
             raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(self.env_ids[j] for j in envs),
                               step=self.step_index(envs[0])) from exc
@@ -366,12 +431,12 @@ class Worker:
         """Step the run's envs with the actions in ``cols`` (the rows of step ``run.t``); write the env's
         entries there and its rewards and flags into the run's row (see :meth:`_stepped`). Returns the done
         flags."""
-        loop = self.loop
+        ctx = self.ctx
         i = run.t - run.t0
         try:
-            self.envs.step({k: cols[k] for k in loop._env_inputs}, run.envs,
-                           {k: cols[nk] for k, nk in loop._layout.env_next_pairs}, run.rewards[i],
-                           run.terminated[i], run.truncated[i], loop._stop, check_nan=not run.defer_nan)
+            self.envs.step({k: cols[k] for k in ctx.env_inputs}, run.envs,
+                           {k: cols[nk] for k, nk in ctx.layout.env_next_pairs}, run.rewards[i],
+                           run.terminated[i], run.truncated[i], ctx.stop, check_nan=not run.defer_nan)
         except EnvFailure as failure:
             raise self._failure_error(failure) from failure.cause
         return self._stepped(cols, run, i)
@@ -390,7 +455,7 @@ class Worker:
             assert reward_sum is not None
             count += 1
             reward_sum += run.rewards[i]
-            cap = self.loop.max_episode_steps
+            cap = self.ctx.max_episode_steps
             if cap is not None:
                 truncated |= count >= cap
             done = terminated | truncated
@@ -422,8 +487,7 @@ class Worker:
         t0, t1 = run.t0, run.t
         failure: CollectionError | None = None
         if run.defer_nan and t1 > t0:
-            assert isinstance(self.envs, EnvBlock)
-            found = self.envs.find_nan(run.cols["next", "observation"][t0:t1], run.envs)
+            found = cast(EnvBlock, self.envs).find_nan(run.cols["next", "observation"][t0:t1], run.envs)  # nan_checked
             if found is not None:
                 t1 = run.t = t0 + found[0]
                 failure = self._failure_error(found[1])  # step_index: steps_done counts the settled steps
@@ -435,7 +499,7 @@ class Worker:
         done = terminated | truncated
         count, returns, before = _episode_counts(rewards, done, run.step_count, run.episode_reward)
         length = count + 1  # the "next" step count: the episode's length so far
-        if self.loop._layout.loop_keys:
+        if self.ctx.layout.loop_keys:
             rows = slice(t0, t1)
             cols["next", "reward"][rows, :, 0] = rewards
             cols["next", "terminated"][rows, :, 0] = terminated
@@ -465,7 +529,7 @@ class Worker:
         run.is_init = last
         self.step_count[sel] = run.step_count
         self.episode_reward[sel] = run.episode_reward
-        if self.loop._layout.loop_keys and not self._loop_inputs:  # carried here, not by each step
+        if self.ctx.layout.loop_keys and not self._loop_inputs:  # carried here, not by each step
             cur = self.cur
             cur["is_init"][sel, 0] = last
             cur["step_count"][sel, 0] = run.step_count
@@ -555,7 +619,7 @@ class Worker:
         when the driver cuts. Keeps ``quota_end`` at the first time index not settled yet; returns the staged
         slot left (None)."""
         end = start + count
-        cut, stop = self.loop._cut, self.loop._stop
+        cut, stop = self.ctx.cut, self.ctx.stop
         by_time = {k: v[self.index].swapaxes(0, 1) for k, v in out.items()}  # [T, rows, ...]
         self.quota_end = start
         run = _Run(self, by_time, start, min(count, _SETTLE_EVERY), range(self.rows), quota=True)
@@ -602,10 +666,10 @@ class Worker:
         fails (its step, its checks, or its reset after a done step), it stops there and the others
         catch up to it before the error is raised, so its complete steps are delivered, as in
         lock-step; a policy error is raised at once."""
-        loop, envs, layout = self.loop, self.envs, self.loop._layout
-        assert isinstance(envs, EnvBlock)
+        ctx, layout = self.ctx, self.ctx.layout
+        envs = cast(EnvBlock, self.envs)  # free-running: a parallel block, an EnvBlock
         w, end, n_env = self.index, start + count, self.rows
-        cut, stop = loop._cut, loop._stop
+        cut, stop = ctx.cut, ctx.stop
         t = np.full(n_env, start, dtype=np.int64)  # each env's next time index
         self.quota_end = start
         if staged is not None:  # the lookahead step computed before the request: every env's first step
@@ -618,7 +682,7 @@ class Worker:
         target = start if cut.is_set() else end  # every env stops at this time index
         flying = np.zeros(n_env, dtype=bool)
         pre, post = self._free_cols
-        park = len(loop._workers) > 1  # let other blocks' requests flush while this one waits on its envs
+        park = ctx.blocks > 1  # let other blocks' requests flush while this one waits on its envs
         ready = list(range(n_env))
         while True:
             ready = [j for j in ready if t[j] < target]
@@ -693,7 +757,7 @@ class Worker:
         for k in self._pre_keys:
             out[k][w, idx, rows_t] = pre[k][idx]
         try:
-            self.envs.begin({k: pre[k][idx] for k in self.loop._env_inputs}, ready)
+            self.envs.begin({k: pre[k][idx] for k in self.ctx.env_inputs}, ready)
         except EnvFailure as failure:
             raise self._failure_error(failure) from failure.cause
 
@@ -721,7 +785,7 @@ class Worker:
                 try:
                     request = self.requests.get(timeout=_POLL_S)
                 except queue.Empty:
-                    if self.loop._stop.is_set():
+                    if self.ctx.stop.is_set():
                         return None
                     continue
                 return None if isinstance(request, StopRequest) else request
@@ -735,25 +799,25 @@ class Worker:
             if not cols[_STATS][j, _S_DONE]:
                 cols[_STATS][j, _S_TRUNCATED] = 1
                 cols[_STATS][j, _S_DONE] = 1
-                for k in self.loop._layout.done_keys:
+                for k in self.ctx.layout.done_keys:
                     name = k[-1] if isinstance(k, tuple) else k
                     if name in ("done", "truncated"):
                         cols[next_key(k)][j] = True
 
     def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
         """A fresh episode on env ``j`` alone; the others of this worker wait."""
-        loop = self.loop
+        ctx = self.ctx
         self._cut(staged, j)
         self.agent.set_rows(1)
         try:
             self._reset_env(j)
             capacity = 64
-            cols = loop._layout.allocate(capacity)
+            cols = ctx.layout.allocate(capacity)
             by_time = {k: v[:, None] for k, v in cols.items()}  # [T, 1, ...]: step t is row 0 of by_time[k][t]
             t = 0
             while True:
                 if t == capacity:
-                    grown = loop._layout.allocate(capacity * 2)
+                    grown = ctx.layout.allocate(capacity * 2)
                     for k, v in cols.items():
                         grown[k][:capacity] = v
                     cols, capacity = grown, capacity * 2
@@ -764,28 +828,28 @@ class Worker:
                 t += 1
                 if done:
                     break
-                if loop._stop.is_set():
+                if ctx.stop.is_set():
                     raise _Stopped()
             # With a staged step, that step (delivered later, done) ends the env's running trajectory;
             # without one, the driver starts a new trajectory for the env's next steps.
-            loop._ready.put(EpisodeReady(self.index, request_index, cols, t, staged is None))
+            ctx.ready.put(EpisodeReady(self.index, request_index, cols, t, staged is None))
             self._reset_env(j)
         finally:
             self.agent.set_rows(self.rows)
 
     def _main(self) -> None:
-        loop = self.loop
-        torch.set_num_threads(loop._torch_threads)  # the creating thread's setting (a forward may run here)
+        ctx = self.ctx
+        torch.set_num_threads(ctx.torch_threads)  # the creating thread's setting (a forward may run here)
         # Env steps and policy calls run without autograd, as in TorchRL's collector (its rollout is under
         # torch.no_grad()); set once for the thread, not around every call.
         torch.set_grad_enabled(False)
         try:
             for j in range(self.rows):
-                seed = None if loop.seed is None else loop.seed + self.env_ids[j]
+                seed = None if self._seed is None else self._seed + self.env_ids[j]
                 self._reset_env(j, seed)
             slot = 0
             staged: int | None = None
-            if loop.lookahead:
+            if ctx.lookahead:
                 self._compute_slot(slot)
                 staged = slot
             while True:
@@ -795,11 +859,11 @@ class Worker:
                 if isinstance(request, StepRequest):
                     if staged is None:
                         self._compute_slot(slot)
-                    loop._ready.put(StepReady(self.index, slot))
+                    ctx.ready.put(StepReady(self.index, slot))
                     self._raise_pending()
                     slot ^= 1
                     staged = None
-                    if loop.lookahead:
+                    if ctx.lookahead:
                         self._compute_slot(slot)
                         staged = slot
                 elif isinstance(request, QuotaRequest):
@@ -808,8 +872,8 @@ class Worker:
                         staged = None
                     else:
                         staged = self._run_quota(request.out, request.start, request.count, staged)
-                    loop._ready.put(QuotaEnded(self.index, self.quota_end))
-                    if loop.lookahead and staged is None:
+                    ctx.ready.put(QuotaEnded(self.index, self.quota_end))
+                    if ctx.lookahead and staged is None:
                         self._compute_slot(slot)
                         staged = slot
                 elif isinstance(request, ResetRequest):
@@ -817,7 +881,7 @@ class Worker:
                         j = self.env_ids.index(env_id)
                         self._cut(staged, j)
                         self._reset_env(j, seed)
-                    loop._ready.put(ResetDone(self.index, staged is None))
+                    ctx.ready.put(ResetDone(self.index, staged is None))
                 else:
                     assert isinstance(request, EpisodeRequest)
                     self._run_episode(self.env_ids.index(request.env_id), request.request_index, staged)
@@ -830,8 +894,8 @@ class Worker:
                                    step=self.step_index(j), phase="step")
                 wrapped.__cause__ = exc
                 exc = wrapped
-            loop._ready.put(WorkerFailed(self.index, exc))
+            ctx.ready.put(WorkerFailed(self.index, exc))
         finally:
             self.agent.close()
-            if isinstance(self.envs, EnvBlock):  # the blocks of a loop with worker processes are closed by its pool
+            if self.envs.owned:  # the blocks of a loop with worker processes are closed by its pool
                 self.envs.close()
