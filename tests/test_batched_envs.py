@@ -17,9 +17,11 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDictBase
+from tensordict.nn import InteractionType, NormalParamExtractor, TensorDictModule
 from torchrl.collectors import Collector
-from torchrl.envs import (Compose, EnvBase, GymEnv, GymWrapper, InitTracker, ParallelEnv, RewardSum, SerialEnv,
-                          StepCounter, TransformedEnv)
+from torchrl.envs import (Compose, DoubleToFloat, EnvBase, EnvCreator, GymEnv, GymWrapper, InitTracker, ParallelEnv,
+                          RewardSum, SerialEnv, StepCounter, TransformedEnv)
+from torchrl.modules import ProbabilisticActor, TanhNormal
 from torchrl.testing.mocking_classes import CountingEnv
 
 from lightning_rollout import ThreadedCollector
@@ -144,3 +146,39 @@ def test_a_wrapped_vector_env_is_refused_with_what_to_do():
     env = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv([cartpole] * 2))
     with pytest.raises(ValueError, match="cannot be taken apart.*factory of one env"):
         ThreadedCollector(env, None, frames_per_batch=12)
+
+
+def sac_train_env(seed: int) -> EnvBase:
+    """The env of TorchRL's sota SAC script (``sota-implementations/sac/utils.py``), on Pendulum."""
+    parallel_env = ParallelEnv(1, EnvCreator(functools.partial(GymEnv, "Pendulum-v1", device="cpu")),
+                               serial_for_single=True)
+    parallel_env.set_seed(seed)
+    return TransformedEnv(parallel_env, Compose(InitTracker(), StepCounter(200), DoubleToFloat(), RewardSum()))
+
+
+def sac_actor(env: EnvBase) -> ProbabilisticActor:
+    torch.manual_seed(0)
+    spec = env.action_spec_unbatched
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2 * spec.shape[-1]), NormalParamExtractor())
+    return ProbabilisticActor(TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]), spec=spec,
+                              in_keys=["loc", "scale"], distribution_class=TanhNormal,
+                              distribution_kwargs={"low": spec.space.low, "high": spec.space.high, "tanh_loc": False},
+                              default_interaction_type=InteractionType.RANDOM)
+
+
+def test_the_sota_sac_collector_line_swaps_with_its_env_and_kwargs_unchanged():
+    batches = {}
+    for cls in (Collector, ThreadedCollector):
+        env = sac_train_env(seed=0)
+        collector = cls(env, sac_actor(env), init_random_frames=50, frames_per_batch=100, total_frames=200,
+                        device=torch.device("cpu"), compile_policy=False, cudagraph_policy=False)
+        collector.set_seed(0)
+        try:
+            batches[cls.__name__] = [batch.reshape(-1) for batch in collector]  # the script's replay buffer input
+        finally:
+            collector.shutdown()
+    for theirs, ours in zip(batches["Collector"], batches["ThreadedCollector"], strict=True):
+        assert ours.batch_size == theirs.batch_size == (100,)
+        assert {k: (v.shape, v.dtype) for k, v in leaves(ours).items()} == {
+            k: (v.shape, v.dtype) for k, v in leaves(theirs).items()}
+        assert ours["next", "step_count"].max() <= 200 and ours["action"].abs().max() <= 2.0
