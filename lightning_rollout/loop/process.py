@@ -19,22 +19,26 @@ process steps envs while the children do instead of sleeping.
 Protocol (one duplex ``Pipe`` per block; a block server thread in the child owns
 the child end, the env thread in the parent owns the other):
 
-* start-up, child -> parent: ``("started",)`` as soon as the child runs this module's
-  code (before it unpickles its env factories), then ``("ready", keys,
-  observation_spec, action_spec, loop_keys, roots)`` once the block's envs are built
-  and reset (``roots``: each env's first root entries, reset with its seed), or
-  ``("error", ...)``. The ready message is pickled with plain :mod:`pickle`: its
-  spec tensors are copied, not moved to shared memory (which would start a
-  ``multiprocessing`` listener, and its ``pymp-*`` temp folder, in the child).
-  parent -> child: ``("buffers", inputs, next, root, stats, ...)``: the block's shared
-  tensors, allocated by the parent from the loop's column layout; the child answers
-  ``("ok", None)`` once attached, or ``("error", ...)``. A ``("close",)`` instead of
-  the buffers closes the block's envs (a construction given up).
-* then, parent -> child: ``("step", envs)`` (``None``: the whole block),
-  ``("reset", j, seed)``, ``("random", j, columns)``, ``("close",)``;
-  child -> parent: ``("ok", payload)`` or ``("error", j, phase, kind, message,
-  traceback)``. Whatever an env call raises, ``KeyboardInterrupt`` and ``SystemExit``
-  included, is answered, naming the env of the block whose call raised.
+The messages are the typed records of :mod:`lightning_rollout.loop.messages`, pickled:
+
+* start-up, child -> parent: :class:`~.messages.ChildStarted` as soon as the child runs
+  this module's code (before it unpickles its env factories), then
+  :class:`~.messages.ChildReady` (the block's keys and specs, and each env's first root
+  entries, reset with its seed) once the block's envs are built and reset, or
+  :class:`~.messages.ChildFailed`. The ready message is pickled with plain
+  :mod:`pickle`: its spec tensors are copied, not moved to shared memory (which would
+  start a ``multiprocessing`` listener, and its ``pymp-*`` temp folder, in the child).
+  parent -> child: :class:`~.messages.AttachBuffers`, the block's shared tensors,
+  allocated by the parent from the loop's column layout; the child answers
+  :class:`~.messages.ChildOk` once attached, or :class:`~.messages.ChildFailed`. A
+  :class:`~.messages.CloseEnvs` instead of the buffers closes the block's envs (a
+  construction given up).
+* then, parent -> child: :class:`~.messages.StepEnvs` (``envs=None``: the whole block),
+  :class:`~.messages.ResetEnv`, :class:`~.messages.RandomAction`,
+  :class:`~.messages.CloseEnvs`; child -> parent: :class:`~.messages.ChildOk` (with a
+  payload for a random action) or :class:`~.messages.ChildFailed`. Whatever an env call
+  raises, ``KeyboardInterrupt`` and ``SystemExit`` included, is answered, naming the env
+  of the block whose call raised.
 
 Shared buffers are torch tensors in shared memory (``share_memory_()``), viewed as
 numpy on both sides and written once per step by one side. For a step of ``n`` envs
@@ -102,6 +106,8 @@ from ..envs import ActionError, EnvAdapter, EnvFactory, InfoKeys, make_adapter
 from ..errors import CollectionError
 from ..specs import ArraySpec, EnvKeys, NestedKey
 from .block import EnvBlock, EnvFailure, RemoteTraceback
+from .messages import (AttachBuffers, ChildFailed, ChildOk, ChildReady, ChildReply, ChildStarted, CloseEnvs,
+                       ParentCommand, RandomAction, ResetEnv, StepEnvs)
 
 __all__ = ["EnvFailure", "LocalEnvs", "RemoteEnvs", "RemoteTraceback", "WorkerDied", "WorkerProcesses",
            "build_adapter", "spin_seconds", "steps_in_main_process"]
@@ -110,9 +116,9 @@ _POLL_S = 0.05
 _POLL_MS = int(_POLL_S * 1000)
 _SPIN_S = 0.002  # how long a child polls its pipe before it blocks on it (see "Waiting" above)
 # The two messages of every step, pickled once (what Connection.send would send).
-_STEP_ALL = pickle.dumps(("step", None))
-_OK = pickle.dumps(("ok", None))
-_STARTED = pickle.dumps(("started",))
+_STEP_ALL = pickle.dumps(StepEnvs(None))
+_OK = pickle.dumps(ChildOk())
+_STARTED = pickle.dumps(ChildStarted())
 
 
 @dataclass(frozen=True)
@@ -166,14 +172,14 @@ def build_adapter(factory: EnvFactory, *, max_episode_steps: int | None, validat
 
 
 # -- child side ------------------------------------------------------------------------------------
-def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None) -> tuple[Any, ...]:
-    """The ``("error", ...)`` reply for ``exc`` raised by env ``j`` in ``phase``, with its traceback."""
+def _error_reply(j: int, phase: str, exc: BaseException, kind: str | None = None) -> ChildFailed:
+    """The :class:`~.messages.ChildFailed` reply for ``exc`` raised by env ``j`` in ``phase``, with its traceback."""
     kind = kind or ("action" if isinstance(exc, ActionError) else "env")
     message = str(exc) if isinstance(exc, _Explained) else f"{type(exc).__name__}: {exc}"
-    return ("error", j, phase, kind, message, "".join(traceback.format_exception(exc)))
+    return ChildFailed(j, phase, kind, message, "".join(traceback.format_exception(exc)))
 
 
-def _send(conn: Any, message: tuple[Any, ...]) -> None:
+def _send(conn: Any, message: ParentCommand | ChildReply) -> None:
     """Send ``message`` to the parent; a pipe already gone (the parent closed it or died) is ignored."""
     try:
         conn.send(message)
@@ -206,9 +212,9 @@ def steps_in_main_process(num_envs: int, envs_per_thread: int) -> bool:
 
 
 def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_steps: int | None, validate: bool,
-                info_keys: InfoKeys | None) -> tuple[Any, ...]:
-    """Build ``plan``'s envs into ``adapters`` and reset each with its seed; return the ``("ready", ...)``
-    message of the block (see the module docs), in a child or for the main process's share. A pickled
+                info_keys: InfoKeys | None) -> ChildReady:
+    """Build ``plan``'s envs into ``adapters`` and reset each with its seed; return the
+    :class:`~.messages.ChildReady` message of the block (see the module docs), in a child or for the main process's share. A pickled
     factory (a child's) is unpickled first.
 
     Raises:
@@ -239,14 +245,15 @@ def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_ste
         except BaseException as exc:
             raise EnvFailure(j, "reset", "env", exc) from exc
     first = adapters[0]
-    return ("ready", first.keys, first.observation_spec, first.action_spec, first.loop_keys, roots)
+    return ChildReady(first.keys, first.observation_spec, first.action_spec, first.loop_keys, roots)
 
 
 class _BlockServer:
     """Serves one block's commands in the child (its own thread once attached).
 
-    Built in the child's main thread: builds and resets the block's envs and sends ``("ready", ...)``, or
-    sends ``("error", ...)``, closes the envs built and raises :class:`EnvFailure`.
+    Built in the child's main thread: builds and resets the block's envs and sends
+    :class:`~.messages.ChildReady`, or sends :class:`~.messages.ChildFailed`, closes the envs built and raises
+    :class:`EnvFailure`.
     """
 
     def __init__(self, plan: _BlockPlan, conn: Any, max_episode_steps: int | None, validate: bool,
@@ -267,21 +274,22 @@ class _BlockServer:
             self.close()
             _send(conn, _error_reply(0, "create", exc, "env"))
             raise EnvFailure(0, "create", "env", exc) from exc
-        self.keys: EnvKeys = ready[1]
+        self.keys: EnvKeys = ready.keys
 
     def attach(self) -> bool:
-        """Receive the block's shared buffers and answer ``("ok", None)``; False when the parent sent
-        ``("close",)`` instead (it gave the construction up). A failure (receiving the buffers' file
-        descriptors, say) is answered with ``("error", ...)`` and raised."""
+        """Receive the block's shared buffers (:class:`~.messages.AttachBuffers`) and answer
+        :class:`~.messages.ChildOk`; False when the parent sent :class:`~.messages.CloseEnvs` instead (it gave
+        the construction up). A failure (receiving the buffers' file descriptors, say) is answered with
+        :class:`~.messages.ChildFailed` and raised."""
         try:
             message = self.conn.recv()
-            if message[0] == "close":
+            if isinstance(message, CloseEnvs):
                 return False
-            _, inputs, nxt, root, stats, checked_next, checked_root, zero_done = message
-            self.inputs, self.next, self.root = _numpy(inputs), _numpy(nxt), _numpy(root)
-            self.reward, self.terminated, self.truncated = (t.numpy() for t in stats)
-            self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=checked_next,
-                                  checked_root=checked_root, zero_done=zero_done,
+            assert isinstance(message, AttachBuffers), message
+            self.inputs, self.next, self.root = _numpy(message.inputs), _numpy(message.next), _numpy(message.root)
+            self.reward, self.terminated, self.truncated = (t.numpy() for t in message.stats)
+            self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=message.checked_next,
+                                  checked_root=message.checked_root, zero_done=message.zero_done,
                                   watched=False)  # the parent's RemoteEnvs notes each call for step_timeout
         except BaseException as exc:
             explained = _Explained(f"worker process could not attach the shared buffers of envs "
@@ -293,8 +301,8 @@ class _BlockServer:
         return True
 
     def serve(self) -> None:
-        """Answer the parent's commands until ``("close",)`` (the envs are closed) or until the pipe is
-        gone (the parent closed it or died)."""
+        """Answer the parent's commands until :class:`~.messages.CloseEnvs` (the envs are closed) or until the
+        pipe is gone (the parent closed it or died)."""
         conn, spin = self.conn, self.spin
         poller = _pipe_poller(conn) if spin else None
         try:
@@ -303,23 +311,28 @@ class _BlockServer:
                     deadline = time.perf_counter() + spin
                     while not poller.poll(0) and time.perf_counter() < deadline:
                         pass
-                message = conn.recv()
-                op = message[0]
-                if op == "close":
+                message: ParentCommand = conn.recv()
+                if isinstance(message, CloseEnvs):
                     self.close()
                     conn.send_bytes(_OK)
                     return
+                reply: ChildReply
                 try:
-                    reply = getattr(self, f"_{op}")(*message[1:])
-                    if reply is None:  # a step: nothing to return
+                    if isinstance(message, StepEnvs):
+                        self._step(message.envs)
                         conn.send_bytes(_OK)
                         continue
+                    if isinstance(message, ResetEnv):
+                        reply = self._reset(message.j, message.seed)
+                    else:
+                        assert isinstance(message, RandomAction), message
+                        reply = self._random(message.j, message.columns)
                 except EnvFailure as failure:
-                    reply = (("error", failure.j, "check", "env", str(failure), "") if failure.phase == "check"
+                    reply = (ChildFailed(failure.j, "check", "env", str(failure), "") if failure.phase == "check"
                              else _error_reply(failure.j, failure.phase, failure.cause, failure.kind))
                 except BaseException as exc:  # SystemExit, KeyboardInterrupt or an error the block does not wrap
                     j = self.block.busy_env if self.block is not None else 0  # the env whose call raised
-                    reply = _error_reply(max(j, 0), "reset" if op == "reset" else "step", exc)
+                    reply = _error_reply(max(j, 0), "reset" if isinstance(message, ResetEnv) else "step", exc)
                 conn.send(reply)
         except (EOFError, OSError):  # the parent closed the pipe or died: nobody to answer
             return
@@ -344,18 +357,17 @@ class _BlockServer:
         self.block.step({k: v[:n] for k, v in self.inputs.items()}, range(n) if envs is None else envs,
                         {k: v[:n] for k, v in self.next.items()}, self.reward[:n], self.terminated[:n],
                         self.truncated[:n])
-        return None
 
-    def _reset(self, j: int, seed: int | None) -> tuple[Any, ...]:
+    def _reset(self, j: int, seed: int | None) -> ChildOk:
         assert self.block is not None
         root = self.block.reset(j, seed)
         for k, buf in self.root.items():
             buf[0] = root[k]
-        return ("ok", None)
+        return ChildOk()
 
-    def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> tuple[Any, ...]:
+    def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> ChildOk:
         assert self.block is not None
-        return ("ok", self.block.random_action(j, columns))
+        return ChildOk(self.block.random_action(j, columns))
 
 
 def _watch_parent() -> None:
@@ -482,7 +494,7 @@ def _death(block: RemoteEnvs) -> EnvFailure:
     return failure
 
 
-def _receive(block: RemoteEnvs) -> tuple[Any, ...]:
+def _receive(block: RemoteEnvs) -> ChildReply:
     """The next message from ``block``'s child; a closed pipe (the child died) becomes its :func:`_death`."""
     try:
         return block.conn.recv()
@@ -490,12 +502,13 @@ def _receive(block: RemoteEnvs) -> tuple[Any, ...]:
         raise _death(block) from exc
 
 
-def _payload(reply: tuple[Any, ...]) -> Any:
-    """A child's reply: its payload, or its error raised as an :class:`EnvFailure` with the child's traceback."""
-    if reply[0] == "error":
-        _, j, phase, kind, message, remote_tb = reply
-        raise EnvFailure(j, phase, kind, RemoteTraceback(f"{message}\n\n{remote_tb}".rstrip()))
-    return reply[1]
+def _payload(reply: ChildReply) -> Any:
+    """A child's reply: its payload (``None`` but a random action's), or its error raised as an
+    :class:`EnvFailure` with the child's traceback."""
+    if isinstance(reply, ChildFailed):
+        raise EnvFailure(reply.j, reply.phase, reply.kind,
+                         RemoteTraceback(f"{reply.message}\n\n{reply.traceback}".rstrip()))
+    return reply.payload if isinstance(reply, ChildOk) else None
 
 
 class RemoteEnvs:
@@ -509,8 +522,8 @@ class RemoteEnvs:
     def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
         self.process, self.conn, self.rows = process, conn, rows
         self.index = index  # the worker process's index, named in errors
-        self.started = False  # the child runs our code (its "started" arrived)
-        self.ready = False  # its envs are built (its "ready" arrived): it reads its pipe from now on
+        self.started = False  # the child runs our code (its ChildStarted arrived)
+        self.ready = False  # its envs are built (its ChildReady arrived): it reads its pipe from now on
         self._poller = _pipe_poller(conn)
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
@@ -529,7 +542,7 @@ class RemoteEnvs:
         self.reward = self.terminated = self.truncated = np.empty(0)
         self._keep = None
 
-    def _call(self, message: tuple[Any, ...], stop: threading.Event | None) -> Any:
+    def _call(self, message: ParentCommand, stop: threading.Event | None) -> Any:
         self.conn.send(message)
         return self._reply(stop)
 
@@ -558,7 +571,7 @@ class RemoteEnvs:
         if n == self.rows:
             self.conn.send_bytes(_STEP_ALL)
         else:
-            self.conn.send(("step", tuple(envs)))
+            self.conn.send(StepEnvs(tuple(envs)))
 
     def finish_step(self, n: int, out: dict[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
                     truncated: np.ndarray, stop: threading.Event | None) -> None:
@@ -586,13 +599,13 @@ class RemoteEnvs:
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
         self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
         try:
-            self._call(("reset", j, seed), stop)
+            self._call(ResetEnv(j, seed), stop)
         finally:
             self.busy_since = 0.0
         return {k: v[0].copy() for k, v in self.root.items()}
 
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
-        return self._call(("random", j, columns), stop)
+        return self._call(RandomAction(j, columns), stop)
 
 
 class LocalEnvs:
@@ -883,22 +896,24 @@ class WorkerProcesses:
             self.groups = [  # a LocalEnvs is always in a group
                 parts[0][1] if len(parts) == 1 else RemoteGroup(parts) for parts in grouped]
             self.first_roots: list[dict[NestedKey, np.ndarray]] = []
-            ready = []
+            ready: list[ChildReady] = []
             for b, block in enumerate(self.blocks):
                 if isinstance(block, LocalEnvs):
                     ready.append(block.ready)
-                    self.first_roots.extend(block.ready[5])
+                    self.first_roots.extend(block.ready.roots)
                     continue
                 try:
                     reply = self._wait_ready(block, timeout)
                 except EnvFailure as failure:
                     raise self._error(b, failure) from failure.cause
                 ready.append(reply)
-                self.first_roots.extend(reply[5])
-            _, self.keys, self.observation_spec, self.action_spec, self.loop_keys, _ = ready[0]
+                self.first_roots.extend(reply.roots)
+            first = ready[0]
+            self.keys, self.observation_spec, self.action_spec = first.keys, first.observation_spec, first.action_spec
+            self.loop_keys = first.loop_keys
             for b, reply in enumerate(ready[1:], 1):
-                if not reply[1].same_layout(self.keys):
-                    raise ValueError(f"the envs of block {b} have specs {reply[1]}, env 0 has {self.keys}; all envs "
+                if not reply.keys.same_layout(self.keys):
+                    raise ValueError(f"the envs of block {b} have specs {reply.keys}, env 0 has {self.keys}; all envs "
                                      "of a loop must share their keys, shapes and dtypes")
         except BaseException:
             self.close()
@@ -930,8 +945,8 @@ class WorkerProcesses:
         return self._on_error(self.plans[b].env_ids[failure.j], failure.phase, failure, self.process_of[b])
 
     @staticmethod
-    def _wait_ready(block: RemoteEnvs, timeout: float) -> tuple[Any, ...]:
-        """``block``'s ``("ready", ...)`` message (after its ``("started",)``). Raises :class:`EnvFailure`:
+    def _wait_ready(block: RemoteEnvs, timeout: float) -> ChildReady:
+        """``block``'s :class:`~.messages.ChildReady` (after its :class:`~.messages.ChildStarted`). Raises :class:`EnvFailure`:
         the child's error, its death (:func:`_death`), or ``timeout`` s passed."""
         deadline = time.monotonic() + timeout
         while True:
@@ -942,10 +957,11 @@ class WorkerProcesses:
                     raise EnvFailure(0, "create", "env", TimeoutError(
                         f"worker process {block.process.name!r} did not build its envs within {timeout} s"))
             reply = _receive(block)
-            if reply[0] != "started":
+            if not isinstance(reply, ChildStarted):
                 break
             block.started = True
         _payload(reply)  # raises the child's error
+        assert isinstance(reply, ChildReady), reply
         block.ready = True
         return reply
 
@@ -974,8 +990,8 @@ class WorkerProcesses:
                          torch.zeros(g, dtype=torch.bool).share_memory_(),
                          torch.zeros(g, dtype=torch.bool).share_memory_())
                 block._keep = (shared_in, shared_next, shared_root, stats)  # the parent's references
-                block.conn.send(("buffers", shared_in, shared_next, shared_root, stats, checked_next, checked_root,
-                                 zero_done))
+                block.conn.send(AttachBuffers(shared_in, shared_next, shared_root, stats, checked_next, checked_root,
+                                              zero_done))
             except (OSError, RuntimeError) as exc:  # shm_open / dup refused: out of file descriptors, of memory
                 hint = _FDS_HINT if _out_of_fds(str(exc)) else ""
                 raise CollectionError(f"could not share the buffers of envs {list(self.plans[b].env_ids)} with "
@@ -1008,7 +1024,7 @@ class WorkerProcesses:
         listening = {id(p): all(part.ready for part in self._remote if part.process is p) for p in self.processes}
         for block in self._remote:
             if listening[id(block.process)] and block.process.is_alive():
-                _send(block.conn, ("close",))
+                _send(block.conn, CloseEnvs())
         for process in self.processes:
             if not listening[id(process)] and process.is_alive():
                 process.terminate()
