@@ -8,7 +8,7 @@ imports Lightning): :mod:`~lightning_rollout.policy`, :mod:`~lightning_rollout.e
 
 from .collector import ThreadedCollector
 from .envs import ArraySpec, EnvAdapter, GymAdapter, TorchRLAdapter
-from .errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from .errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from .loop import EnvLoop, MultiEnvLoop
 from .policy import Agent, AutobatchPolicy, PolicyAnswer
@@ -41,6 +41,7 @@ __all__ = [
     "EventProcessor",
     "GymAdapter",
     "Interrupter",
+    "LayoutWarning",
     "MultiEnvLoop",
     "PolicyAnswer",
     "PolicyError",

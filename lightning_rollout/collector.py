@@ -297,6 +297,10 @@ class ThreadedCollector(BaseCollector):
             honour, with what to change.
         TypeError: a policy TorchRL could not call either; ``use_buffers=True`` with a
             ``replay_buffer``.
+
+    Warns:
+        LayoutWarning: ``num_workers`` worker processes driven by several env threads, likely to run
+            well below the ``"auto"`` layout; the message says why and what to pass.
     """
 
     def __init__(

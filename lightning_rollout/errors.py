@@ -1,4 +1,4 @@
-"""Exceptions raised by collection.
+"""Exceptions raised by collection, and the warning of a layout likely to be slow.
 
 Every failure inside a worker thread (an env's ``reset``/``step``, the policy's
 forward pass, a hung step) is captured where it happens and re-raised in the
@@ -8,7 +8,7 @@ exception chained as ``__cause__`` so its traceback is kept.
 
 from __future__ import annotations
 
-__all__ = ["CollectionError", "EnvError", "PolicyError", "StepTimeoutError"]
+__all__ = ["CollectionError", "EnvError", "LayoutWarning", "PolicyError", "StepTimeoutError"]
 
 
 class CollectionError(RuntimeError):
@@ -66,3 +66,9 @@ class StepTimeoutError(EnvError):
     The stuck thread is a daemon: it is abandoned (named in the message) and
     every other thread is shut down.
     """
+
+
+class LayoutWarning(UserWarning):
+    """The layout given (``num_workers``, ``envs_per_thread``) is likely to run well below the ``"auto"``
+    one, for the reason the message gives and with what to pass instead. The layout is used as given;
+    filter the warning (``warnings.simplefilter("ignore", LayoutWarning)``) to keep it."""

@@ -149,3 +149,35 @@ def test_the_documented_rule_is_short_and_states_the_thresholds_the_code_uses():
         assert f"{defaults[knob] * 1e6:.0f} us" in rule, knob
     assert f"{defaults['startup_s']:.0f} s" in rule and defaults["releases"] == 0.5 and "half" in rule
     assert "pickled" in rule and "never" in rule
+
+
+@pytest.mark.parametrize("num_envs, envs_per_thread, num_workers", [(16, 16, 2), (16, 8, 1), (16, 1, 1), (1, 1, 1)])
+def test_one_env_thread_or_no_worker_process_is_never_warned_about(num_envs, envs_per_thread, num_workers):
+    assert auto.layout_warning(num_envs, envs_per_thread, num_workers, cores=2) is None
+
+
+def test_more_env_threads_than_worker_processes_are_warned_about_whatever_the_cores():
+    for cores in (2, 64):
+        message = auto.layout_warning(16, 1, 2, cores=cores)
+        assert message is not None
+        assert "16 env threads over 2 worker processes" in message and "up to 8 blocks" in message
+        assert "envs_per_thread=16" in message and "envs_per_thread=8" in message  # what to pass instead
+
+
+def test_worker_processes_and_env_threads_warned_about_only_when_they_outnumber_the_cores():
+    message = auto.layout_warning(16, 8, 2, cores=2)
+    assert message is not None and "3 busy processes on 2 cores" in message and "envs_per_thread=16" in message
+    assert "num_workers=3" in (auto.layout_warning(16, 4, 4, cores=4) or "")
+    assert auto.layout_warning(16, 8, 2, cores=3) is None
+    assert auto.layout_warning(16, 4, 4, cores=16) is None
+
+
+def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():
+    from lightning_rollout import LayoutWarning, MultiEnvLoop
+
+    with pytest.warns(LayoutWarning, match="4 env threads over 2 worker processes"):
+        loop = MultiEnvLoop(functools.partial(CountEnv), zero_policy, num_envs=4, envs_per_thread=1, num_workers=2)
+    with loop:
+        assert (loop.num_workers, loop.envs_per_thread) == (2, 1)
+        batch = loop.run_env_steps(3)
+    assert batch.batch_size[:2] == (4, 3)

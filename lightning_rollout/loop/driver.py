@@ -74,11 +74,11 @@ from torchrl.envs.utils import ExplorationType
 from .._checks import check_device, check_int, check_seconds
 from .._exit import abandon, close_at_exit
 from ..envs import EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
-from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from ..errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
-from .auto import LayoutChoice, apply_choice, is_auto, resolve_layout
+from .auto import LayoutChoice, apply_choice, is_auto, layout_warning, resolve_layout
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
                       _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
 from .messages import (STEP, STOP, EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, ResetDone,
@@ -215,6 +215,10 @@ class MultiEnvLoop:
     Raises:
         ValueError: bad configuration, with what to change.
 
+    Warns:
+        LayoutWarning: worker processes driven by several env threads, a layout likely to run well
+            below ``"auto"`` (:func:`~lightning_rollout.loop.auto.layout_warning` says why and what to pass).
+
     Threading: one driver thread at a time; :meth:`close` may be called from
     any thread (it only sets flags and joins).
     """
@@ -301,6 +305,9 @@ class MultiEnvLoop:
         if parallel_steps and num_workers > 1:
             raise ValueError(f"parallel_steps={parallel_steps!r} steps envs in helper threads of this process; worker "
                              "processes (num_workers > 1) step theirs one after the other: pass one or the other")
+        slow = layout_warning(num_envs, envs_per_thread, num_workers)
+        if slow is not None:
+            warnings.warn(LayoutWarning(f"{name}: {slow}"), stacklevel=2)
         self.parallel_steps: bool = bool(parallel_steps)
         self.free_steps: bool = parallel_steps == "free"  # envs of a block run free within a quota
         self.num_envs = num_envs
