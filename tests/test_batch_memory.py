@@ -1,12 +1,11 @@
-"""Batch memory: a batch's columns are recycled (``BatchPool``) only once nothing references them, and
-big carried entries (images) are read from the rows the last step wrote instead of copied into the
-carrier; both give the same values as fresh arrays and copies."""
+"""Batch memory: a batch's columns are recycled (``BatchPool``) only once nothing references them, with the
+values of fresh arrays; the entries a step carries to the next (images, recurrent states) are read from the
+rows the last step wrote, and hold what it wrote, whichever way the envs are stepped."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from tensordict import TensorDict
 
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from lightning_rollout.envs import GymMaker
-from lightning_rollout.loop import worker as worker_module
 from lightning_rollout.loop.buffers import BatchPool
 from collector_helpers import balance_policy
 from conftest import assert_batches_equal
@@ -138,87 +136,90 @@ def _decode(obs: torch.Tensor) -> torch.Tensor:
     return code.long()
 
 
-@contextlib.contextmanager
-def _carried_lazily(lazy: bool) -> Iterator[None]:
-    """Loops built inside read big entries from the last step's rows (``lazy``) or copy them (the old path)."""
-    saved = worker_module._LAZY_BYTES
-    worker_module._LAZY_BYTES = saved if lazy else 1 << 62
-    try:
-        yield
-    finally:
-        worker_module._LAZY_BYTES = saved
-
-
-def _frame_batches(lazy: bool, call: str, *, num_workers: int = 1, envs_per_thread: int = 2, episodes_after: int = 5,
+def _frame_batches(call: str, *, num_workers: int = 1, envs_per_thread: int = 2, episodes_after: int = 3,
                    **kwargs: Any) -> list[TensorDict]:
     """Six calls of ``call`` on 4 FrameEnvs, copied as they come, with a reset of two envs after the
-    fifth and two fresh episodes after call ``episodes_after`` (checked here: which envs play them is
-    not reproducible, so batches after them differ from run to run)."""
-    with _carried_lazily(lazy):
-        out: list[TensorDict] = []
-        with MultiEnvLoop(frame_envs(4), frame_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
-                          seed=2, **kwargs) as loop:
-            assert all(bool(w._lazy) == lazy for w in loop._workers)
-            for i in range(6):
-                batch = loop.run_env_steps(9) if call == "run_env_steps" else loop.run_steps(36)
-                out.append(batch.clone())
-                batch.get(("next", "observation")).fill_(-5.0)  # the caller's to change: never read again
-                del batch
-                if i == episodes_after:
-                    for episode in loop.run_episodes(2):
-                        obs, nxt = _decode(episode["observation"]), _decode(episode["next", "observation"])
-                        assert obs[0] % 100 == 0 and torch.equal(obs[1:], nxt[:-1])
-                if i == 4:
-                    loop.reset_envs([1, 2])
-        return out
+    fifth and two fresh episodes after call ``episodes_after`` (checked here); every batch's memory is
+    overwritten once copied (the caller's to change: the loop must never read it again)."""
+    out: list[TensorDict] = []
+    with MultiEnvLoop(frame_envs(4), frame_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
+                      seed=2, **kwargs) as loop:
+        for i in range(6):
+            batch = loop.run_env_steps(9) if call == "run_env_steps" else loop.run_steps(36)
+            out.append(batch.clone())
+            batch.get(("next", "observation")).fill_(-5.0)
+            batch.get("observation").fill_(-5.0)
+            del batch
+            if i == episodes_after:
+                for episode in loop.run_episodes(2):
+                    obs, nxt = _decode(episode["observation"]), _decode(episode["next", "observation"])
+                    assert obs[0] % 100 == 0 and torch.equal(obs[1:], nxt[:-1])
+            if i == 4:
+                loop.reset_envs([1, 2])
+    return out
+
+
+def _by_env(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's observation codes, next-observation codes and done flags as ``[env, time]``: an ``env_time``
+    batch as it is, a flat one's rows grouped by env (in arrival order, each env's in time order)."""
+    obs, nxt = _decode(batch["observation"]), _decode(batch["next", "observation"])
+    done = batch["next", "done"].squeeze(-1)
+    if batch.batch_dims == 2:
+        return obs, nxt, done
+    env_id = batch["collector", "env_id"]
+    rows = [torch.nonzero(env_id == e).squeeze(-1) for e in range(4)]
+    return (torch.stack([obs[r] for r in rows]), torch.stack([nxt[r] for r in rows]),
+            torch.stack([done[r] for r in rows]))
 
 
 @pytest.mark.parametrize(("call", "kwargs"), [
     ("run_env_steps", {}),
     ("run_env_steps", {"lookahead": False}),
+    ("run_env_steps", {"envs_per_thread": 4}),
     ("run_steps", {"envs_per_thread": 4}),
+    ("run_steps", {}),
+    ("run_env_steps", {"envs_per_thread": 4, "parallel_steps": True}),
     ("run_env_steps", {"envs_per_thread": 4, "parallel_steps": "free"}),
     ("run_env_steps", {"envs_per_thread": 4, "num_workers": 2}),
-], ids=["env_time", "no lookahead", "flat, one thread", "free-running helpers",
-        "worker process"])
-def test_big_entries_read_from_the_last_steps_rows_equal_a_copied_carrier(call: str, kwargs: dict[str, Any]):
-    lazy, copied = _frame_batches(True, call, **kwargs), _frame_batches(False, call, **kwargs)
-    assert_batches_equal(lazy, copied)
-
-
-def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_first():
-    batches = _frame_batches(True, "run_env_steps", episodes_after=2)
+], ids=["env_time", "no lookahead", "env_time, one thread", "flat, one thread", "flat, two threads",
+        "helpers", "free-running helpers", "worker process"])
+def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_first(call: str,
+                                                                                      kwargs: dict[str, Any]):
+    """What the next step reads of the last one's rows (the carried entries) is what that step wrote, through
+    resets, fresh episodes and batches the caller overwrote, whichever way the envs are stepped."""
     previous_next: torch.Tensor | None = None
-    for batch in batches:
-        obs, nxt = _decode(batch["observation"]), _decode(batch["next", "observation"])
-        done = batch["next", "done"].squeeze(-1)
+    previous_done: torch.Tensor | None = None
+    for batch in _frame_batches(call, **kwargs):
+        obs, nxt, done = _by_env(batch)
         first = obs[:, 0]
-        if previous_next is not None:  # across calls: where the last call left each env (or a reset)
-            carried = first == previous_next
-            fresh = first % 100 == 0
-            assert (carried | fresh).all()
+        if previous_next is not None:  # across calls: where the last call left each env, or a reset
+            assert ((first == previous_next) & ~previous_done | (first % 100 == 0)).all()
         assert torch.equal(obs[:, 1:][~done[:, :-1]], nxt[:, :-1][~done[:, :-1]])
         assert (obs[:, 1:][done[:, :-1]] % 100 == 0).all(), "after a done step: a reset's t = 0"
-        previous_next = nxt[:, -1]
+        assert (nxt % 100 == obs % 100 + 1).all(), "each next observation is its step's"
+        previous_next, previous_done = nxt[:, -1], done[:, -1]
 
 
-def test_a_big_recurrent_state_is_carried_as_the_copied_carrier_carries_it():
-    """An LSTM state of 1024 floats (4 KB a row) is a big carried entry too: same batches either way."""
+def test_a_big_recurrent_state_is_carried_from_each_steps_next_state_and_zeroed_at_episode_starts():
+    """An LSTM state of 1024 floats (4 KB a row), carried like an observation: each step's root state is
+    the last step's ``"next"`` state, or zeros where an episode starts (``is_init``), as TorchRL's primer."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import ppo_lstm_cartpole
 
-    def batches(lazy: bool) -> list[TensorDict]:
-        with _carried_lazily(lazy):
-            torch.manual_seed(0)
-            actor, _ = ppo_lstm_cartpole.make_networks(obs_dim=2, n_actions=2, hidden=1024, memory="lstm")
-            collector = ThreadedCollector(ppo_lstm_cartpole.make_env, actor, frames_per_batch=4 * 24,
-                                          total_frames=3 * 4 * 24, num_envs=4, envs_per_thread=4, seed=0)
-        try:
-            assert bool(collector.loop._workers[0]._lazy) == lazy
-            return [batch.clone() for batch in collector]
-        finally:
-            collector.shutdown()
-
-    lazy, copied = batches(True), batches(False)
-    assert any(b["next", "done"].any() for b in copied) and not (lazy[1]["recurrent_state_h"][:, 0] == 0).all()
-    assert_batches_equal(lazy, copied)
+    torch.manual_seed(0)
+    actor, _ = ppo_lstm_cartpole.make_networks(obs_dim=2, n_actions=2, hidden=1024, memory="lstm")
+    collector = ThreadedCollector(ppo_lstm_cartpole.make_env, actor, frames_per_batch=4 * 24,
+                                  total_frames=3 * 4 * 24, num_envs=4, envs_per_thread=4, seed=0)
+    try:
+        batches = [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+    assert any(b["next", "done"].any() for b in batches)
+    for batch in batches:
+        for key in ("recurrent_state_h", "recurrent_state_c"):
+            state, nxt = batch[key], batch["next", key]
+            init = batch["is_init"].squeeze(-1)
+            assert (state[init] == 0).all()
+            carried = ~init[:, 1:]
+            assert torch.equal(state[:, 1:][carried], nxt[:, :-1][carried]), key
+            assert not (state[~init] == 0).all(), "a state was carried, not zeroed"

@@ -15,11 +15,11 @@ batch, a reset, or one fresh episode of one env. What it reads of its loop is a
 :class:`WorkerContext`, fixed once the loop is built; the driver holds a worker
 active with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`. Each step asks the autobatching policy for the block's
 rows, steps the envs, writes the transition into its columns with one vectorised
-write per key, and advances ``cur`` as TorchRL's ``step_mdp`` does. Big entries
-(images: a page or more a row) are not copied back into ``cur`` after a step of the
-whole block: the next step copies its root rows straight from the rows that step
-wrote (``Worker._carry``), one copy a step where there were two; ``cur`` is brought
-up to date before anything else reads it and before a quota's batch is reported.
+write per key, and advances the envs' root entries as TorchRL's ``step_mdp`` does: after
+a step of the whole block, the next step copies its root rows straight from the
+``"next"`` rows that step wrote (``Worker._carry``), one copy a step; ``cur``, the
+envs' root entries held apart, is brought up to date only when something else reads
+it (a step of part of the block, a reset) and before a quota's batch is reported.
 
 With ``parallel_steps="free"`` a block stepped in helper threads runs its envs free
 within a quota: each env's next step starts as soon as its last one ended and the
@@ -72,9 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["Worker", "WorkerContext"]
 
 _POLL_S = 0.05
-# Carried entries of at least this many bytes a row are read from the last step's rows rather than
-# copied into the carrier after each step (Pong's 100 KB frames: 0.6 ms a step of 16 envs).
-_LAZY_BYTES = 4096
 # A quota settles its steps (and looks for NaN in their observations) at least this often: it bounds the
 # scratch rows of a run and how long a NaN observation goes unreported.
 _SETTLE_EVERY = 128
@@ -249,18 +246,15 @@ class Worker:
             self._pre_keys = [k for k in layout.specs if k not in post and k != _TRAJ]
         # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
         self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
-        # Big carried entries (an image: a page or more a row) are not copied into ``cur`` after a step of
-        # the whole block: ``_carry`` then holds views of the rows that step wrote (its "next" entries)
-        # and the next step's root rows are copied from there, one copy a step instead of two. While
-        # ``_carry`` is set it, not ``cur``, holds those entries; ``_settle_carry`` copies it into ``cur``
-        # before anything else reads or writes them, and before a batch is handed over.
+        # After a step of the whole block the advanced entries are not copied into ``cur``: ``_carry`` holds
+        # views of the rows that step wrote (its "next" entries) and the next step's root rows are copied
+        # from there, one copy a step. While ``_carry`` is set it, not ``cur``, holds those entries;
+        # ``_settle_carry`` copies it into ``cur`` before anything else reads or writes them, and before a
+        # batch is handed over.
         # A gymnasium env's loop entries (is_init, step_count, episode_reward) are not advanced with the others:
         # settling carries them into ``cur`` (or, with ``_count_each_step``, each step does).
         loop_keys = set(_GYM_LOOP_KEYS) if layout.loop_keys else set()
         advance = [(k, src) for k, src in layout.advance if k not in loop_keys]
-        self._lazy = [(k, src) for k, src in advance
-                      if int(np.prod(layout.carried[k].shape)) * layout.carried[k].dtype.itemsize >= _LAZY_BYTES]
-        self._eager = [pair for pair in advance if pair not in self._lazy]  # copied into ``cur`` each step
         self._advance = advance
         self._carry: dict[NestedKey, np.ndarray] | None = None
         self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
@@ -466,15 +460,13 @@ class Worker:
                 cur["episode_reward"][sel, 0] = reward_sum
             count[done] = 0
             reward_sum[done] = 0.0
-        if self._lazy and isinstance(sel, slice):  # the whole block: big entries stay where the step wrote them
-            self._carry = {k: cols[src] for k, src in self._lazy}
-            advance = self._eager
+        if isinstance(sel, slice):  # the whole block: the next step reads them where this one wrote them
+            self._carry = {k: cols[src] for k, src in self._advance}
         else:
             self._settle_carry()
-            advance = self._advance
-        cur = self.cur
-        for k, src in advance:
-            cur[k][sel] = cols[src]
+            cur = self.cur
+            for k, src in self._advance:
+                cur[k][sel] = cols[src]
         return done
 
     def _settle(self, run: _Run) -> CollectionError | None:
@@ -553,7 +545,7 @@ class Worker:
             return failure
 
     def _settle_carry(self) -> None:
-        """Copy the big carried entries still read from the last step's rows into ``cur`` (see ``_carry``)."""
+        """Copy the advanced entries still read from the last step's rows into ``cur`` (see ``_carry``)."""
         carry, self._carry = self._carry, None
         if carry is not None:
             for k, v in carry.items():
@@ -562,7 +554,7 @@ class Worker:
     def _load_root(self, cols: dict[NestedKey, np.ndarray], sel: slice | list[int],
                    keys: Sequence[NestedKey] | None = None) -> None:
         """Write the current root entries ``keys`` (default: those a step reads, ``_load_keys``) of envs
-        ``sel`` into ``cols`` (one row per env; big ones from the last step's rows while ``_carry`` holds
+        ``sel`` into ``cols`` (one row per env; the advanced ones from the last step's rows while ``_carry`` holds
         them: a whole block reads them there, part of one settles first)."""
         cur, carry = self.cur, self._carry
         if isinstance(sel, slice):  # every env: ``cur`` as it is, no indexing
