@@ -407,8 +407,8 @@ class AutobatchPolicy:
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
             self._rng_state = generator.get_state()
-        # The one input of an exact TensorDictModule on the CPU, unseeded: one agent's request is then passed
-        # to it as it is (_compute_alone).
+        # The one input of an exact TensorDictModule on the CPU, unseeded: a batch of one request is then passed
+        # to it as it is (see _compute).
         self._direct_one: NestedKey | None = (self._direct_in[0] if len(self._direct_in) == 1 and self._on_cpu
                                               and self._rng_state is None else None)
         self._version = 0
@@ -593,8 +593,7 @@ class AutobatchPolicy:
             if self._closed or not self._flushes_alone(agent.rows):
                 return None
         try:
-            outputs = self._compute_alone(agent, obs, mode)
-            version = self._version
+            outputs, version = self._compute([_Request(agent, obs, agent.rows, mode)])
         finally:
             self._weights_lock.release()
         return PolicyAnswer(outputs, 0, agent.rows, version)
@@ -971,7 +970,13 @@ class AutobatchPolicy:
             start = stop
 
     def _compute(self, batch: list[_Request]) -> tuple[dict[NestedKey, np.ndarray], int]:
-        """One forward pass for ``batch`` (``_weights_lock`` held): its outputs and the weights' version.
+        """One forward pass for ``batch`` (``_weights_lock`` held): its outputs and the weights' version. Every
+        forward pass takes this route, from the inference thread or from a client's own.
+
+        A batch of one request to an exact ``TensorDictModule`` of one input on the CPU, unseeded, in a thread
+        with autograd off (an env thread), called in its rows' shape, passes the request's array to the inner
+        module straight away (:meth:`_call_one`: the path of every step of a loop with one env thread); any
+        other batch is stacked and called as the policy's kind asks (:meth:`_run_policy`).
 
         Raises:
             PolicyError: the pass failed; it names the batch's envs, the original exception chained.
@@ -981,6 +986,8 @@ class AutobatchPolicy:
             if torch.is_grad_enabled():  # a thread of the caller's (the probe): no graph of the pass either
                 with self._no_grad:
                     outputs = self._run_policy(batch, rows)
+            elif len(batch) == 1 and self._direct_one is not None and self._call_shape(rows) == (rows,):
+                outputs = self._call_one(batch[0])
             else:  # the loops' env threads and the inference thread run with autograd off
                 outputs = self._run_policy(batch, rows)
         except BaseException as exc:  # whatever the policy raised, as a PolicyError naming the envs
@@ -989,38 +996,22 @@ class AutobatchPolicy:
         self.num_rows += rows
         return outputs, self._version
 
-    def _compute_alone(self, agent: Agent, obs: Mapping[NestedKey, np.ndarray], mode: ExplorationType
-                       ) -> dict[NestedKey, np.ndarray]:
-        """:meth:`_compute` for one agent's request (``_weights_lock`` held): its outputs. An exact
-        ``TensorDictModule`` of one input on the CPU, unseeded, in a thread with autograd off (an env thread)
-        is called on the request's array straight away, the same pass and checks without building a
-        request, a batch or a dict of inputs (the path of every step of a loop with one env thread).
-
-        Raises:
-            PolicyError: as :meth:`_compute`.
-        """
-        key = self._direct_one
-        rows = agent.rows
-        if key is None or torch.is_grad_enabled() or self._call_shape(rows) != (rows,):
-            return self._compute([_Request(agent, obs, rows, mode)])[0]
+    def _explore(self, mode: ExplorationType) -> set_exploration_type:
+        """The (reusable) context that sets exploration ``mode``."""
         explore = self._modes.get(mode)
         if explore is None:
             explore = self._modes[mode] = set_exploration_type(mode)
-        try:
-            with explore:
-                result = self._direct(_own_tensor(obs[key]))  # type: ignore[misc]
-            outputs = self._direct_outputs(result, rows)
-        except BaseException as exc:
-            raise _named(exc, agent.env_ids)  # noqa: B904 (the cause is set there)
-        self.num_flushes += 1
-        self.num_rows += rows
-        return outputs
+        return explore
+
+    def _call_one(self, request: _Request) -> dict[NestedKey, np.ndarray]:
+        """The inner module of an exact one-input ``TensorDictModule`` on a copy of the request's array (see
+        :meth:`_compute`): no batch, stacked dict or TensorDict built."""
+        with self._explore(request.mode):
+            result = self._direct(_own_tensor(request.obs[self._direct_one]))  # type: ignore[misc,index]
+        return self._direct_outputs(result, request.rows)
 
     def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
-        mode = batch[0].mode
-        explore = self._modes.get(mode)
-        if explore is None:
-            explore = self._modes[mode] = set_exploration_type(mode)
+        explore = self._explore(batch[0].mode)
         direct = self._direct
         if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
             batch.sort(key=_first_env)
