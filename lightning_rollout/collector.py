@@ -169,6 +169,86 @@ def _check_torchrl_options(*, backend: Any, backend_options: Any, num_collectors
                              "collector.update_policy_weights_(...)")
 
 
+def _check_options(*, worker_idx: Any, auto_register_policy_transforms: Any, devices: Mapping[str, Any], layout: Any,
+                   reset_when_done: bool, split_trajs: Any, replay_buffer: Any, trajs_per_batch: Any) -> None:
+    """Refuse, with what to change, the options :class:`ThreadedCollector` checks before it builds anything."""
+    if worker_idx is not None:
+        check_int("worker_idx", worker_idx, 0)
+    if auto_register_policy_transforms not in (None, True, False):
+        raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
+                         f"{auto_register_policy_transforms!r}")
+    for label, dev in devices.items():
+        check_device(label, dev)  # "cuda" without CUDA is refused here, not deep in the first forward pass
+    if layout not in ("env_time", "flat"):
+        raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
+    if not reset_when_done:
+        raise ValueError("reset_when_done=False is not supported: an env is reset as soon as it is done "
+                         "(use torchrl's Collector to keep stepping done envs)")
+    if split_trajs and replay_buffer is not None:
+        raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
+    if trajs_per_batch is not None:
+        check_int("trajs_per_batch", trajs_per_batch, 1)
+
+
+def _frame_budget(*, frames_per_batch: Any, total_frames: Any, init_random_frames: Any, max_frames_per_traj: Any,
+                  num_envs: int, layout: str) -> tuple[int, int, int, int | None]:
+    """``(frames_per_batch, total_frames, init_random_frames, max_frames_per_traj)`` checked and rounded as TorchRL's
+    collector rounds them: whole time steps of every env a batch (``env_time``), whole batches in all (``-1``:
+    endless), each rounding with a warning; ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
+    check_int("frames_per_batch", frames_per_batch, 1)
+    if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
+        total_frames = -1
+    if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
+            total_frames < 1 and total_frames != -1):
+        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
+    if init_random_frames in (None, -1):
+        init_random_frames = 0
+    check_int("init_random_frames", init_random_frames, 0)
+    if max_frames_per_traj is not None and max_frames_per_traj != -1:
+        check_int("max_frames_per_traj", max_frames_per_traj, 1)
+    else:
+        max_frames_per_traj = None
+    steps = -(-frames_per_batch // num_envs)
+    if steps * num_envs != frames_per_batch and layout == "env_time":
+        warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
+                      f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=3)
+        frames_per_batch = steps * num_envs
+    if total_frames > 0 and total_frames % frames_per_batch:
+        warnings.warn(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
+                      f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
+                      "frames will be collected", stacklevel=3)
+        total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
+    if init_random_frames and init_random_frames % frames_per_batch:
+        warnings.warn(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
+                      f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
+                      "random frames will be collected", stacklevel=3)
+    return int(frames_per_batch), int(total_frames), int(init_random_frames), max_frames_per_traj
+
+
+def _interrupter(interruptor: Any) -> Interrupter | None:
+    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted."""
+    if isinstance(interruptor, Interrupter) or interruptor is None:
+        return interruptor
+    if callable(getattr(interruptor, "collection_stopped", None)):
+        return _TorchRLInterruptor(interruptor)
+    raise ValueError(f"interruptor must be TorchRL's interruptor (collection_stopped()) or a "
+                     f"lightning_rollout.Interrupter, got {type(interruptor).__name__}")
+
+
+def _acting_policy(policy: Any, *, on_policy: bool, policy_device: Any, compile_policy: Any) -> tuple[Any, torch.device]:
+    """The policy the env threads call, and its device. A module is copied when the learner's must not be the one
+    acting (``on_policy=False``: weights change only at ``update_policy_weights_``) or when it acts on another
+    device; then moved to ``policy_device`` and compiled as asked."""
+    own_device = _param_device(policy)
+    needs_copy = (not on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
+    acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
+    if policy_device is not None and isinstance(acting, torch.nn.Module):
+        acting = acting.to(policy_device)
+    if compile_policy:
+        acting = torch.compile(acting, **(compile_policy if isinstance(compile_policy, dict) else {}))
+    return acting, torch.device(policy_device) if policy_device is not None else own_device
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
@@ -375,42 +455,20 @@ class ThreadedCollector(BaseCollector):
             return_same_td=return_same_td, use_buffers=use_buffers, replay_buffer=replay_buffer,
             cudagraph_policy=cudagraph_policy, weight_updater=weight_updater,
             weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes)
-        if worker_idx is not None:
-            check_int("worker_idx", worker_idx, 0)
-        if auto_register_policy_transforms not in (None, True, False):
-            raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
-                             f"{auto_register_policy_transforms!r}")
         if create_env_kwargs:
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
+        _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
+                       devices={"device": device, "storing_device": storing_device, "policy_device": policy_device,
+                                "env_device": env_device},
+                       layout=layout, reset_when_done=reset_when_done, split_trajs=split_trajs,
+                       replay_buffer=replay_buffer, trajs_per_batch=trajs_per_batch)
         if auto_register_policy_transforms and isinstance(policy, torch.nn.Module):
             factories = [_WithPolicyTransforms(f, policy) for f in factories]
-        check_int("frames_per_batch", frames_per_batch, 1)
-        if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
-            total_frames = -1
-        if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
-                total_frames < 1 and total_frames != -1):
-            raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
-        if init_random_frames in (None, -1):
-            init_random_frames = 0
-        check_int("init_random_frames", init_random_frames, 0)
-        if max_frames_per_traj is not None and max_frames_per_traj != -1:
-            check_int("max_frames_per_traj", max_frames_per_traj, 1)
-        else:
-            max_frames_per_traj = None
-        for label, dev in (("device", device), ("storing_device", storing_device), ("policy_device", policy_device),
-                           ("env_device", env_device)):
-            check_device(label, dev)  # "cuda" without CUDA is refused here, not deep in the first forward pass
-        if layout not in ("env_time", "flat"):
-            raise ValueError(f"layout must be 'env_time' or 'flat', got {layout!r}")
-        if not reset_when_done:
-            raise ValueError("reset_when_done=False is not supported: an env is reset as soon as it is done "
-                             "(use torchrl's Collector to keep stepping done envs)")
-        if split_trajs and replay_buffer is not None:
-            raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
-        if trajs_per_batch is not None:
-            check_int("trajs_per_batch", trajs_per_batch, 1)
+        frames_per_batch, total_frames, init_random_frames, max_frames_per_traj = _frame_budget(
+            frames_per_batch=frames_per_batch, total_frames=total_frames, init_random_frames=init_random_frames,
+            max_frames_per_traj=max_frames_per_traj, num_envs=num_envs, layout=layout)
         from torchrl.collectors.utils import _validate_traj_format
 
         self.traj_format = _validate_traj_format(traj_format, trajs_per_batch,
@@ -418,12 +476,6 @@ class ThreadedCollector(BaseCollector):
         self.trajs_per_batch = trajs_per_batch  # BaseCollector.__iter__ then yields whole trajectories
         self.trajs_per_write = trajs_per_write
         self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
-        # TorchRL's rounding: whole time steps of every env per batch, whole batches in total (with a warning).
-        steps = -(-frames_per_batch // num_envs)
-        if steps * num_envs != frames_per_batch and layout == "env_time":
-            warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
-                          f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=2)
-            frames_per_batch = steps * num_envs
         step_timeout = check_seconds("step_timeout", step_timeout, allow_zero=False)  # before the auto measure uses it
         for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
             if not is_auto(value):
@@ -440,22 +492,7 @@ class ThreadedCollector(BaseCollector):
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                              f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
-        if total_frames > 0 and total_frames % frames_per_batch:
-            warnings.warn(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
-                          f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
-                          "frames will be collected", stacklevel=2)
-            total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
-        if init_random_frames and init_random_frames % frames_per_batch:
-            warnings.warn(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
-                          f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
-                          "random frames will be collected", stacklevel=2)
-        if isinstance(interruptor, Interrupter) or interruptor is None:
-            interrupter = interruptor
-        elif callable(getattr(interruptor, "collection_stopped", None)):
-            interrupter = _TorchRLInterruptor(interruptor)
-        else:
-            raise ValueError(f"interruptor must be TorchRL's interruptor (collection_stopped()) or a "
-                             f"lightning_rollout.Interrupter, got {type(interruptor).__name__}")
+        interrupter = _interrupter(interruptor)
 
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
@@ -504,15 +541,8 @@ class ThreadedCollector(BaseCollector):
         self._iterating = False
 
         self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
-        policy_device = policy_device or device
-        own_device = _param_device(policy)
-        needs_copy = (not on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
-        acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
-        if policy_device is not None and isinstance(acting, torch.nn.Module):
-            acting = acting.to(policy_device)
-        if compile_policy:
-            acting = torch.compile(acting, **(compile_policy if isinstance(compile_policy, dict) else {}))
-        self.policy_device = torch.device(policy_device) if policy_device is not None else own_device
+        acting, self.policy_device = _acting_policy(policy, on_policy=on_policy, policy_device=policy_device or device,
+                                                    compile_policy=compile_policy)
         self._acting_policy = acting
         try:
             self._loop = MultiEnvLoop(

@@ -255,46 +255,14 @@ class MultiEnvLoop:
     ) -> None:
         factories = self._factories(env, num_envs)
         num_envs = len(factories)
-        if not is_auto(envs_per_thread):
-            check_int("envs_per_thread", envs_per_thread, 1)
-            if num_envs % envs_per_thread:
-                raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
-        if not is_auto(num_workers):
-            check_int("num_workers", num_workers, 1)
-            if num_workers > num_envs:
-                raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
-                                 "runs at least one env")
-        if max_episode_steps is not None:
-            check_int("max_episode_steps", max_episode_steps, 1)
-        check_int("random_steps_per_env", random_steps_per_env, 0)
-        if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
-            raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
-        join_timeout = check_seconds("join_timeout", join_timeout, allow_zero=True)  # a join cannot take inf
-        if join_timeout is None:
-            raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
-        check_seconds("max_wait", max_wait, allow_zero=True)  # refused before any env is built
-        check_seconds("policy_timeout", policy_timeout, allow_zero=False)
-        check_device("device", device)
-        check_int("traj_id_start", traj_id_start, 0)
-        if env_shape is not None and math.prod(env_shape) != num_envs:
-            raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
+        _check_loop_arguments(
+            num_envs=num_envs, envs_per_thread=envs_per_thread, num_workers=num_workers,
+            max_episode_steps=max_episode_steps, random_steps_per_env=random_steps_per_env, step_timeout=step_timeout,
+            join_timeout=join_timeout, max_wait=max_wait, policy_timeout=policy_timeout, device=device,
+            traj_id_start=traj_id_start, env_shape=env_shape, seed=seed, exploration_type=exploration_type,
+            processor=processor, interrupter=interrupter, policy=policy, autobatch_size=autobatch_size)
+        join_timeout = float(join_timeout)
         self._env_shape = tuple(env_shape) if env_shape is not None else (() if num_envs == 1 else None)
-        if seed is not None:
-            check_int("seed", seed, 0)
-        if not isinstance(exploration_type, ExplorationType):
-            raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
-                             f"got {exploration_type!r}")
-        if processor is not None and not all(callable(getattr(processor, m, None)) for m in (
-                "on_timestep", "on_episode_end", "on_eval_timestep", "on_eval_episode_end")):
-            raise ValueError(f"processor must be an EventProcessor (subclass it), got {type(processor).__name__}")
-        if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
-            raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
-        if isinstance(policy, AutobatchPolicy):
-            if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
-                raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
-                                 "you passed; set them there, not on the loop")
-        elif autobatch_size is not None:
-            check_int("autobatch_size", autobatch_size, 1)
         self.layout_choice: LayoutChoice | None = resolve_layout(
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
             max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
@@ -354,33 +322,18 @@ class MultiEnvLoop:
                                                        self._pool.action_spec)
                 loop_keys, roots = self._pool.loop_keys, self._pool.first_roots
             else:
-                for factory in factories:
-                    adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=validate,
-                                                  info_keys=info_keys))  # a refused env is closed
-                keys = adapters[0].keys
-                for i, a in enumerate(adapters[1:], 1):
-                    if not a.keys.same_layout(keys):
-                        raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must "
-                                         "share their keys, shapes and dtypes")
-                observation_spec, action_spec, loop_keys = (adapters[0].observation_spec, adapters[0].action_spec,
-                                                            adapters[0].loop_keys)
+                self._build_envs(factories, adapters, max_episode_steps=max_episode_steps, info_keys=info_keys)
+                keys, observation_spec, action_spec, loop_keys = (
+                    adapters[0].keys, adapters[0].observation_spec, adapters[0].action_spec, adapters[0].loop_keys)
                 roots = [self._first_reset(i, adapter, seeds[i]) for i, adapter in enumerate(adapters)]
             for i, root in enumerate(roots):
                 first_roots[i] = (seeds[i], root)
             if isinstance(policy, AutobatchPolicy):
                 self.policy = policy
             else:
-                if policy is None:  # TorchRL's default: uniformly random valid actions
-                    from torchrl.envs.utils import RandomPolicy
-
-                    policy = RandomPolicy()
-                data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS and k not in self.info_keys]
-                module = as_policy_module(policy, observation_spec=observation_spec, action_keys=list(keys.action),
-                                          policy_timeout=policy_timeout, name=name,
-                                          action_spec=action_spec,
-                                          single_key=data_keys[0] if len(data_keys) == 1 else None)
-                self.policy = AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait,
-                                              device=device, name=name, seed=seed, policy_timeout=policy_timeout)
+                self.policy = self._serve_policy(policy, keys, observation_spec, action_spec,
+                                                 autobatch_size=autobatch_size, max_wait=max_wait, device=device,
+                                                 policy_timeout=policy_timeout)
                 self._owns_policy = True
             self._layout = self._probe_layout(keys, roots, loop_keys)
             self._batches = BatchPool(self._layout)  # the driver's calls' batch columns, recycled
@@ -418,6 +371,35 @@ class MultiEnvLoop:
         self._started = False
         if start:
             self.start()
+
+    def _build_envs(self, factories: Sequence[EnvFactory], adapters: list[EnvAdapter], *,
+                    max_episode_steps: int | None, info_keys: InfoKeys | None) -> None:
+        """Build each env of this process into ``adapters`` (a refused env is closed; those built before it are
+        the caller's to close). Raises ``ValueError`` for envs whose keys, shapes or dtypes differ from env 0's."""
+        for factory in factories:
+            adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=self.validate,
+                                          info_keys=info_keys))
+        keys = adapters[0].keys
+        for i, a in enumerate(adapters[1:], 1):
+            if not a.keys.same_layout(keys):
+                raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must "
+                                 "share their keys, shapes and dtypes")
+
+    def _serve_policy(self, policy: Callable[..., Any] | None, keys: EnvKeys, observation_spec: Any, action_spec: Any,
+                      *, autobatch_size: int | None, max_wait: float | None, device: torch.device | str | None,
+                      policy_timeout: float | None) -> AutobatchPolicy:
+        """The loop's own :class:`AutobatchPolicy` serving ``policy`` (``None``: TorchRL's ``RandomPolicy``,
+        uniformly random valid actions), wrapped as a TensorDict module for the env's keys."""
+        if policy is None:
+            from torchrl.envs.utils import RandomPolicy
+
+            policy = RandomPolicy()
+        data_keys = [k for k in keys.observation if k not in _GYM_LOOP_KEYS and k not in self.info_keys]
+        module = as_policy_module(policy, observation_spec=observation_spec, action_keys=list(keys.action),
+                                  policy_timeout=policy_timeout, name=self.name, action_spec=action_spec,
+                                  single_key=data_keys[0] if len(data_keys) == 1 else None)
+        return AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait, device=device,
+                               name=self.name, seed=self.seed, policy_timeout=policy_timeout)
 
     @staticmethod
     def _first_reset(i: int, adapter: EnvAdapter, seed: int | None) -> dict[NestedKey, Any]:
@@ -1162,6 +1144,57 @@ class MultiEnvLoop:
     def threads(self) -> Iterator[threading.Thread]:
         """The env threads (for monitoring)."""
         return (w.thread for w in self._workers)
+
+
+def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: int | str,
+                          max_episode_steps: int | None, random_steps_per_env: int, step_timeout: float | None,
+                          join_timeout: float, max_wait: float | None, policy_timeout: float | None, device: Any,
+                          traj_id_start: int, env_shape: Sequence[int] | None, seed: int | None,
+                          exploration_type: Any, processor: Any, interrupter: Any, policy: Any,
+                          autobatch_size: int | None) -> None:
+    """Refuse a bad :class:`MultiEnvLoop` argument with what to change, before any env is built.
+
+    Raises:
+        ValueError: the first bad argument, named.
+    """
+    if not is_auto(envs_per_thread):
+        check_int("envs_per_thread", envs_per_thread, 1)
+        if num_envs % envs_per_thread:
+            raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+    if not is_auto(num_workers):
+        check_int("num_workers", num_workers, 1)
+        if num_workers > num_envs:
+            raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
+                             "runs at least one env")
+    if max_episode_steps is not None:
+        check_int("max_episode_steps", max_episode_steps, 1)
+    check_int("random_steps_per_env", random_steps_per_env, 0)
+    if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
+        raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
+    if check_seconds("join_timeout", join_timeout, allow_zero=True) is None:  # a join cannot take inf
+        raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
+    check_seconds("max_wait", max_wait, allow_zero=True)  # refused before any env is built
+    check_seconds("policy_timeout", policy_timeout, allow_zero=False)
+    check_device("device", device)
+    check_int("traj_id_start", traj_id_start, 0)
+    if env_shape is not None and math.prod(env_shape) != num_envs:
+        raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
+    if seed is not None:
+        check_int("seed", seed, 0)
+    if not isinstance(exploration_type, ExplorationType):
+        raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
+                         f"got {exploration_type!r}")
+    if processor is not None and not all(callable(getattr(processor, m, None)) for m in (
+            "on_timestep", "on_episode_end", "on_eval_timestep", "on_eval_episode_end")):
+        raise ValueError(f"processor must be an EventProcessor (subclass it), got {type(processor).__name__}")
+    if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
+        raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
+    if isinstance(policy, AutobatchPolicy):
+        if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
+            raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
+                             "you passed; set them there, not on the loop")
+    elif autobatch_size is not None:
+        check_int("autobatch_size", autobatch_size, 1)
 
 
 def _creation_error(env_id: int, phase: str, exc: BaseException, process: int | None = None) -> EnvError:
