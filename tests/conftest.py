@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -225,3 +226,18 @@ class Watchdog:
 def within() -> Watchdog:
     """``within(fn)`` runs ``fn`` and fails the test if it has not returned or raised within 20 s."""
     return Watchdog(20.0)
+
+
+@pytest.fixture
+def loaded_cores():
+    """A process spinning in Python on every core this process may use, for the test's duration: measures that
+    decide a layout must read the same on a busy machine."""
+    from lightning_rollout.loop.auto import usable_cores
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import subprocess
 import sys
 import time
 import types
@@ -75,19 +74,6 @@ HOLDS = functools.partial(_SpinEnv, 2e-3)
 
 def _layout(choice: auto.LayoutChoice) -> tuple[int, int, bool]:
     return choice.num_workers, choice.envs_per_thread, choice.parallel_steps
-
-
-@pytest.fixture
-def loaded_cores():
-    """A process spinning in Python on every core this process may use, for the test's duration: the
-    measure must read the same on a busy machine."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(auto.usable_cores())]
-    try:
-        yield
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait(10)
 
 
 @pytest.mark.parametrize("factory, expected", [

@@ -61,6 +61,7 @@ import torch
 from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
 from .process import steps_in_main_process
+from .schedstat import RunDelay
 
 _UNPICKLABLE = ("the env factory cannot be pickled for worker processes (a gym id, a module-level function or a "
                 "functools.partial can be)")
@@ -184,40 +185,12 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-class _RunDelay:
-    """Seconds the thread that built it has waited, runnable, for a CPU (Linux's ``run_delay`` in
-    ``/proc/thread-self/schedstat``): the part of a wall-clock interval that other processes' load took.
-    ``0.0`` throughout where that file cannot be read (not Linux, no schedstats): then nothing is taken off.
-    Build, call and close it in one thread."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-        self._last = 0.0
-        self._last = self()
-
-    def __call__(self) -> float:
-        if self._fd is not None:
-            try:
-                self._last = int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
-            except (OSError, ValueError, IndexError):  # unreadable from now on: the last value stays
-                self.close()
-        return self._last
-
-    def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-
-
 class _GilProbe:
     """A thread that reads how much of the time another thread holds the GIL, barely slowing it.
 
     :meth:`run` sleeps about ``period`` seconds (0.5x to 1.5x, in a fixed pseudo-random order that no env's
     rhythm can lock onto) over and over, and times each sleep from one wake-up to the next with this thread's
-    run-queue waits taken off (:class:`_RunDelay`). Unless ``alone`` gives it, its first ``solo`` sleeps,
+    run-queue waits taken off (:class:`RunDelay`). Unless ``alone`` gives it, its first ``solo`` sleeps,
     before :attr:`ready` is set and while nothing else runs, give how far a wake-up overshoots alone (their
     median, kept in :attr:`alone`). Past that, a wake-up that overshoots by ``threshold`` more found the GIL
     held, and the probe counts the whole sleep it ends as held: a thread that holds the GIL keeps it until it
@@ -233,7 +206,7 @@ class _GilProbe:
         self.held: float | None = None
 
     def run(self) -> None:
-        delay = _RunDelay()
+        delay = RunDelay()
         try:
             sleep, clock = time.sleep, time.perf_counter
             pauses = [self.period * (0.5 + ((i * 37) % 64) / 63) for i in range(64)]  # 0.5x to 1.5x
@@ -284,7 +257,7 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         Exception: whatever building or stepping the env raised.
     """
     adapter = make_adapter(factory(), max_episode_steps=max_episode_steps)
-    delay = _RunDelay()
+    delay = RunDelay()
     try:
         columns = adapter.keys.action
         root = adapter.reset(None)

@@ -53,7 +53,8 @@ times its first calls, wall clock and its own thread's CPU time, into ``cpu[j]``
 ended, the owner reads the sums once and decides (``measuring`` then turns False),
 by :func:`_placement`, when the process may run on two cores or more and the
 helpers spent less than ``_PIN_CPU_SHARE`` of their calls' time on a CPU (sleeps,
-I/O, a remote env):
+I/O, a remote env; a call's waits for a CPU, other processes' load, are left out of
+its time, :class:`~lightning_rollout.loop.schedstat.RunDelay`):
 
 - if all the helpers together keep at most ``_ONE_CORE_DEMAND`` cores busy (``n``
   times that share), the block goes to **one core**: the helpers and, when its
@@ -99,6 +100,7 @@ from .._exit import abandon
 from ..envs import ActionError, EnvAdapter, GymAdapter
 from ..specs import ArraySpec, NestedKey
 from .buffers import check_entries
+from .schedstat import RunDelay
 
 __all__ = ["Block", "EnvBlock", "EnvFailure", "RemoteTraceback"]
 
@@ -244,41 +246,49 @@ class _StepThreads:
     def _serve(self, j: int) -> None:
         go = self._go[j]
         pinned = False
-        while True:
-            if not go.acquire(timeout=_POLL_S):
+        delay = RunDelay() if self.measuring else None  # this thread's waits for a CPU: not the call's own time
+        try:
+            while True:
+                if not go.acquire(timeout=_POLL_S):
+                    if self._closed:
+                        return
+                    continue
                 if self._closed:
                     return
-                continue
-            if self._closed:
-                return
-            call = self._calls[j]
-            assert call is not None
-            if not pinned and self.cores is not None:
-                pinned = True
+                call = self._calls[j]
+                assert call is not None
+                if not pinned and self.cores is not None:
+                    pinned = True
+                    try:
+                        os.sched_setaffinity(0, self.cores)  # this thread only
+                        if self.shared_core:  # waking up does not preempt the owner (see the module docs)
+                            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+                    except OSError:  # not permitted here (a seccomp profile, a cpuset changed since): stay put
+                        pass
+                measuring = self.measuring and delay is not None
+                if measuring:
+                    cpu0, wall0, wait0 = time.thread_time(), time.perf_counter(), delay()
+                elif delay is not None:
+                    delay.close()
+                    delay = None
                 try:
-                    os.sched_setaffinity(0, self.cores)  # this thread only
-                    if self.shared_core:  # waking up does not preempt the owner (see the module docs)
-                        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-                except OSError:  # not permitted here (a seccomp profile, a cpuset changed since): stay put
-                    pass
-            measuring = self.measuring
-            if measuring:
-                cpu0, wall0 = time.thread_time(), time.perf_counter()
-            try:
-                self.results[j] = (True, call[0](call[1]))
-            except BaseException as exc:  # re-raised by the owner, in env order
-                self.results[j] = (False, exc)
-            if measuring:
-                self.cpu[j] += time.thread_time() - cpu0
-                self.wall[j] += time.perf_counter() - wall0
-                self.calls[j] += 1
-            self._calls[j] = None
-            self._done.put(j)
-            with self._count_lock:
-                self._count += 1
-                last = self._count == self._target
-            if last:
-                self._all.release()
+                    self.results[j] = (True, call[0](call[1]))
+                except BaseException as exc:  # re-raised by the owner, in env order
+                    self.results[j] = (False, exc)
+                if measuring:
+                    self.cpu[j] += time.thread_time() - cpu0
+                    self.wall[j] += time.perf_counter() - wall0 - (delay() - wait0)
+                    self.calls[j] += 1
+                self._calls[j] = None
+                self._done.put(j)
+                with self._count_lock:
+                    self._count += 1
+                    last = self._count == self._target
+                if last:
+                    self._all.release()
+        finally:
+            if delay is not None:
+                delay.close()
 
     def _decide_pinning(self) -> None:
         """Once, in the owner thread: place the helpers (and maybe the owner) when their calls mostly
