@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import time
 import types
 from pathlib import Path
