@@ -81,3 +81,49 @@ def test_ppo_reaches_cartpole_solved_bar_within_300k_frames(seed: int, tmp_path:
     result = run_example("ppo_cartpole.py", "--frames", "300000", "--seed", str(seed), "--out", str(tmp_path),
                          timeout=1800)
     assert result["best_eval_return"] >= 475, result
+
+
+def _ppo_mujoco():
+    sys.path.insert(0, str(EXAMPLES))
+    import ppo_mujoco
+
+    return ppo_mujoco
+
+
+def test_ppo_mujoco_running_norm_merged_a_batch_at_a_time_equals_the_moments_of_all_the_data() -> None:
+    import torch
+
+    norm = _ppo_mujoco().RunningNorm((3,))
+    data = torch.randn(1000, 3, dtype=torch.float64) * torch.tensor([1.0, 5.0, 0.1], dtype=torch.float64) + 2.0
+    for chunk in data.split(128):
+        norm.update(chunk)
+    assert torch.allclose(norm.mean, data.mean(0).float(), atol=1e-3)
+    assert torch.allclose(norm.var, data.var(0, unbiased=False).float(), rtol=1e-3)
+    assert norm(data).dtype == torch.float32 and norm(data * 1e6).abs().max() <= 10.0  # standardised, clipped
+
+
+def test_ppo_mujoco_reward_scaling_is_stable_baselines3s_step_by_step_return_recurrence() -> None:
+    """Two batches of 2 envs, episodes ending mid-batch: the running return is SB3's ``ret = ret * gamma + r``,
+    zeroed after a done step and carried across batches; rewards are divided by its running std."""
+    import numpy as np
+    import torch
+
+    scaler = _ppo_mujoco().ReturnScaler(2, gamma=0.9)
+    rng = np.random.default_rng(0)
+    ret, seen = np.zeros(2), []
+    for _ in range(2):
+        reward, done = rng.normal(size=(2, 7)), rng.random((2, 7)) < 0.2
+        scaled = scaler(torch.tensor(reward, dtype=torch.float32), torch.tensor(done))
+        for t in range(7):
+            ret = ret * 0.9 + reward[:, t]
+            seen.append(ret.copy())
+            ret[done[:, t]] = 0.0
+        std = np.sqrt(np.var(np.concatenate(seen)) * len(seen) * 2 / (len(seen) * 2 + 1e-4) + 1e-8)
+        assert np.allclose(scaled.numpy(), np.clip(reward / std, -10, 10), rtol=1e-3)
+
+
+def test_ppo_mujoco_example_trains_on_halfcheetah_and_evaluates(tmp_path: Path) -> None:
+    pytest.importorskip("mujoco", reason="the MuJoCo example needs gymnasium[mujoco] (the bench-real extra)")
+    result = run_example("ppo_mujoco.py", "--frames", "2048", "--steps-per-env", "512", "--epochs", "1",
+                         "--eval-every-frames", "1024", "--eval-episodes", "1", "--out", str(tmp_path))
+    assert result["frames"] == 2048 and [f for f, _ in result["eval_history"]] == [1024, 2048]
