@@ -39,7 +39,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 from torchrl.envs.libs.gym import GymEnv
 
-from .envs import EnvFactory, close_env_quietly
+from .envs import NATIVELY_BATCHED, EnvFactory, close_env_quietly
 
 __all__ = ["SplitEnv", "is_batched", "split_batched_env"]
 
@@ -80,8 +80,10 @@ class _Transformed:
 def _unsplittable(env: Any, why: str) -> ValueError:
     return ValueError(
         f"got a batched env that cannot be taken apart into single envs ({type(env).__name__}: {why}); "
-        "ThreadedCollector steps single envs in its own threads and processes: pass a factory of one env "
-        "and num_envs (e.g. lambda: GymEnv(...)), or a SerialEnv/ParallelEnv/GymEnv(num_envs=...) of them")
+        "ThreadedCollector steps single envs in its own threads and processes. For an env it can build one at a "
+        "time, pass a factory of one env and num_envs (e.g. lambda: GymEnv(...)), or a "
+        "SerialEnv/ParallelEnv/GymEnv(num_envs=...) of them. "
+        f"{NATIVELY_BATCHED}")
 
 
 def _split_torchrl(env: EnvBase) -> list[EnvFactory]:

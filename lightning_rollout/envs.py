@@ -50,6 +50,10 @@ from torchrl.envs import EnvBase
 from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, leaves, random_sample,
                     reserved_key_problem)
 
+# What every refusal of a batched env ends with: such a simulator has no single env to rebuild, in any form.
+NATIVELY_BATCHED = ("A simulator that only steps its envs in batches (VMAS, envpool, a natively batched EnvBase) is "
+                    "not supported: use torchrl's Collector for it")
+
 __all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "InfoKeys",
            "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
 
@@ -450,7 +454,8 @@ class TorchRLAdapter:
         if tuple(env.batch_size) != ():
             raise ValueError(f"an env factory returned a batched env (batch_size={tuple(env.batch_size)}); a factory "
                              "makes one env: pass the batched env itself (ThreadedCollector(env, ...) takes a "
-                             "SerialEnv/ParallelEnv/GymEnv(num_envs=...) apart), or a factory of one env and num_envs")
+                             "SerialEnv/ParallelEnv/GymEnv(num_envs=...) apart), or a factory of one env and num_envs. "
+                             f"{NATIVELY_BATCHED}")
         if max_episode_steps is not None:
             from torchrl.envs import StepCounter
 
