@@ -724,7 +724,8 @@ def test_bad_configuration_raises_value_error_saying_what_to_change(kwargs, mess
 def test_a_factory_returning_a_batched_env_is_refused_with_a_hint_to_pass_the_env_itself():
     serial = SerialEnv(2, lambda: GymEnv(CARTPOLE))
     try:
-        with pytest.raises(ValueError, match="returned a batched env.*pass the batched env itself.*use torchrl's Collector"):
+        with pytest.raises(ValueError,
+                           match="returned a batched env.*pass the batched env itself.*use torchrl's Collector"):
             ThreadedCollector(lambda: serial, balance_policy, frames_per_batch=8, num_envs=2)
     finally:
         serial.close(raise_if_closed=False)  # a SerialEnv counts as closed until it is started

@@ -255,13 +255,12 @@ class MultiEnvLoop:
     ) -> None:
         factories = self._factories(env, num_envs)
         num_envs = len(factories)
-        _check_loop_arguments(
+        join_timeout = _check_loop_arguments(
             num_envs=num_envs, envs_per_thread=envs_per_thread, num_workers=num_workers,
             max_episode_steps=max_episode_steps, random_steps_per_env=random_steps_per_env, step_timeout=step_timeout,
             join_timeout=join_timeout, max_wait=max_wait, policy_timeout=policy_timeout, device=device,
             traj_id_start=traj_id_start, env_shape=env_shape, seed=seed, exploration_type=exploration_type,
             processor=processor, interrupter=interrupter, policy=policy, autobatch_size=autobatch_size)
-        join_timeout = float(join_timeout)
         self._env_shape = tuple(env_shape) if env_shape is not None else (() if num_envs == 1 else None)
         self.layout_choice: LayoutChoice | None = resolve_layout(
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
@@ -1151,8 +1150,9 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
                           join_timeout: float, max_wait: float | None, policy_timeout: float | None, device: Any,
                           traj_id_start: int, env_shape: Sequence[int] | None, seed: int | None,
                           exploration_type: Any, processor: Any, interrupter: Any, policy: Any,
-                          autobatch_size: int | None) -> None:
-    """Refuse a bad :class:`MultiEnvLoop` argument with what to change, before any env is built.
+                          autobatch_size: int | None) -> float:
+    """Refuse a bad :class:`MultiEnvLoop` argument with what to change, before any env is built; returns
+    ``join_timeout`` as checked (a float number of seconds).
 
     Raises:
         ValueError: the first bad argument, named.
@@ -1171,7 +1171,8 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
     check_int("random_steps_per_env", random_steps_per_env, 0)
     if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
         raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
-    if check_seconds("join_timeout", join_timeout, allow_zero=True) is None:  # a join cannot take inf
+    checked_join = check_seconds("join_timeout", join_timeout, allow_zero=True)  # a join cannot take inf
+    if checked_join is None:
         raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
     check_seconds("max_wait", max_wait, allow_zero=True)  # refused before any env is built
     check_seconds("policy_timeout", policy_timeout, allow_zero=False)
@@ -1195,6 +1196,7 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
                              "you passed; set them there, not on the loop")
     elif autobatch_size is not None:
         check_int("autobatch_size", autobatch_size, 1)
+    return checked_join
 
 
 def _creation_error(env_id: int, phase: str, exc: BaseException, process: int | None = None) -> EnvError:

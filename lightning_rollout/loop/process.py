@@ -214,8 +214,8 @@ def steps_in_main_process(num_envs: int, envs_per_thread: int) -> bool:
 def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_steps: int | None, validate: bool,
                 info_keys: InfoKeys | None) -> ChildReady:
     """Build ``plan``'s envs into ``adapters`` and reset each with its seed; return the
-    :class:`~.messages.ChildReady` message of the block (see the module docs), in a child or for the main process's share. A pickled
-    factory (a child's) is unpickled first.
+    :class:`~.messages.ChildReady` message of the block (see the module docs), in a child or for the main
+    process's share. A pickled factory (a child's) is unpickled first.
 
     Raises:
         EnvFailure: for the first env whose factory could not be unpickled, or that failed to build
@@ -946,8 +946,8 @@ class WorkerProcesses:
 
     @staticmethod
     def _wait_ready(block: RemoteEnvs, timeout: float) -> ChildReady:
-        """``block``'s :class:`~.messages.ChildReady` (after its :class:`~.messages.ChildStarted`). Raises :class:`EnvFailure`:
-        the child's error, its death (:func:`_death`), or ``timeout`` s passed."""
+        """``block``'s :class:`~.messages.ChildReady` (after its :class:`~.messages.ChildStarted`). Raises
+        :class:`EnvFailure`: the child's error, its death (:func:`_death`), or ``timeout`` s passed."""
         deadline = time.monotonic() + timeout
         while True:
             while not block.conn.poll(_POLL_S):
