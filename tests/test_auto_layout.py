@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 import time
 import types
 from pathlib import Path
@@ -146,15 +147,32 @@ def test_more_env_threads_than_worker_processes_are_warned_about_whatever_the_co
         message = auto.layout_warning(16, 1, 2, cores=cores)
         assert message is not None
         assert "16 env threads over 2 worker processes" in message and "up to 8 blocks" in message
-        assert "envs_per_thread=16" in message and "envs_per_thread=8" in message  # what to pass instead
+        assert "envs_per_thread=16" in message  # what to pass instead
+    assert "envs_per_thread=8" in auto.layout_warning(16, 1, 2, cores=64)  # a block a process, with a core each
+    assert "envs_per_thread=8" not in auto.layout_warning(16, 1, 2, cores=2)  # 3 busy processes on 2 cores
 
 
 def test_worker_processes_and_env_threads_warned_about_only_when_they_outnumber_the_cores():
     message = auto.layout_warning(16, 8, 2, cores=2)
     assert message is not None and "3 busy processes on 2 cores" in message and "envs_per_thread=16" in message
-    assert "num_workers=3" in (auto.layout_warning(16, 4, 4, cores=4) or "")
+    assert "num_workers=3" in (auto.layout_warning(16, 8, 4, cores=4) or "")
+    assert "num_workers=3" not in (auto.layout_warning(16, 4, 4, cores=4) or "")  # 4 blocks over 3: warned too
     assert auto.layout_warning(16, 8, 2, cores=3) is None
     assert auto.layout_warning(16, 4, 4, cores=16) is None
+
+
+@pytest.mark.parametrize("cores", [2, 3, 4, 8, 16])
+def test_every_alternative_a_warning_offers_is_not_warned_about_itself(cores):
+    for num_envs in (4, 6, 12, 16):
+        for ept in (e for e in range(1, num_envs + 1) if num_envs % e == 0):
+            for workers in range(2, num_envs + 1):
+                message = auto.layout_warning(num_envs, ept, workers, cores=cores)
+                if message is None:
+                    continue
+                for knob, value in re.findall(r"(envs_per_thread|num_workers)=(\d+)", message):
+                    ept_2, workers_2 = (int(value), workers) if knob == "envs_per_thread" else (ept, int(value))
+                    assert auto.layout_warning(num_envs, ept_2, workers_2, cores=cores) is None, (
+                        num_envs, ept, workers, message)
 
 
 def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():

@@ -470,14 +470,16 @@ def layout_warning(num_envs: int, envs_per_thread: int, num_workers: int, *, cor
         return None
     cores = usable_cores() if cores is None else cores
     one_thread = f"envs_per_thread={num_envs} (one env thread: the main process steps a share)"
+    # Each alternative offered is one this rule does not warn about in turn.
     if blocks > num_workers:
         per = math.ceil(blocks / num_workers)
-        even = f", or envs_per_thread={num_envs // num_workers} (a block a process)" if num_envs % num_workers == 0 else ""
+        even = (f", or envs_per_thread={num_envs // num_workers} (a block a process)"
+                if num_envs % num_workers == 0 and num_workers + 1 <= cores else "")
         return (f"{blocks} env threads over {num_workers} worker processes: each process serves up to {per} blocks, "
                 f"which take turns on its GIL, and each block's step is a round trip of its own; pass {one_thread}"
                 f"{even}")
     if num_workers + 1 > cores:
-        fewer = f", or num_workers={cores - 1}" if cores - 1 >= 2 else ""
+        fewer = f", or num_workers={cores - 1}" if 2 <= cores - 1 and blocks <= cores - 1 else ""
         return (f"with {blocks} env threads, {num_workers} worker processes step every env while the main process "
                 f"runs the threads and the policy: {num_workers + 1} busy processes on {cores} cores; pass "
                 f"{one_thread}{fewer}")
