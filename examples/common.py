@@ -8,6 +8,7 @@ Kept apart so each example reads top to bottom as one algorithm (CleanRL style).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import time
 from typing import Any
@@ -93,3 +94,12 @@ def fit_and_summarize(trainer: Any, model: Any, datamodule: Any, *, target: floa
     result["log_dir"] = trainer.logger.log_dir
     result["started_at"] = started_at
     return result
+
+
+def print_summary(result: dict[str, Any], *, out: str) -> None:
+    """What an example prints at the end: the ``RESULT {json}`` line (which the tests read back), the final and
+    best evaluation returns, and the TensorBoard command for ``out``."""
+    print("RESULT " + json.dumps(result))
+    print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
+          f"after {result['frames']} frames in {result['seconds']} s")
+    print(f"TensorBoard: tensorboard --logdir {out}")

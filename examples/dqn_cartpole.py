@@ -13,7 +13,6 @@ weights, and is logged as `rollout/exploration_rate`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from torchrl.modules import EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, HardUpdate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fit_and_summarize, stop_at_bar  # noqa: E402
+from common import fit_and_summarize, print_summary, stop_at_bar  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -149,10 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                 eps_frames=cfg.eps_frames)
     result = fit_and_summarize(trainer, model, datamodule, target=cfg.target_return)
     result["first_frames_eval_300"] = next((f for f, v in result["eval_history"] if v >= 300.0), None)
-    print("RESULT " + json.dumps(result))
-    print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
-          f"after {result['frames']} frames in {result['seconds']} s")
-    print(f"TensorBoard: tensorboard --logdir {cfg.out}")
+    print_summary(result, out=cfg.out)
     return result
 
 

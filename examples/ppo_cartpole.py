@@ -17,7 +17,6 @@ The same module trains from a config file with `examples/cli.py` (LightningCLI).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fit_and_summarize, plot_learning_curve, stop_at_bar  # noqa: E402
+from common import fit_and_summarize, plot_learning_curve, print_summary, stop_at_bar  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -170,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         png = os.path.join(logger.log_dir, "learning_curve.png")
         result["learning_curve"] = plot_learning_curve(logger.log_dir, png, title="PPO on CartPole-v1 (lightning_rollout)",
                                                        since=result["started_at"])
-    print("RESULT " + json.dumps(result))
-    print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
-          f"after {result['frames']} frames in {result['seconds']} s")
-    print(f"TensorBoard: tensorboard --logdir {cfg.out}")
+    print_summary(result, out=cfg.out)
     if "learning_curve" in result:
         print(f"learning curve: {result['learning_curve']}")
     return result

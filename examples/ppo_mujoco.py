@@ -24,7 +24,6 @@ logged returns are the env's own:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fit_and_summarize  # noqa: E402
+from common import fit_and_summarize, print_summary  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -221,10 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                          enable_checkpointing=False, enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
     model = PPO(obs_dim, act_dim, cfg)
     result = fit_and_summarize(trainer, model, datamodule, target=float("inf"))
-    print("RESULT " + json.dumps(result))
-    print(f"final eval return: {result['last_eval_return']:.1f} (best {result['best_eval_return']:.1f}) "
-          f"after {result['frames']} frames in {result['seconds']} s")
-    print(f"TensorBoard: tensorboard --logdir {cfg.out}")
+    print_summary(result, out=cfg.out)
     return result
 
 
