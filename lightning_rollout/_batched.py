@@ -21,9 +21,10 @@ Taken apart:
   as a frame.
 
 Every rebuilt single env of a TorchRL batched env is checked against the batched env's specs
-(one row of them); a mismatch, and any other batched env (envpool, VMAS, a vector env wrapped in
-vector wrappers, a natively batched ``EnvBase``), is refused with a ``ValueError`` that says what
-to pass instead. Nothing here holds a thread or a lock.
+(one row of them); a mismatch is refused with a ``ValueError``. Any other batched env (envpool,
+VMAS, a vector env inside vector wrappers, a natively batched ``EnvBase``) is not taken apart
+(:func:`splittable` says which): the collector steps it as it is, one call for its whole batch
+(:mod:`lightning_rollout.loop.native`). Nothing here holds a thread or a lock.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 from torchrl.envs.libs.gym import GymEnv
 
-from .envs import NATIVELY_BATCHED, EnvFactory, close_env_quietly
+from .envs import EnvFactory, close_env_quietly
 
-__all__ = ["SplitEnv", "is_batched", "split_batched_env"]
+__all__ = ["SplitEnv", "is_batched", "split_batched_env", "splittable"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,18 @@ def is_batched(env: Any) -> bool:
     return isinstance(env, gym.vector.VectorEnv)
 
 
+def splittable(env: Any) -> bool:
+    """Whether the batched env instance ``env`` is one :func:`split_batched_env` takes apart (see the module
+    docstring); any other is stepped natively, as it is."""
+    if isinstance(env, TransformedEnv):
+        return splittable(env.base_env)
+    if isinstance(env, BatchedEnvBase):
+        return True
+    if type(env) is GymEnv:
+        return len(env.batch_size) == 1
+    return type(env) in (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv)
+
+
 class _Transformed:
     """``TransformedEnv(factory(), transform.clone())``: a picklable factory when its parts are."""
 
@@ -79,11 +92,8 @@ class _Transformed:
 
 def _unsplittable(env: Any, why: str) -> ValueError:
     return ValueError(
-        f"got a batched env that cannot be taken apart into single envs ({type(env).__name__}: {why}); "
-        "ThreadedCollector steps single envs in its own threads and processes. For an env it can build one at a "
-        "time, pass a factory of one env and num_envs (e.g. lambda: GymEnv(...)), or a "
-        "SerialEnv/ParallelEnv/GymEnv(num_envs=...) of them. "
-        f"{NATIVELY_BATCHED}")
+        f"got a batched env that cannot be taken apart into single envs ({type(env).__name__}: {why}); pass a "
+        "factory of one env and num_envs (e.g. lambda: GymEnv(...)), or the natively batched env alone")
 
 
 def _split_torchrl(env: EnvBase) -> list[EnvFactory]:

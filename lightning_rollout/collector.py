@@ -48,7 +48,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds
-from ._batched import is_batched, split_batched_env
+from ._batched import is_batched, split_batched_env, splittable
 from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, PolicyError
 from .events import EventProcessor, Interrupter
@@ -459,6 +459,9 @@ class ThreadedCollector(BaseCollector):
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
+        if is_batched(create_env_fn) and not splittable(create_env_fn):  # one natively batched env: one env thread
+            envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
+            num_workers = 1 if is_auto(num_workers) else num_workers
         _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
                        devices={"device": device, "storing_device": storing_device, "policy_device": policy_device,
                                 "env_device": env_device},
@@ -569,6 +572,13 @@ class ThreadedCollector(BaseCollector):
     @staticmethod
     def _factories(create_env_fn: Any, num_envs: int | None) -> tuple[list[EnvFactory], torch.Size | None]:
         """The factory of each env, and the batch dims of a batched env given as an instance (else ``None``)."""
+        if is_batched(create_env_fn) and not splittable(create_env_fn):  # stepped natively, in one call a batch
+            env = create_env_fn
+            batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
+            if num_envs not in (None, batch.numel()):
+                raise ValueError(f"num_envs={num_envs} but the batched env holds {batch.numel()} envs "
+                                 f"(batch_size={tuple(batch)}); leave num_envs out")
+            return [lambda: env] * batch.numel(), batch
         if is_batched(create_env_fn):
             split = split_batched_env(create_env_fn)  # closes it: the collector owned it, as TorchRL's does
             if num_envs not in (None, len(split.factories)):

@@ -43,19 +43,15 @@ from typing import Any, Protocol
 import gymnasium as gym
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, TensorSpec
 from torchrl.envs import EnvBase
 
 from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, leaves, random_sample,
                     reserved_key_problem)
 
-# What every refusal of a batched env ends with: such a simulator has no single env to rebuild, in any form.
-NATIVELY_BATCHED = ("A simulator that only steps its envs in batches (VMAS, envpool, a natively batched EnvBase) is "
-                    "not supported: use torchrl's Collector for it")
-
-__all__ = ["ActionError", "ArraySpec", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker", "InfoKeys",
-           "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
+__all__ = ["ActionError", "ArraySpec", "BatchedTorchRLEnv", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker",
+           "InfoKeys", "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
 
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
 #: Entries of a gymnasium env's ``info`` read into batches (``info_keys=``): a list of keys (their specs
@@ -87,6 +83,7 @@ class EnvAdapter(Protocol):
     observation_spec: Composite
     action_spec: Composite
     loop_keys: bool  # the loop writes is_init/step_count/episode_reward/reward/done flags itself
+    rows: int  # 1 (a natively batched env is a BatchedTorchRLEnv, stepped as one block)
 
     def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
         """Start a new episode; returns every ``keys.root`` entry. ``seed`` only on reseeding resets."""
@@ -220,12 +217,13 @@ class GymAdapter:
             entry or info key is named after a root key of TorchRL's or of the loop
             (``action``, ``reward``, ``done``, ``terminated``, ``truncated``, ``next``,
             ``is_init``, ``step_count``, ``episode_reward``, ``collector``,
-            ``policy_version``, ``_stats``); an info key clashes with an observation
+            ``policy_version``, ``_loop``); an info key clashes with an observation
             entry, is missing from the first reset's ``info`` without a spec, or is
             not numeric there.
     """
 
     loop_keys = True
+    rows = 1
 
     def __init__(self, env: gym.Env, *, validate: bool = True, info_keys: InfoKeys | None = None) -> None:
         self.env = env
@@ -435,27 +433,20 @@ def _return_spec() -> Any:
 
 
 # -- torchrl --------------------------------------------------------------------------------------
-class TorchRLAdapter:
-    """:class:`EnvAdapter` over an unbatched torchrl ``EnvBase`` (transforms included).
-
-    Args:
-        env: an env with ``batch_size == ()``; parallelism is the loop's job.
-        max_episode_steps: appends TorchRL's ``StepCounter(max_episode_steps)``, as
-            torchrl's collectors do for ``max_frames_per_traj``.
-
-    Raises:
-        ValueError: a batched env, a spec that cannot be stored in columns, or an entry
-            named after the loop's ``collector``, ``policy_version`` or ``_stats``.
-    """
+class _TorchRLEnv:
+    """What both TorchRL adapters share: one env's keys, from one row of the env's specs, and the done
+    flags that end an episode."""
 
     loop_keys = False
 
-    def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
-        if tuple(env.batch_size) != ():
-            raise ValueError(f"an env factory returned a batched env (batch_size={tuple(env.batch_size)}); a factory "
-                             "makes one env: pass the batched env itself (ThreadedCollector(env, ...) takes a "
-                             "SerialEnv/ParallelEnv/GymEnv(num_envs=...) apart), or a factory of one env and num_envs. "
-                             f"{NATIVELY_BATCHED}")
+    def _describe(self, env: EnvBase, max_episode_steps: int | None) -> EnvBase:
+        """Set ``keys``, the specs and the done key lists from ``env`` (with TorchRL's ``StepCounter`` for
+        ``max_episode_steps``, as torchrl's collectors do for ``max_frames_per_traj``); returns the env.
+
+        Raises:
+            ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, or a
+                ``step_count`` entry that the cap would clash with.
+        """
         if max_episode_steps is not None:
             from torchrl.envs import StepCounter
 
@@ -465,16 +456,16 @@ class TorchRLAdapter:
                                  "been set. Possible solutions: Set max_frames_per_traj to 0 or remove the "
                                  "StepCounter limit from the environment transforms.")  # TorchRL's check and message
             env = env.append_transform(StepCounter(max_episode_steps))
-        self.env = env
-        self.keys = EnvKeys.from_specs(observation=env.full_observation_spec, state=env.full_state_spec,
-                                       reward=env.full_reward_spec, done=env.full_done_spec,
-                                       action=env.full_action_spec, where="env's")
+        row = (0,) * len(env.batch_size)  # one env's specs: the first row of a batched env's
+        self.keys = EnvKeys.from_specs(observation=env.full_observation_spec[row], state=env.full_state_spec[row],
+                                       reward=env.full_reward_spec[row], done=env.full_done_spec[row],
+                                       action=env.full_action_spec[row], where="env's")
         problem = reserved_key_problem([*self.keys.root, *self.keys.next, *self.keys.action], LOOP_ROOT_KEYS,
                                        where="env's specs", fix="rename it with TorchRL's RenameTransform")
         if problem is not None:
             raise ValueError(problem)
-        self.observation_spec = env.full_observation_spec
-        self.action_spec = env.full_action_spec
+        self.observation_spec = env.full_observation_spec[row]
+        self.action_spec = env.full_action_spec[row]
         self._root_keys = list(self.keys.root)
         self._next_keys = list(self.keys.next)
         self._reward_keys = list(self.keys.reward)
@@ -484,6 +475,33 @@ class TorchRLAdapter:
         done = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "done"]
         self._terminated_keys = term or done
         self._truncated_keys = trunc
+        return env
+
+    def _sample(self, spec: Composite, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        sample = random_sample(spec)
+        return {k: sample.get(k).numpy().astype(c.dtype, copy=False).reshape(c.shape) for k, c in columns.items()}
+
+
+class TorchRLAdapter(_TorchRLEnv):
+    """:class:`EnvAdapter` over an unbatched torchrl ``EnvBase`` (transforms included).
+
+    Args:
+        env: an env with ``batch_size == ()``; parallelism is the loop's job.
+        max_episode_steps: appends TorchRL's ``StepCounter(max_episode_steps)``, as
+            torchrl's collectors do for ``max_frames_per_traj``.
+
+    Raises:
+        ValueError: a batched env, a spec that cannot be stored in columns, or an entry
+            named after the loop's ``collector``, ``policy_version`` or ``_loop``.
+    """
+
+    rows = 1
+
+    def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
+        if tuple(env.batch_size) != ():
+            raise ValueError(f"TorchRLAdapter steps one env, got batch_size={tuple(env.batch_size)} (a batched env "
+                             "is a BatchedTorchRLEnv)")
+        self.env = self._describe(env, max_episode_steps)
         self._input_keys = [*self._root_keys, *self.keys.action]
 
     def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
@@ -508,12 +526,87 @@ class TorchRLAdapter:
         return out, reward, terminated, truncated
 
     def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        sample = random_sample(self.env.full_action_spec)
-        out = {}
-        for k, spec in columns.items():
-            value = sample.get(k).numpy()
-            out[k] = value.astype(spec.dtype, copy=False).reshape(spec.shape)
-        return out
+        return self._sample(self.env.full_action_spec, columns)
+
+    def close(self) -> None:
+        if not self.env.is_closed:
+            self.env.close()
+
+
+class BatchedTorchRLEnv(_TorchRLEnv):
+    """A natively batched torchrl ``EnvBase`` (``batch_size`` ``[B]`` or more dims: VMAS, envpool's
+    ``MultiThreadedEnv``, a ``SerialEnv`` made by a factory, any simulator that steps many envs in one call): its
+    ``rows`` envs, row-major over the batch dims, stepped in one call. The loop steps it as one block
+    (:class:`~lightning_rollout.loop.native.NativeBlock`); its keys and specs are one env's (the first row).
+
+    Not thread-safe: owned by one env thread.
+
+    Args:
+        env: the batched env.
+        max_episode_steps: appends TorchRL's ``StepCounter(max_episode_steps)`` (one count per env).
+
+    Raises:
+        ValueError: a spec that cannot be stored in columns, or an entry named after the loop's own.
+    """
+
+    def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
+        self.env = self._describe(env, max_episode_steps)
+        self.batch_size = torch.Size(env.batch_size)
+        self.rows = int(self.batch_size.numel())
+
+    def _rows_of(self, td: TensorDictBase, keys: Sequence[NestedKey]) -> dict[NestedKey, np.ndarray]:
+        """``keys`` of ``td`` (batch ``batch_size``) as ``[rows, *shape]`` arrays."""
+        return {k: v.reshape(self.rows, *v.shape[len(self.batch_size):]) for k, v in leaves(td, keys).items()}
+
+    def reset_all(self, seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+        """Reset every env (``seed``: the batch's seed, as ``env.set_seed``); their root entries, ``[rows, ...]``."""
+        if seed is not None:
+            self.env.set_seed(seed)
+        return self._rows_of(self.env.reset(), self._root_keys)
+
+    def reset_some(self, envs: Sequence[int]) -> dict[NestedKey, np.ndarray]:
+        """Reset envs ``envs`` only (TorchRL's partial reset: their done flags raised, ``env.maybe_reset``); their
+        root entries, row ``i`` for env ``envs[i]``."""
+        mask = torch.zeros(self.rows, dtype=torch.bool)
+        mask[list(envs)] = True
+        mask = mask.reshape(self.batch_size)
+        flags = TensorDict({}, batch_size=self.batch_size)
+        for k, spec in self.env.full_done_spec.items(True, True):
+            flags.set(k, mask.reshape(*self.batch_size, *[1] * (len(spec.shape) - len(self.batch_size)))
+                      .expand(spec.shape).clone())
+        roots = self._rows_of(self.env.maybe_reset(flags), self._root_keys)
+        return {k: v[list(envs)] for k, v in roots.items()}
+
+    def step_all(self, root: Mapping[NestedKey, np.ndarray]
+                 ) -> tuple[dict[NestedKey, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """Step every env with ``root`` (``[rows, ...]`` arrays: root entries and actions). Returns their
+        ``"next"`` entries (``[rows, ...]``), rewards (``[rows]`` float64, summed over reward leaves), terminated
+        and truncated (``[rows]`` bool)."""
+        lead = tuple(self.batch_size)
+        td = TensorDict({k: torch.from_numpy(np.asarray(v)).reshape(*lead, *v.shape[1:]) for k, v in root.items()},
+                        batch_size=self.batch_size)
+        for prefix, dims in self.keys.sub_batch.items():
+            sub = td.get(prefix, None)
+            if sub is not None:
+                sub.batch_size = torch.Size([*lead, *dims])
+        out = self._rows_of(self.env.step(td).get("next"), self._next_keys)
+        per_env = (self.rows, -1)
+        reward = np.zeros(self.rows)
+        for k in self._reward_keys:
+            reward += out[k].reshape(per_env).sum(1)
+        terminated = np.zeros(self.rows, dtype=bool)
+        for k in self._terminated_keys:
+            terminated |= out[k].reshape(per_env).any(1)
+        truncated = np.zeros(self.rows, dtype=bool)
+        for k in self._truncated_keys:
+            truncated |= out[k].reshape(per_env).any(1)
+        if self._root_done:
+            terminated |= out["done"].reshape(per_env).any(1) & ~(terminated | truncated)
+        return out, reward, terminated, truncated
+
+    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        """A random valid action of one env (the specs' first row)."""
+        return self._sample(self.action_spec, columns)
 
     def close(self) -> None:
         if not self.env.is_closed:
@@ -570,9 +663,11 @@ def close_env_quietly(env: EnvBase) -> None:
 
 
 def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True,
-                 info_keys: InfoKeys | None = None) -> EnvAdapter:
+                 info_keys: InfoKeys | None = None) -> EnvAdapter | BatchedTorchRLEnv:
     """Wrap an env instance in the matching adapter (``max_episode_steps`` goes to a TorchRL env as a
-    ``StepCounter``; the loop applies it to gymnasium envs).
+    ``StepCounter``; the loop applies it to gymnasium envs): a :class:`GymAdapter`, a :class:`TorchRLAdapter`,
+    or, for a batched env (a TorchRL env with a batch size, a gymnasium vector env wrapped in TorchRL's
+    ``GymWrapper``, which handles its autoreset), a :class:`BatchedTorchRLEnv`.
 
     ``info_keys`` go to a :class:`GymAdapter`. A TorchRL env reads its ``info`` with its own
     ``set_info_dict_reader``; its ``info_keys`` must then be a list of entries of its observation
@@ -580,12 +675,24 @@ def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bo
     A TorchRL env that is refused (batched, or with specs no column fits) is closed first.
 
     Raises:
-        ValueError: ``env`` is neither a ``gymnasium.Env`` nor a torchrl ``EnvBase``; a batched TorchRL
-            env; ``info_keys`` that a TorchRL env does not have.
+        ValueError: ``env`` is neither a ``gymnasium.Env``, a gymnasium vector env nor a torchrl ``EnvBase``;
+            ``info_keys`` that a TorchRL env does not have.
     """
+    if isinstance(env, gym.vector.VectorEnv):  # a vector env as TorchRL steps it (its autoreset handled there)
+        from torchrl.envs.libs.gym import GymWrapper
+
+        try:
+            env = GymWrapper(env)
+        except Exception as exc:
+            env.close()
+            raise ValueError(f"got a gymnasium vector env ({type(env).__name__}) that cannot be taken apart into its "
+                             f"single envs, and that TorchRL's GymWrapper does not take ({type(exc).__name__}: {exc}); "
+                             "pass a factory of one env and num_envs") from exc
     if isinstance(env, EnvBase):
         try:
-            adapter = TorchRLAdapter(env, max_episode_steps=max_episode_steps)
+            adapter: TorchRLAdapter | BatchedTorchRLEnv = (
+                TorchRLAdapter(env, max_episode_steps=max_episode_steps) if tuple(env.batch_size) == ()
+                else BatchedTorchRLEnv(env, max_episode_steps=max_episode_steps))
         except BaseException:
             close_env_quietly(env)  # refused (a batched env, specs no column fits): its workers end here
             raise

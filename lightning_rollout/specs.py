@@ -48,7 +48,7 @@ TORCHRL_ROOT_KEYS: dict[str, str] = {
 LOOP_ROOT_KEYS: dict[str, str] = {
     "collector": "the collector's ('collector', 'traj_ids') / ('collector', 'env_id') entries",
     "policy_version": "the policy_version entry of the weights that acted",
-    "_stats": "the loop's per-step statistics column",
+    "_loop": "the loop's private per-step bookkeeping (reward, flags, episode return and length)",
 }
 
 

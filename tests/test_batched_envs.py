@@ -2,8 +2,10 @@
 
 Each form of batched env a TorchRL user hands to ``Collector`` (``SerialEnv``, ``ParallelEnv``, a
 ``TransformedEnv`` of one, nested to two batch dims, ``GymEnv(num_envs=k)``) and a gymnasium vector
-env in each autoreset mode is taken apart into its single envs. With a deterministic env and policy the
-batches are equal, leaf by leaf, to TorchRL's own; otherwise keys, shapes, dtypes and dim names are.
+env in each autoreset mode is taken apart into its single envs; a natively batched env (one that steps
+its batch in one call: a mock built with a batch size, a vector env inside vector wrappers, envpool,
+VMAS) is stepped as it is, one env thread a batch. With a deterministic env and policy the batches are
+equal, leaf by leaf, to TorchRL's own; otherwise keys, shapes, dtypes and dim names are.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from torchrl.collectors import Collector
 from torchrl.envs import (Compose, DoubleToFloat, EnvBase, EnvCreator, GymEnv, GymWrapper, InitTracker, ParallelEnv,
                           RewardSum, SerialEnv, StepCounter, TransformedEnv)
 from torchrl.modules import ProbabilisticActor, TanhNormal
-from torchrl.testing.mocking_classes import CountingEnv
+from torchrl.testing.mocking_classes import CountingBatchedEnv, CountingEnv
 
-from lightning_rollout import ThreadedCollector
+from lightning_rollout import CollectionError, EnvError, MultiEnvLoop, ThreadedCollector
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,10 +144,123 @@ def test_num_envs_that_disagrees_with_the_batched_env_is_refused():
         ThreadedCollector(SerialEnv(3, counting_env), ones_policy, frames_per_batch=12, num_envs=4)
 
 
-def test_a_wrapped_vector_env_is_refused_with_what_to_do():
+def test_a_wrapped_vector_env_that_torchrl_cannot_wrap_either_is_refused_with_what_to_do():
     env = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv([cartpole] * 2))
-    with pytest.raises(ValueError, match="cannot be taken apart.*factory of one env"):
+    with pytest.raises(ValueError, match="cannot be taken apart.*GymWrapper does not take.*factory of one env"):
         ThreadedCollector(env, None, frames_per_batch=12)
+
+
+class OwnVectorEnv(gym.vector.SyncVectorEnv):
+    """A vector env of a kind of its own (not a plain SyncVectorEnv, so not taken apart)."""
+
+
+def test_a_vector_env_of_its_own_kind_is_stepped_as_torchrls_wrapper_of_it_steps_it():
+    def own() -> gym.vector.VectorEnv:
+        return OwnVectorEnv([cartpole] * 2, autoreset_mode=AutoresetMode.SAME_STEP)
+
+    expected = first_batches(Collector, GymWrapper(own()), None, count=1, frames_per_batch=96)[0]
+    got = first_batches(ThreadedCollector, own(), None, count=1, frames_per_batch=96)[0]
+    assert got.batch_size == expected.batch_size == (2, 48) and got.names == expected.names
+    assert {k: (v.shape, v.dtype) for k, v in leaves(got).items()} == {
+        k: (v.shape, v.dtype) for k, v in leaves(expected).items()}
+    assert got["next", "done"].any() and (got["next", "reward"] == 1).all()  # no reset step counted as a frame
+
+
+NATIVE_FORMS: dict[str, Callable[[], EnvBase]] = {
+    "batch of 4": lambda: CountingBatchedEnv(max_steps=torch.tensor([3, 4, 5, 6]), batch_size=[4]),
+    "batch of 2x3": lambda: CountingEnv(max_steps=4, batch_size=[2, 3]),
+    "transformed": lambda: TransformedEnv(CountingEnv(max_steps=2, batch_size=[3]),
+                                          Compose(StepCounter(4), RewardSum(), InitTracker())),
+}
+
+
+@pytest.mark.parametrize("form", list(NATIVE_FORMS))
+def test_a_natively_batched_env_gives_the_batches_of_torchrls_collector(form):
+    make = NATIVE_FORMS[form]
+    expected = first_batches(Collector, make(), ones_policy, frames_per_batch=24)
+    got = first_batches(ThreadedCollector, make(), ones_policy, frames_per_batch=24)
+    for theirs, ours in zip(expected, got, strict=True):
+        assert ours.batch_size == theirs.batch_size and ours.names == theirs.names
+        want, have = leaves(theirs), leaves(ours)
+        assert set(have) == set(want)
+        for key, value in want.items():
+            assert have[key].dtype == value.dtype, key
+            assert torch.equal(have[key], value), key
+
+
+class ResetCountingEnv(CountingBatchedEnv):
+    """A natively batched counting env that records which envs each reset call reset."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.resets: list[list[int]] = []
+
+    def _reset(self, tensordict, **kwargs):
+        mask = tensordict.get("_reset").reshape(-1) if tensordict is not None and "_reset" in tensordict.keys() \
+            else torch.ones(self.batch_size.numel(), dtype=torch.bool)
+        self.resets.append(mask.nonzero().reshape(-1).tolist())
+        return super()._reset(tensordict, **kwargs)
+
+
+def test_a_factory_of_natively_batched_envs_gives_each_env_thread_one_batch_reset_together():
+    made: list[ResetCountingEnv] = []
+
+    def factory() -> EnvBase:
+        made.append(ResetCountingEnv(max_steps=torch.tensor([1, 1, 3]), batch_size=[3]))
+        return made[-1]
+
+    with MultiEnvLoop(factory, ones_policy, num_envs=6, envs_per_thread="auto", seed=0) as loop:
+        assert loop.envs_per_thread == 3 and len(list(loop.threads())) == 2
+        batch = loop.run_env_steps(8)
+    # the auto layout built and closed one env to look at it; the loop built one a thread
+    built = made[-2:]
+    assert batch.batch_size == (6, 8)
+    # envs 0 and 1 of each batch are done every second step, env 2 every fourth
+    assert batch["observation"][..., 0].tolist() == [[0, 1] * 4, [0, 1] * 4, [0, 1, 2, 3] * 2] * 2
+    for env in built:  # the first reset takes every env; then envs 0 and 1, done at the same step, in one call
+        assert env.resets[0] == [0, 1, 2] and [0, 1] in env.resets[1:] and [0] not in env.resets[1:]
+
+
+def test_a_natively_batched_env_that_does_not_fit_the_layout_is_refused_with_what_to_pass():
+    def factory() -> EnvBase:
+        return CountingEnv(max_steps=4, batch_size=[4])
+
+    with pytest.raises(ValueError, match="natively batched env of 4 envs.*multiple of 4.*envs_per_thread"):
+        MultiEnvLoop(factory, ones_policy, num_envs=6, envs_per_thread=2)
+    with pytest.raises(ValueError, match="natively batched env of 4 envs.*envs_per_thread \\(2\\) equal to it"):
+        MultiEnvLoop(factory, ones_policy, num_envs=8, envs_per_thread=2)
+    with pytest.raises(ValueError, match="parallel_steps=True.*natively batched env"):
+        MultiEnvLoop(factory, ones_policy, num_envs=4, envs_per_thread=4, parallel_steps=True)
+
+
+def test_run_episodes_on_a_natively_batched_env_is_refused_with_what_to_do():
+    with MultiEnvLoop(lambda: CountingEnv(max_steps=4, batch_size=[2]), ones_policy, num_envs=2,
+                      envs_per_thread=2) as loop:
+        with pytest.raises(CollectionError, match="natively batched env steps all its envs at once.*rollout"):
+            loop.run_episodes(1)
+
+
+class ExplodingBatchedEnv(CountingEnv):
+    """A natively batched counting env whose step raises at its ``at``-th step."""
+
+    def __init__(self, at: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at, self.calls = at, 0
+
+    def _step(self, tensordict):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("batch exploded")
+        return super()._step(tensordict)
+
+
+def test_a_natively_batched_env_that_raises_in_its_step_names_it_and_keeps_the_steps_before():
+    loop = MultiEnvLoop(lambda: ExplodingBatchedEnv(5, max_steps=100, batch_size=[2]), ones_policy, num_envs=2,
+                        envs_per_thread=2, lookahead=False)
+    with pytest.raises(EnvError, match="RuntimeError: batch exploded") as info:
+        loop.run_env_steps(10)
+    assert info.value.env_id == 0 and info.value.phase == "step" and isinstance(info.value.__cause__, RuntimeError)
+    assert info.value.partial.batch_size == (2, 4) and loop.closed
 
 
 def sac_train_env(seed: int) -> EnvBase:

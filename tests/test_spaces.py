@@ -214,7 +214,7 @@ def test_nested_dict_observation_keys_shapes_and_dtypes_match_torchrl_collector(
 
 # -- entry names TorchRL or the loop use -----------------------------------------------------------
 RESERVED = ["action", "reward", "done", "terminated", "truncated", "next", "is_init", "step_count", "episode_reward",
-            "policy_version", "collector", "_stats"]
+            "policy_version", "collector", "_loop"]
 
 
 @pytest.mark.parametrize("name", RESERVED)

@@ -305,12 +305,6 @@ def test_loop_exposes_the_env_keys_and_what_the_policy_is_handed():
         assert "observation" in loop.env_keys.observation
 
 
-def test_a_natively_batched_env_is_refused_with_what_to_do():
-    env = CountingEnv(batch_size=[2])  # steps its 2 envs in one call: no single env to rebuild
-    with pytest.raises(ValueError, match="cannot be taken apart.*factory of one env.*use torchrl's Collector"):
-        ThreadedCollector(env, None, frames_per_batch=4)
-
-
 def test_policy_gets_a_tensordict_of_k_rows():
     sizes = []
 
@@ -357,10 +351,3 @@ def test_threads_that_run_the_policy_get_the_creating_threads_torch_thread_count
         torch.set_num_threads(before)
     rollout = {name: n for name, n in seen.items() if name.startswith("lightning_rollout-")}
     assert rollout and set(rollout.values()) == {1}, seen
-
-
-def test_a_factory_of_a_natively_batched_env_of_one_is_refused_saying_what_to_use_instead():
-    """The workaround a natively batched env's refusal would suggest (a factory of a batch of one) is refused too,
-    and both messages end in the same place: such a simulator is for torchrl's Collector."""
-    with pytest.raises(ValueError, match=r"returned a batched env \(batch_size=\(1,\)\).*use torchrl's Collector"):
-        ThreadedCollector(lambda: CountingEnv(batch_size=[1]), None, frames_per_batch=4, num_envs=2)

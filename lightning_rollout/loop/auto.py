@@ -88,11 +88,13 @@ class EnvTiming:
             ``NaN``: not measured (a cheap step), which counts as holding it.
         step_cv: how much the step times vary: their standard deviation over their mean (``0.0``: all
             alike; a heavy-tailed step time, 1 or more).
+        batch: envs the factory makes at once (a natively batched env, not timed: ``step_s`` is ``NaN``).
     """
 
     step_s: float
     gil_release: float
     step_cv: float = 0.0
+    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,9 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         Exception: whatever building or stepping the env raised.
     """
     adapter = make_adapter(factory(), max_episode_steps=max_episode_steps)
+    if adapter.rows > 1:  # a natively batched env: its layout is one env thread a batch, whatever its speed
+        adapter.close()
+        return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=adapter.rows)
     delay = RunDelay()
     try:
         columns = adapter.keys.action
@@ -328,6 +333,9 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     one is chosen around it (``num_workers="threads"``: auto, but no worker processes, for the reason
     ``no_processes``, which the choice's reason repeats).
     """
+    if timing.batch > 1:  # a natively batched env steps its batch in one call: one env thread for each batch
+        return LayoutChoice(1, timing.batch, f"a natively batched env of {timing.batch} envs: one env thread steps "
+                                             "each batch in one call")
     cores = usable_cores() if cores is None else cores
     step_us = timing.step_s * 1e6
     holds_gil = not timing.gil_release >= releases  # NaN (not measured: cheap) counts as holding it

@@ -434,10 +434,17 @@ class Block(Protocol):
     :class:`~lightning_rollout.loop.process.RemoteGroup`). The worker asks what a block can do through these
     attributes, never by its type.
 
+    A step of some of the block's envs is three calls: :meth:`begin` hands them their inputs, :meth:`ended`
+    says which of them ended, :meth:`finish` writes the results of those. A block whose envs step in this
+    thread steps them in :meth:`finish`; one whose envs step elsewhere (helper threads, worker processes)
+    starts them in :meth:`begin`, so the caller may act for other envs meanwhile.
+
     Attributes:
-        parallel: its envs step in helper threads and can run free (``begin`` / ``ended`` / ``finish``,
-            :class:`EnvBlock` only).
-        nan_checked: a step leaves the NaN check of its observations to ``find_nan`` over many steps
+        parallel: its envs step concurrently and end one by one, so each may run at its own pace
+            (``ended`` reports them as they end; :class:`EnvBlock` with helper threads).
+        partial: a step may take some of its envs (every block but a natively batched env,
+            :class:`~lightning_rollout.loop.native.NativeBlock`, whose envs step together).
+        nan_checked: a step may leave the NaN check of its observations to ``find_nan`` over many steps
             (:class:`EnvBlock` only).
         owned: the worker's thread closes it (``False``: the loop's process pool does).
         busy_env, busy_phase, busy_since: the env call in progress (read by the driver's ``step_timeout``
@@ -445,20 +452,38 @@ class Block(Protocol):
     """
 
     parallel: bool
+    partial: bool
     nan_checked: bool
     owned: bool
     busy_env: int
     busy_phase: str
     busy_since: float
 
-    def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, Any]: ...
+    def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Start a step of each of ``envs`` (idle ones; row ``i`` of ``inputs`` is env ``envs[i]``'s)."""
+
+    def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> list[int]:
+        """Envs whose step ended since the last call: at least one (waits, polling ``stop``); ``every``: all
+        of those begun."""
+
+    def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
+               ) -> tuple[Sequence[int], EnvFailure | None]:
+        """Write the results of the ended steps of ``envs`` into rows ``0, 1, ...``; returns the envs written
+        and the first failure skipped, or raises the :class:`EnvFailure` that ends the whole step."""
+
+    def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, Any]:
+        """Reset env ``j`` (``seed``: reseed it); its root entries, checked."""
+
+    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, Any]]:
+        """Reset envs ``envs`` (those a step ended); their root entries, in order, checked."""
 
     def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec], stop: threading.Event
-                      ) -> dict[NestedKey, np.ndarray]: ...
+                      ) -> dict[NestedKey, np.ndarray]:
+        """A uniformly random valid action of env ``j``, laid out as ``columns``."""
 
-    def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event | None = None,
-             *, check_nan: bool = True) -> None: ...
+    def close(self) -> None:
+        """Release the envs (errors swallowed)."""
 
 
 class EnvBlock:
@@ -480,6 +505,7 @@ class EnvBlock:
     """
 
     owned = True  # closed by the thread that steps it
+    partial = True
 
     def __init__(self, adapters: Sequence[EnvAdapter], *, validate: bool,
                  checked_next: Mapping[NestedKey, ArraySpec], checked_root: Mapping[NestedKey, ArraySpec],
@@ -506,6 +532,7 @@ class EnvBlock:
         self._obs_spec = (spec.shape, spec.dtype) if spec is not None else None
         self._accepted_dtypes: set[np.dtype] = set()  # observation dtypes seen to cast safely to the column's
         self._in_flight: set[int] = set()  # parallel blocks: envs whose step started and was not reported ended
+        self._pending: tuple[Mapping[NestedKey, np.ndarray], Sequence[int]] | None = None  # begun, stepped in finish
 
     # -- what the driver's step_timeout check reads (any thread) ----------------------
     def _busy(self) -> tuple[int, str, float]:
@@ -553,6 +580,10 @@ class EnvBlock:
                 raise EnvFailure(j, "check", "env", _CheckFailed(problem))
         return root
 
+    def reset_many(self, envs: Sequence[int], stop: threading.Event | None = None) -> list[dict[NestedKey, Any]]:
+        """:meth:`reset` each of ``envs`` in turn (raises for the first that fails)."""
+        return [self.reset(j, None, stop) for j in envs]
+
     def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec],
                       stop: threading.Event | None = None) -> dict[NestedKey, np.ndarray]:
         """A uniformly random valid action of env ``j``, laid out as ``columns``."""
@@ -561,19 +592,22 @@ class EnvBlock:
     def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
              rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
              stop: threading.Event | None = None, *, check_nan: bool = True) -> None:
-        """Step envs ``envs`` with row ``i`` of ``inputs`` for env ``envs[i]``; write its ``"next"``
-        entries to row ``i`` of ``out`` (keyed by the env's key, without ``"next"``), its reward and
-        flags to ``rewards[i]``, ``terminated[i]``, ``truncated[i]``. Raises :class:`EnvFailure`
-        (for the lowest env index that failed, as if stepped one after the other). ``check_nan=False``
-        leaves the NaN check of the observations (see :attr:`nan_checked`) to the caller's
-        :meth:`find_nan`; every other check is made."""
-        if self.parallel and len(envs) > 1:  # every env in its helper; results read in env order
-            self.begin(inputs, envs)
-            self.ended(stop, every=True)
-            failure = self.finish(envs, out, rewards, terminated, truncated, check_nan=check_nan)[1]
-            if failure is not None:
-                raise failure
-            return
+        """One step of envs ``envs``, all of them: :meth:`begin`, :meth:`ended` for every one, :meth:`finish`.
+        Row ``i`` of ``inputs`` is env ``envs[i]``'s; its ``"next"`` entries go to row ``i`` of ``out`` (keyed
+        by the env's key, without ``"next"``), its reward and flags to ``rewards[i]``, ``terminated[i]``,
+        ``truncated[i]``. Raises :class:`EnvFailure` (for the lowest env index that failed, as if stepped one
+        after the other). ``check_nan=False`` leaves the NaN check of the observations (see
+        :attr:`nan_checked`) to the caller's :meth:`find_nan`; every other check is made."""
+        self.begin(inputs, envs)
+        self.ended(stop, every=True)
+        failure = self.finish(envs, out, rewards, terminated, truncated, check_nan=check_nan)[1]
+        if failure is not None:
+            raise failure
+
+    def _step_here(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int],
+                   out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
+                   truncated: np.ndarray, check_nan: bool) -> None:
+        """Step ``envs`` one after the other in this thread (see :meth:`step`); raises the first failure."""
         if self._gym:
             self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated, check_nan)
             return
@@ -589,19 +623,22 @@ class EnvBlock:
                 self._busy_since = 0.0
             self._write(i, j, result, out, rewards, terminated, truncated)
 
-    # -- free-running steps (parallel blocks): each env's step starts and ends on its own -------------
+    # -- a step in three calls: begin, ended, finish (helper threads: each env's step starts and ends on its own)
     @property
     def parallel(self) -> bool:
         """Whether the envs step in helper threads (``parallel=True`` and more than one env)."""
         return self._threads is not None
 
     def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
-        """Start a step of each env of ``envs`` (row ``i`` of ``inputs`` for env ``envs[i]``) in its
-        helper thread and return at once; :meth:`ended` reports when each step ends and :meth:`finish`
-        writes its results. Each env of ``envs`` must be idle (its last step finished). Parallel blocks
-        only. Raises :class:`EnvFailure` for an invalid action (nothing is started then)."""
+        """Start a step of each env of ``envs`` (row ``i`` of ``inputs`` for env ``envs[i]``): in its helper
+        thread, returning at once (:meth:`ended` reports when each step ends and :meth:`finish` writes its
+        results), or, without helpers, kept for :meth:`finish`, which steps them in this thread. Each env of
+        ``envs`` must be idle (its last step finished). Raises :class:`EnvFailure` for an invalid action
+        (nothing is started then)."""
         threads, adapters = self._threads, self.adapters
-        assert threads is not None
+        if threads is None:  # stepped in finish, in this thread
+            self._pending = (inputs, envs)
+            return
         if self._gym:
             threads.start((j, adapters[j].env.step, action)
                           for j, action in zip(envs, self._gym_actions(inputs["action"], envs)))
@@ -612,27 +649,37 @@ class EnvBlock:
     def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> list[int]:
         """The envs whose step (started by :meth:`begin`) ended since the last look: at least one
         (waits, polling ``stop`` every 50 ms), in the order they ended; with ``every``, all of those in
-        flight.
+        flight. Without helpers: every env begun (it steps in :meth:`finish`).
 
         Raises:
             _Stopped: ``stop`` was set while waiting.
         """
-        assert self._threads is not None
+        if self._threads is None:  # every env begun ends in finish
+            return list(self._pending[1]) if self._pending is not None else []
         ended = self._threads.ended(stop, len(self._in_flight), every=every)
         self._in_flight.difference_update(ended)
         return ended
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
                terminated: np.ndarray, truncated: np.ndarray, *,
-               check_nan: bool = True) -> tuple[list[int], EnvFailure | None]:
+               check_nan: bool = True) -> tuple[Sequence[int], EnvFailure | None]:
         """Write the results of the ended steps of ``envs``, in order, into rows ``0, 1, ...`` of ``out``,
-        ``rewards``, ``terminated`` and ``truncated`` (as :meth:`step` does), skipping envs whose step
-        failed or whose result fails the checks (the NaN check left out with ``check_nan=False``).
+        ``rewards``, ``terminated`` and ``truncated`` (as :meth:`step` does). With helper threads, envs whose
+        step failed or whose result fails the checks (the NaN check left out with ``check_nan=False``) are
+        skipped; without, the envs step here, one after the other, and the first failure is raised.
 
         Returns:
             The envs written (row ``i`` is ``written[i]``), and the failure of the first env of
             ``envs`` skipped (``None`` when none was).
+
+        Raises:
+            EnvFailure: without helpers, the first env that failed (the step fails as a whole).
         """
+        if self._threads is None:  # step them now, in this thread; a failure ends the whole step
+            assert self._pending is not None
+            (inputs, _), self._pending = self._pending, None
+            self._step_here(inputs, envs, out, rewards, terminated, truncated, check_nan)
+            return envs, None
         written: list[int] = []
         failure: EnvFailure | None = None
         gym = self._gym

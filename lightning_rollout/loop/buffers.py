@@ -1,11 +1,23 @@
-"""The column layout of a transition, and the checks of what an env returns.
+"""Storage: the column layout of a transition, each env group's time-major storage, and recycled batches.
 
-One column (a preallocated numpy array) per leaf of the env's TorchRL specs, of
-the policy's outputs, and of the loop's own bookkeeping: trajectory ids, env
-ids, policy versions and one float64 column of per-step statistics. A batch is a
-TensorDict built over these columns once, never per step. Nothing here holds
-threads; :class:`BatchPool` keeps the columns of recent batches to hand them out
-again once nothing references them.
+One column (a preallocated numpy array) per leaf of the env's TorchRL specs, of the policy's
+outputs, and of the loop's own bookkeeping. An env thread writes its group's steps into a
+:class:`Steps` storage, time-major (``cols[key][t]`` is step ``t`` of every env of the
+group, one row per env), and the driver copies the steps it hands out from there into a
+batch, once. A step's row holds everything TorchRL's collector puts in a transition:
+
+* the root entries the policy and the env read (written when the step before ended: copied
+  from that step's ``"next"`` entries, or a reset's for an env that was done);
+* the policy's outputs and ``policy_version``;
+* the env's ``"next"`` entries;
+* the loop's private bookkeeping under ``"_loop"``: the step's reward (summed over reward
+  leaves), terminated, truncated, and the episode's return and length so far (events and
+  counts read them; a batch handed to a user leaves them out).
+
+A batch adds ``("collector", "traj_ids")`` and ``("collector", "env_id")``, written by the
+driver when it copies the steps out. A TensorDict is built over a batch's columns once, never
+per step. Nothing here holds threads; :class:`BatchPool` keeps the columns of recent batches
+to hand them out again once nothing references them.
 """
 
 from __future__ import annotations
@@ -20,25 +32,28 @@ from tensordict import TensorDict
 
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 
-__all__ = ["BatchPool", "Layout", "check_entries"]
+__all__ = ["BatchPool", "Layout", "Steps", "check_entries"]
 
 
-# Entries the loop writes for every transition, beside the env's and the policy's.
+# Entries the driver writes into a batch beside the env's and the policy's.
 _TRAJ = ("collector", "traj_ids")
 _ENV_ID = ("collector", "env_id")
 _VERSION = "policy_version"
-# Per-row statistics the loop keeps for events and counts, one float64 column of 6 (one write a block;
-# never part of a returned batch): this step's reward (summed over reward leaves), the episode's return
-# and length up to and including this step, terminated, truncated, done (0 / 1).
-_STATS = "_stats"
-_S_REWARD, _S_RETURN, _S_LENGTH, _S_TERMINATED, _S_TRUNCATED, _S_DONE = range(6)
+# The loop's private bookkeeping of each step (never part of a batch handed to a user).
+_REWARD = ("_loop", "reward")  # float64: the step's reward, summed over the env's reward leaves
+_TERMINATED = ("_loop", "terminated")  # bool
+_TRUNCATED = ("_loop", "truncated")  # bool
+_RETURN = ("_loop", "return")  # float64: the episode's return up to and including this step (settled)
+_LENGTH = ("_loop", "length")  # int64: the episode's length up to and including this step (settled)
+_PRIVATE = "_loop"
 # Entries a gymnasium env gets from the loop itself (TorchRL's StepCounter, RewardSum, InitTracker and
-# its done flags), written one vectorised assignment per block rather than per env.
+# its done flags), written one vectorised assignment per run of steps rather than per env.
 _GYM_LOOP_KEYS = ("is_init", "step_count", "episode_reward")
 
 
 class Layout:
-    """Per-transition storage: one column per leaf of the env's specs and of the policy's outputs.
+    """Per-transition columns: one per leaf of the env's specs, of the policy's outputs, and of the loop's
+    bookkeeping.
 
     Attributes:
         carried: root entries each env keeps between steps (``{key: ArraySpec}``): the env's
@@ -49,7 +64,8 @@ class Layout:
             they are no root columns: zeros are added when a batch is built.
         advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
         env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
-        specs: every column (root, ``"next"``, policy outputs, bookkeeping).
+        step_specs: the columns of a step's row (what an env thread writes).
+        specs: the columns of a batch: ``step_specs`` and the driver's trajectory and env ids.
     """
 
     def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
@@ -74,22 +90,28 @@ class Layout:
         self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
         self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
         self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
-        scalar_i = ArraySpec((), np.dtype(np.int64))
-        self.specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
-        self.specs.update({next_key(k): v for k, v in keys.next.items()})
-        self.specs.update({_TRAJ: scalar_i, _ENV_ID: scalar_i, _VERSION: scalar_i,
-                           _STATS: ArraySpec((6,), np.dtype(np.float64))})
+        scalar_i, scalar_f, flag = ArraySpec((), np.dtype(np.int64)), ArraySpec((), np.dtype(np.float64)), \
+            ArraySpec((), np.dtype(bool))
+        self.step_specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
+        self.step_specs.update({next_key(k): v for k, v in keys.next.items()})
+        self.step_specs.update({_VERSION: scalar_i, _REWARD: scalar_f, _TERMINATED: flag, _TRUNCATED: flag,
+                                _RETURN: scalar_f, _LENGTH: scalar_i})
+        self.specs: dict[NestedKey, ArraySpec] = {**self.step_specs, _TRAJ: scalar_i, _ENV_ID: scalar_i}
 
-    def allocate(self, rows: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+    def allocate(self, rows: int | tuple[int, ...], *, steps: bool = False) -> dict[NestedKey, np.ndarray]:
+        """Fresh (uninitialised) columns with leading dims ``rows``: a batch's, or with ``steps`` a step row's."""
         lead = (rows,) if isinstance(rows, int) else rows
-        return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in self.specs.items()}
+        specs = self.step_specs if steps else self.specs
+        return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in specs.items()}
 
     def to_tensordict(self, columns: dict[NestedKey, np.ndarray], batch_size: Sequence[int],
                       names: Sequence[str | None] | None = None) -> TensorDict:
-        """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; bookkeeping left out."""
+        """One TensorDict over numpy storage (zero-copy), in TorchRL's layout; the private bookkeeping
+        left out."""
         lead = list(batch_size)
         tree: dict[str, Any] = {}  # nested dicts of tensors, built into one TensorDict at once (not set key by key)
-        leaves = [(key, torch.from_numpy(value)) for key, value in columns.items() if key != _STATS]
+        leaves = [(key, torch.from_numpy(value)) for key, value in columns.items()
+                  if not (isinstance(key, tuple) and key[0] == _PRIVATE)]
         leaves += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))  # root done flags:
                    for key in self.done_keys]  # false, as TorchRL's collector writes them
         for key, tensor in leaves:
@@ -107,6 +129,86 @@ class Layout:
         if names is not None:
             td.refine_names(*names)
         return td
+
+
+class Steps:
+    """The steps of one env group, time-major: ``cols[key][t % capacity]`` is step ``t``'s row, one row per env
+    of the group (``[rows, *shape]``).
+
+    Steps are numbered from 0 for ever; the storage keeps the last ``capacity`` of them (a ring), or, with
+    ``grow=True``, every one of them (an episode's: the capacity doubles when a step needs a row past it).
+    A row's views are made once per physical row and reused (:meth:`row`).
+
+    Threading: the env thread that owns the group writes rows; the driver reads rows the thread published
+    (see :mod:`lightning_rollout.loop.worker`); :meth:`resize` replaces the arrays and runs in the owning
+    thread while the driver reads nothing.
+
+    Args:
+        layout: the columns.
+        rows: envs in the group.
+        capacity: rows kept (``>= 2``: a step and the root entries of the next).
+        grow: keep every step (an episode), doubling the capacity as needed.
+    """
+
+    def __init__(self, layout: Layout, rows: int, capacity: int, *, grow: bool = False) -> None:
+        self.layout = layout
+        self.rows = rows
+        self.grow = grow
+        self.capacity = 0
+        self.cols: dict[NestedKey, np.ndarray] = {}
+        self._views: list[dict[NestedKey, np.ndarray] | None] = []
+        self.resize(max(2, capacity), 0, 0)
+
+    def resize(self, capacity: int, first: int, end: int) -> None:
+        """Hold ``capacity`` rows, keeping steps ``first`` to ``end - 1`` (each at its row of the new ring)."""
+        old, old_capacity = self.cols, self.capacity
+        self.cols = self.layout.allocate((capacity, self.rows), steps=True)
+        self.capacity = capacity
+        self._views = [None] * capacity
+        for t in range(first, end):
+            src, dst = t % old_capacity, t % capacity
+            for k, v in self.cols.items():
+                v[dst] = old[k][src]
+
+    def ensure(self, t: int) -> None:
+        """A growing storage makes room for step ``t`` (and the root entries of step ``t + 1``)."""
+        if self.grow and t + 1 >= self.capacity:
+            self.resize(2 * (t + 2), 0, t + 1)
+
+    def row(self, t: int) -> dict[NestedKey, np.ndarray]:
+        """Views of step ``t``'s row of every column (``[rows, *shape]`` each)."""
+        r = t % self.capacity
+        views = self._views[r]
+        if views is None:
+            views = self._views[r] = {k: v[r] for k, v in self.cols.items()}
+        return views
+
+    def spans(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Steps ``first`` to ``end - 1`` as at most two runs of consecutive rows: ``(row, row_end)`` pairs."""
+        if end <= first:
+            return []
+        a, c = first % self.capacity, self.capacity
+        n = end - first
+        return [(a, a + n)] if a + n <= c else [(a, c), (0, a + n - c)]
+
+    def copy_out(self, first: int, end: int, out: dict[NestedKey, np.ndarray], *, env_major: bool,
+                 offset: int = 0) -> None:
+        """Copy steps ``first`` to ``end - 1`` into the batch columns ``out`` (keys of ``out`` only): with
+        ``env_major``, to ``out[k][env, offset + i]`` (``[envs, T, ...]`` views); else flat in time order,
+        env by env within a step, from row ``offset``."""
+        i = 0
+        for a, b in self.spans(first, end):
+            n = b - a
+            for k, dst in out.items():
+                src = self.cols.get(k)
+                if src is None:
+                    continue
+                if env_major:
+                    dst[:, offset + i:offset + i + n] = src[a:b].swapaxes(0, 1)
+                else:
+                    r0 = offset + i * self.rows
+                    dst[r0:r0 + n * self.rows] = src[a:b].reshape(n * self.rows, *src.shape[2:])
+            i += n
 
 
 def _max_refcount(columns: dict[NestedKey, np.ndarray]) -> int:

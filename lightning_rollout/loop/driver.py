@@ -4,42 +4,44 @@ Threads and what they own
 -------------------------
 * The **driver** (the thread that calls :meth:`MultiEnvLoop.run_steps`,
   :meth:`~MultiEnvLoop.run_env_steps` or :meth:`~MultiEnvLoop.run_episodes`)
-  owns every piece of bookkeeping in :class:`MultiEnvLoop`: requests in flight,
-  partially consumed blocks, counters. Only one thread may drive a loop at a time.
+  owns every piece of bookkeeping in :class:`MultiEnvLoop`: grants in flight, how far
+  each worker's steps were handed out, counters. Only one thread may drive a loop at a time.
 * Each **env thread** (``lightning_rollout-<name>-env<i>``, a daemon) runs a
-  :class:`~lightning_rollout.loop.worker.Worker` that owns ``envs_per_thread`` envs, their adapters, their
-  running counters and two *staging slots* (preallocated numpy arrays of
-  ``envs_per_thread`` rows per key).
+  :class:`~lightning_rollout.loop.worker.Worker` that owns a block of ``envs_per_thread``
+  envs (a :class:`~lightning_rollout.loop.block.Block`, built here), their running
+  counters and the storage its steps are written to, time-major
+  (:class:`~lightning_rollout.loop.buffers.Steps`).
 * The policy's inference thread (see :mod:`lightning_rollout.policy`).
 
-Messages (only small records cross threads; data stays in the slots)
----------------------------------------------------------------------
-The typed requests and replies of :mod:`lightning_rollout.loop.messages`: the driver
-sends a worker a :class:`~.messages.StepRequest` (one step of the block, into a slot),
-a :class:`~.messages.QuotaRequest` (``count`` steps straight into the driver's batch
-``out[w, j, start:]``, which the driver does not read until the worker reports:
-:meth:`MultiEnvLoop.run_env_steps`, and :meth:`MultiEnvLoop.run_steps` with one env
-thread, whose ``out`` is a view of its flat batch), an
-:class:`~.messages.EpisodeRequest`, a :class:`~.messages.ResetRequest` or a
-:class:`~.messages.StopRequest` on the worker's ``SimpleQueue``; each worker answers
-on the loop's shared ``SimpleQueue`` with :class:`~.messages.StepReady`,
-:class:`~.messages.QuotaEnded`, :class:`~.messages.EpisodeReady`,
-:class:`~.messages.ResetDone`, or :class:`~.messages.WorkerFailed` when it failed.
+Messages (only small records cross threads; steps stay in the workers' storage)
+-------------------------------------------------------------------------------
+The typed requests and replies of :mod:`lightning_rollout.loop.messages`. The driver
+sends a worker a :class:`~.messages.Grant` (it may take the worker's steps up to
+``end``), an :class:`~.messages.EpisodeRequest`, a :class:`~.messages.ResetRequest` or
+a :class:`~.messages.StopRequest` on the worker's ``SimpleQueue``; each worker answers
+on the loop's shared ``SimpleQueue`` with :class:`~.messages.Published`,
+:class:`~.messages.EpisodeReady`, :class:`~.messages.ResetDone`, or
+:class:`~.messages.WorkerFailed` when it failed. Every request says how far the driver
+has copied the worker's steps out, so the worker knows which rows are free again.
+
+One data path: a worker writes its steps into its own storage; the driver grants
+steps, and copies the published ones out into the batch it returns, once:
+:meth:`MultiEnvLoop.run_env_steps` grants every worker ``T`` steps and copies them
+env-major; :meth:`MultiEnvLoop.run_steps` with one env thread grants its whole rounds
+at once and copies them in time order; with several, it grants a step at a time to
+each and copies each as it arrives (arrival order). Steps published and not handed
+out (a step copied in part, or the steps past what every env delivered in an
+interrupted call) stay in the worker's storage for the next call.
 
 Double batching
 ---------------
-In the default *lookahead* mode a worker computes its next step (policy call,
-then env step, into the free slot) **before** it is asked for it, then parks
-until a step request arrives and publishes the slot. At every moment each env
-has one finished step waiting or one request in flight, so inference and env
-work for the next batch overlap the driver's consumption of this one. With
-``lookahead=False`` (on-policy) a worker waits for the request *before* acting,
-so no step is ever acted with weights older than the request.
-
-Slot safety: the driver copies a published slot out before it sends that worker
-its next step request, and a worker only writes a slot after receiving the
-request that follows the slot's previous publication (or, in lookahead, into
-the other slot). Two slots per worker are therefore enough and no lock guards them.
+In the default *lookahead* mode a worker writes its next step (policy call, then
+env step) **before** it is granted, then parks until a grant arrives and publishes
+it at once. At every moment each env has one finished step waiting or one grant in
+flight, so inference and env work for the next batch overlap the driver's
+consumption of this one. With ``lookahead=False`` (on-policy) a worker waits for
+the grant *before* acting, so no step is ever acted with weights older than the
+request.
 
 Waits and shutdown
 ------------------
@@ -64,7 +66,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -73,16 +75,18 @@ from torchrl.envs.utils import ExplorationType
 
 from .._checks import check_device, check_int, check_seconds
 from .._exit import abandon, close_at_exit
-from ..envs import EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
+from ..envs import BatchedTorchRLEnv, EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, _is_real, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, apply_choice, is_auto, layout_warning, resolve_layout
-from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
-                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, BatchPool, Layout)
-from .messages import (STEP, STOP, EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, ResetDone,
-                       ResetRequest, StepReady, StepRequest, WorkerFailed)
+from .block import Block, EnvBlock
+from .native import NativeBlock
+from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRAJ, _TRUNCATED, _VERSION,
+                      BatchPool, Layout)
+from .messages import (EpisodeReady, EpisodeRequest, Grant, Published, Reply, ResetDone, ResetRequest, STOP,
+                       WorkerFailed)
 from .process import WorkerProcesses, build_adapter
 from .worker import Worker, WorkerContext
 
@@ -324,7 +328,7 @@ class MultiEnvLoop:
                 self._build_envs(factories, adapters, max_episode_steps=max_episode_steps, info_keys=info_keys)
                 keys, observation_spec, action_spec, loop_keys = (
                     adapters[0].keys, adapters[0].observation_spec, adapters[0].action_spec, adapters[0].loop_keys)
-                roots = [self._first_reset(i, adapter, seeds[i]) for i, adapter in enumerate(adapters)]
+                roots = self._first_resets(adapters, seeds)
             for i, root in enumerate(roots):
                 first_roots[i] = (seeds[i], root)
             if isinstance(policy, AutobatchPolicy):
@@ -340,17 +344,9 @@ class MultiEnvLoop:
             context = self._worker_context(num_envs // g)
             ids = [list(range(w * g, (w + 1) * g)) for w in range(num_envs // g)]
             firsts = [{i: first_roots[i] for i in env_ids if i in first_roots} for env_ids in ids]
-            if self._pool is not None:
-                layout = self._layout
-                self._pool.attach(layout.specs, inputs=self._env_inputs, nxt=layout.env_next,
-                                  checked_next=layout.checked_next if validate else {},
-                                  checked_root=layout.checked_root if validate else {},
-                                  zero_done={k: keys.done[k] for k in self._env_input_done})
-                self._workers = [Worker(context, w, ids[w], first_roots=firsts[w], remote=envs)
-                                 for w, envs in enumerate(self._pool.groups)]
-            else:
-                self._workers = [Worker(context, w, ids[w], first_roots=firsts[w], adapters=adapters[w * g:(w + 1) * g])
-                                 for w in range(num_envs // g)]
+            blocks = self._blocks(adapters, ids)
+            self._workers = [Worker(context, w, ids[w], block=block, first_roots=firsts[w])
+                             for w, block in enumerate(blocks)]
         except BaseException:
             for a in adapters:
                 a.close()
@@ -359,13 +355,17 @@ class MultiEnvLoop:
             if self._owns_policy:
                 self.policy.close()
             raise
-        # Driver-side bookkeeping (driver thread only).
-        self._in_flight = [False] * len(self._workers)
-        self._idle: deque[int] = deque(range(len(self._workers)))
-        self._partials: dict[int, tuple[int, int]] = {}  # worker -> (slot, first unconsumed row)
+        # Driver-side bookkeeping (driver thread only), per worker: its steps 0 to consumed - 1 and ``taken`` rows
+        # of step ``consumed`` were copied out, 0 to published - 1 are in its storage, granted up to ``granted``;
+        # ``outstanding`` grants await their answer.
+        W = len(self._workers)
+        self._consumed, self._taken, self._published, self._granted = [0] * W, [0] * W, [0] * W, [0] * W
+        self._outstanding = [0] * W
+        self._env_ids = [np.asarray(w.env_ids, dtype=np.int64) for w in self._workers]
+        self._env_id_column = np.arange(num_envs, dtype=np.int64)[:, None]  # an env_time batch's env ids
+        self._idle: deque[int] = deque(range(W))
         self._stray_episodes: list[EpisodeReady] = []
-        self._deferred: list[tuple[int, tuple[Any, ...]]] | None = None
-        self._carry: dict[int, dict[NestedKey, np.ndarray]] = {}  # steps beyond an interrupted env_time batch
+        self._deferred: list[tuple[int, Grant]] | None = None
         self._answered_since_wait: list[int] = []  # answered workers not yet released (driver only)
         self._started = False
         if start:
@@ -373,16 +373,34 @@ class MultiEnvLoop:
 
     def _build_envs(self, factories: Sequence[EnvFactory], adapters: list[EnvAdapter], *,
                     max_episode_steps: int | None, info_keys: InfoKeys | None) -> None:
-        """Build each env of this process into ``adapters`` (a refused env is closed; those built before it are
-        the caller's to close). Raises ``ValueError`` for envs whose keys, shapes or dtypes differ from env 0's."""
-        for factory in factories:
-            adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=self.validate,
-                                          info_keys=info_keys))
+        """Build the envs of this process into ``adapters`` (a refused env is closed; those built before it are
+        the caller's to close): one adapter an env, or, when the factory makes a natively batched env of ``B``
+        envs, one batched env for every ``B`` envs (each an env thread's block).
+
+        Raises:
+            ValueError: envs whose keys, shapes, dtypes or batch size differ from the first's; a batched env whose
+                batch does not fit the layout (``num_envs`` a multiple of it, ``envs_per_thread`` equal to it).
+        """
+        build = functools.partial(build_adapter, max_episode_steps=max_episode_steps, validate=self.validate,
+                                  info_keys=info_keys)
+        adapters.append(build(factories[0]))
+        batch = adapters[0].rows
+        if batch > 1:
+            if self.num_envs % batch or self.envs_per_thread != batch:
+                raise ValueError(
+                    f"the env factory makes a natively batched env of {batch} envs, stepped in one call by one env "
+                    f"thread: num_envs ({self.num_envs}) must be a multiple of {batch} and envs_per_thread "
+                    f"({self.envs_per_thread}) equal to it (or 'auto')")
+            if self.parallel_steps:
+                raise ValueError(f"parallel_steps={self.parallel_steps!r} steps each env in a helper thread; a natively "
+                                 "batched env steps its envs in one call: leave parallel_steps out")
+        for factory in factories[batch::batch]:
+            adapters.append(build(factory))
         keys = adapters[0].keys
         for i, a in enumerate(adapters[1:], 1):
-            if not a.keys.same_layout(keys):
-                raise ValueError(f"env {i} has specs {a.keys}, env 0 has {keys}; all envs of a loop must "
-                                 "share their keys, shapes and dtypes")
+            if not a.keys.same_layout(keys) or a.rows != batch:
+                raise ValueError(f"env {i * batch} has specs {a.keys} (a batch of {a.rows}), env 0 has {keys} (a batch "
+                                 f"of {batch}); all envs of a loop must share their keys, shapes and dtypes")
 
     def _serve_policy(self, policy: Callable[..., Any] | None, keys: EnvKeys, observation_spec: Any, action_spec: Any,
                       *, autobatch_size: int | None, max_wait: float | None, device: torch.device | str | None,
@@ -401,11 +419,21 @@ class MultiEnvLoop:
                                name=self.name, seed=self.seed, policy_timeout=policy_timeout)
 
     @staticmethod
-    def _first_reset(i: int, adapter: EnvAdapter, seed: int | None) -> dict[NestedKey, Any]:
-        try:
-            return adapter.reset(seed)
-        except Exception as exc:
-            raise _creation_error(i, "reset", exc) from exc
+    def _first_resets(adapters: Sequence[EnvAdapter | BatchedTorchRLEnv], seeds: Sequence[int | None]
+                      ) -> list[dict[NestedKey, Any]]:
+        """Every env's first root entries (reset with its seed; a batched env with its first env's)."""
+        roots: list[dict[NestedKey, Any]] = []
+        for adapter in adapters:
+            i = len(roots)
+            try:
+                if isinstance(adapter, BatchedTorchRLEnv):
+                    batch = adapter.reset_all(seeds[i])
+                    roots += [{k: v[r] for k, v in batch.items()} for r in range(adapter.rows)]
+                else:
+                    roots.append(adapter.reset(seeds[i]))
+            except Exception as exc:
+                raise _creation_error(i, "reset", exc) from exc
+        return roots
 
     def _probe_layout(self, keys: EnvKeys, roots: list[dict[NestedKey, Any]], loop_keys: bool) -> Layout:
         """Run the policy once on every env's first root entries (the envs were reset at construction, as
@@ -440,9 +468,29 @@ class MultiEnvLoop:
             input_cols=tuple(self._input_cols), input_done=tuple(self._input_done),
             env_inputs=tuple(self._env_inputs), env_input_done=tuple(self._env_input_done),
             action_columns=self._action_columns, exploration_type=self.exploration_type, lookahead=self.lookahead,
-            validate=self.validate, parallel_steps=self.parallel_steps, free_steps=self.free_steps,
-            max_episode_steps=self.max_episode_steps, step_timeout=self.step_timeout,
+            validate=self.validate, free_steps=self.free_steps, max_episode_steps=self.max_episode_steps,
             random_steps_per_env=self._random_steps_per_env, torch_threads=self._torch_threads, blocks=blocks)
+
+    def _blocks(self, adapters: list[EnvAdapter], ids: list[list[int]]) -> list[Block]:
+        """Each env thread's block: its envs in this process (an :class:`EnvBlock`, stepped in the thread or its
+        helper threads; a :class:`NativeBlock` for a natively batched env), or in the worker processes (their
+        shared buffers attached here). The one place that knows the kinds of block."""
+        layout, validate = self._layout, self.validate
+        checked_next = layout.checked_next if validate else {}
+        checked_root = layout.checked_root if validate else {}
+        zero_done = {k: layout.keys.done[k] for k in self._env_input_done}
+        if self._pool is not None:
+            self._pool.attach(layout.specs, inputs=self._env_inputs, nxt=layout.env_next, checked_next=checked_next,
+                              checked_root=checked_root, zero_done=zero_done)
+            return list(self._pool.groups)
+        if isinstance(adapters[0], BatchedTorchRLEnv):  # natively batched envs: one a block
+            return [NativeBlock(cast(BatchedTorchRLEnv, env), validate=validate, checked_next=checked_next,
+                                checked_root=checked_root, watched=self.step_timeout is not None) for env in adapters]
+        g = self.envs_per_thread
+        return [EnvBlock(adapters[w * g:(w + 1) * g], validate=validate, checked_next=checked_next,
+                         checked_root=checked_root, zero_done=zero_done, parallel=self.parallel_steps, name=self.name,
+                         env_ids=env_ids, watched=self.step_timeout is not None)
+                for w, env_ids in enumerate(ids)]
 
     def start(self) -> None:
         """Start the env threads (done by the first ``run_*`` call when ``start=False``). Idempotent."""
@@ -593,9 +641,9 @@ class MultiEnvLoop:
                    interrupter: Interrupter | None = None) -> None:
         """Start a new episode now on the given envs (all by default), optionally reseeding them.
 
-        An env's undelivered lookahead step is kept and delivered by the next
-        call, marked ``truncated`` (its episode was cut here). Blocks until every
-        asked env was reset.
+        An env's last step not handed out yet (the step written ahead, or one left by an interrupted
+        call) is kept and delivered by the next call, marked ``truncated`` (its episode was cut here).
+        Blocks until every asked env was reset.
 
         Raises:
             ValueError: an env id out of range, or ``seeds`` of the wrong length.
@@ -612,21 +660,17 @@ class MultiEnvLoop:
         for n, i in enumerate(ids):
             per_worker.setdefault(i // self.envs_per_thread, []).append((i, None if seeds is None else seeds[n]))
         for w, items in per_worker.items():
-            self._workers[w].requests.put(ResetRequest(items))
+            self._workers[w].requests.put(ResetRequest(items, self._consumed[w], self._taken[w]))
         waiting = set(per_worker)
-        fresh: set[int] = set()  # envs with no staged step to end their trajectory: new id now
+        fresh: set[int] = set()  # envs with no undelivered step to end their trajectory: new id now
         try:
             while waiting:
                 msg = self._wait(None)
                 assert msg is not None
                 if isinstance(msg, ResetDone):
                     waiting.discard(msg.worker)
-                    if msg.fresh:
-                        fresh.update(i for i, _ in per_worker[msg.worker])
-                elif isinstance(msg, StepReady):
-                    self._answered(msg.worker)
-                    self._partials[msg.worker] = (msg.slot, 0)
-                else:
+                    fresh.update(msg.fresh)
+                elif isinstance(msg, EpisodeReady):
                     self._stray_episodes.append(msg)
         except CollectionError as exc:
             self._fail(exc, None)
@@ -636,42 +680,45 @@ class MultiEnvLoop:
         for i in sorted(fresh):
             self._new_trajectory(i)
 
-    def _request_step(self, w: int) -> None:
-        self._request(w, STEP)
-
-    def _request(self, w: int, message: StepRequest | QuotaRequest) -> None:
-        """Send ``message`` (a step or a quota of steps) to worker ``w``, holding it active until answered."""
+    # -- requests and replies ------------------------------------------------------------------------
+    def _grant(self, w: int, end: int) -> None:
+        """Let worker ``w`` hand out its steps up to ``end``, holding it active until it answers."""
+        worker = self._workers[w]
+        capacity = max(worker.steps.capacity, end + 2 - self._consumed[w])  # the steps and the next root entries
         if w in self._idle:
             self._idle.remove(w)
-        self._in_flight[w] = True
-        if isinstance(message, QuotaRequest):
-            self._workers[w].quota_end = message.start  # progress of this quota, advanced by the worker
-        self._workers[w].set_held(True)
+        self._outstanding[w] += 1
+        self._granted[w] = max(self._granted[w], end)
+        worker.set_held(True)
+        message = Grant(end, self._consumed[w], self._taken[w], capacity)
         if self._deferred is not None:  # a burst: every worker is held before any is woken
             self._deferred.append((w, message))
         else:
-            self._workers[w].requests.put(message)
+            worker.requests.put(message)
 
     def _send_deferred(self) -> None:
         deferred, self._deferred = self._deferred or [], None
         for w, message in deferred:
             self._workers[w].requests.put(message)
 
-    def _answered(self, w: int) -> None:
-        """Worker ``w``'s step arrived: no longer in flight; released at the next wait unless asked again."""
-        self._in_flight[w] = False
-        self._answered_since_wait.append(w)
+    def _on_reply(self, msg: Reply) -> None:
+        """Book a reply that is not an episode: a grant answered (released at the next wait unless granted again)."""
+        if isinstance(msg, Published):
+            w = msg.worker
+            self._published[w] = max(self._published[w], msg.end)
+            self._outstanding[w] -= 1
+            self._answered_since_wait.append(w)
 
     def _release_holds(self) -> None:
-        """Stop holding workers whose answer was consumed and that were not asked again."""
+        """Stop holding workers whose answer was consumed and that were not granted again."""
         answered, self._answered_since_wait = self._answered_since_wait, []
         for w in answered:
             worker = self._workers[w]
-            if worker.held and not self._in_flight[w]:
+            if worker.held and not self._outstanding[w]:
                 worker.set_held(False)
 
     def _release_all_holds(self) -> None:
-        """The driver leaves: hold nobody (a worker still in flight counts itself while it works)."""
+        """The driver leaves: hold nobody (a worker still granted counts itself while it works)."""
         self._deferred = None
         self._answered_since_wait = []
         for worker in self._workers:
@@ -679,7 +726,8 @@ class MultiEnvLoop:
                 worker.set_held(False)
 
     def _wait(self, interrupter: Interrupter | None) -> Reply | None:
-        """Next message from a worker; None when interrupted. Raises worker errors."""
+        """Next message from a worker (a :class:`~.messages.Published` booked already); None when interrupted.
+        Raises worker errors."""
         self._release_holds()
         while True:
             try:
@@ -696,23 +744,8 @@ class MultiEnvLoop:
             if interrupter is not None and interrupter.should_stop():
                 self._ready.put(msg)  # keep it for the next call
                 return None
+            self._on_reply(msg)
             return msg
-
-    def _next_step(self, interrupter: Interrupter | None) -> tuple[int, int] | None:
-        """``(worker, slot)`` of the next step block to arrive; None when interrupted.
-
-        Late episodes of an interrupted ``run_episodes`` arriving meanwhile are set aside.
-        """
-        while True:
-            msg = self._wait(interrupter)
-            if msg is None:
-                return None
-            if isinstance(msg, EpisodeReady):
-                self._stray_episodes.append(msg)
-                continue
-            assert isinstance(msg, StepReady)
-            self._answered(msg.worker)
-            return msg.worker, msg.slot
 
     def _check_timeouts(self) -> None:
         if self.step_timeout is None:
@@ -734,36 +767,91 @@ class MultiEnvLoop:
         self.close()
         raise exc
 
+    def _keep_settled(self) -> None:
+        """After a failure (the loop closed): every worker's settled, granted steps count as published, a hung
+        worker's settled by this thread (``Worker.settle``)."""
+        for w, worker in enumerate(self._workers):
+            if self._outstanding[w]:
+                worker.settle()
+            self._published[w] = max(self._published[w], worker.published)
+
+    # -- copying steps out ---------------------------------------------------------------------------
+    def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int) -> int:
+        """Copy worker ``w``'s published steps not handed out yet into ``out[filled:]`` (flat, in time order,
+        env by env within a step), up to ``n`` rows; a step copied in part is finished by the next take."""
+        steps, g = self._workers[w].steps, self.envs_per_thread
+        env_ids = self._env_ids[w]
+        while filled < n and self._consumed[w] < self._published[w]:
+            t, r0 = self._consumed[w], self._taken[w]
+            k = min(g - r0, n - filled)
+            row = steps.row(t)
+            for key, dst in out.items():
+                src = row.get(key)
+                if src is not None:
+                    dst[filled:filled + k] = src[r0:r0 + k]
+            out[_ENV_ID][filled:filled + k] = env_ids[r0:r0 + k]
+            filled += k
+            if r0 + k == g:
+                self._consumed[w], self._taken[w] = t + 1, 0
+            else:
+                self._taken[w] = r0 + k
+        return filled
+
+    def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int) -> int:
+        """Copy worker ``w``'s next ``steps_`` published steps (whole ones) into ``out[filled:]``, flat."""
+        g, steps = self.envs_per_thread, self._workers[w].steps
+        t = self._consumed[w]
+        rows = {k: v for k, v in out.items() if k != _ENV_ID and k != _TRAJ}
+        steps.copy_out(t, t + steps_, rows, env_major=False, offset=filled)
+        end = filled + steps_ * g
+        out[_ENV_ID][filled:end] = np.tile(self._env_ids[w], steps_)
+        self._consumed[w] = t + steps_
+        return end
+
+    def _count(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None = None
+               ) -> None:
+        """Count delivered frames and episodes of ``rows`` (their training events went to ``processor``)."""
+        first_frame = self.frames + 1
+        self.frames += len(rows)
+        if processor is not None:
+            self._emit(cols, rows, processor, self.eval, -1, first_frame)
+        self.episodes += int(np.count_nonzero(cols[_TERMINATED][rows] | cols[_TRUNCATED][rows]))
+
     def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor,
               eval_: bool, total: int, first_frame: int) -> None:
         """Events for rows ``rows`` of ``cols`` (driver thread); row ``rows[i]`` is frame ``first_frame + i``."""
         wants_steps = processor.wants_timesteps
-        done = cols[_STATS][rows, _S_DONE] > 0
+        terminated, truncated = cols[_TERMINATED][rows], cols[_TRUNCATED][rows]
+        done = terminated | truncated
         if not wants_steps and not done.any():
             return
         on_step = processor.on_eval_timestep if eval_ else processor.on_timestep
         on_end = processor.on_eval_episode_end if eval_ else processor.on_episode_end
         extras = [k for k in self._layout.out_keys if k != "action"]
         positions = range(len(rows)) if wants_steps else np.flatnonzero(done)
+        env_id, version, length, ret = cols[_ENV_ID], cols[_VERSION], cols[_LENGTH], cols[_RETURN]
         for i in positions:
-            r = rows[int(i)]
-            progress = Progress(first_frame + int(i), total)
+            i = int(i)
+            r = rows[i]
+            progress = Progress(first_frame + i, total)
             if wants_steps:
-                stats = cols[_STATS][r]
-                on_step(TimeStep(env_id=int(cols[_ENV_ID][r]), reward=float(stats[_S_REWARD]),
-                                 step_count=int(stats[_S_LENGTH]),
-                                 episode_reward=float(stats[_S_RETURN]),
-                                 terminated=bool(stats[_S_TERMINATED]), truncated=bool(stats[_S_TRUNCATED]),
-                                 policy_version=int(cols[_VERSION][r]), progress=progress,
+                on_step(TimeStep(env_id=int(env_id[r]), reward=float(cols[_REWARD][r]), step_count=int(length[r]),
+                                 episode_reward=float(ret[r]), terminated=bool(terminated[i]),
+                                 truncated=bool(truncated[i]), policy_version=int(version[r]), progress=progress,
                                  context={k: cols[k][r] for k in extras}, eval=eval_))
-            if done[int(i)]:
-                stats = cols[_STATS][r]
-                on_end(EpisodeEnd(env_id=int(cols[_ENV_ID][r]), length=int(stats[_S_LENGTH]),
-                                  reward=float(stats[_S_RETURN]),
-                                  terminated=bool(stats[_S_TERMINATED]), truncated=bool(stats[_S_TRUNCATED]),
-                                  policy_version=int(cols[_VERSION][r]), progress=progress, eval=eval_,
+            if done[i]:
+                on_end(EpisodeEnd(env_id=int(env_id[r]), length=int(length[r]), reward=float(ret[r]),
+                                  terminated=bool(terminated[i]), truncated=bool(truncated[i]),
+                                  policy_version=int(version[r]), progress=progress, eval=eval_,
                                   info={k: np.array(cols[next_key(k)][r]) for k in self.info_keys}))
 
+    def _finish_flat(self, out: dict[NestedKey, np.ndarray], filled: int) -> TensorDict:
+        if filled < len(out[_VERSION]):
+            out = {k: v[:filled] for k, v in out.items()}
+        out[_TRAJ][:] = self._assign_traj(out[_ENV_ID], out[_TERMINATED] | out[_TRUNCATED])
+        return self._layout.to_tensordict(out, [filled])
+
+    # -- collection calls ----------------------------------------------------------------------------
     @_driver_call
     def run_steps(self, n: int, *, processor: EventProcessor | None = None,
                   interrupter: Interrupter | None = None) -> TensorDict:
@@ -772,17 +860,17 @@ class MultiEnvLoop:
         Each env's own transitions keep their order; envs are served fairly. With one
         env thread (``envs_per_thread == num_envs``, what the ``"auto"`` layouts
         choose) arrival order is time order, env by env within a step, and the
-        thread writes the call's whole rounds straight into the batch as one quota
-        (as :meth:`run_env_steps` does), with no hand-off to this thread per step;
-        the rows of a last, partial round come as below. With several env threads,
-        each step of a block is handed to this thread as it arrives, so faster blocks
-        deliver more rows.
+        thread is granted the call's whole rounds at once (as :meth:`run_env_steps`
+        does), with no hand-off to this thread per step; the rows of a last, partial
+        round come as below. With several env threads, each is granted one step at a
+        time and its steps are copied out as they arrive, so faster blocks deliver
+        more rows.
 
         Args:
             n: number of transitions (``>= 0``).
             processor: events for this call (default: the loop's).
             interrupter: checked while waiting (default: the loop's); when it
-                fires, the call returns what it has. Requests already sent are
+                fires, the call returns what it has. Steps already granted are
                 delivered by the next call, never lost.
 
         Returns:
@@ -802,88 +890,121 @@ class MultiEnvLoop:
         self._driver_ready()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
-        g = self.envs_per_thread
+        g, W = self.envs_per_thread, len(self._workers)
         out = self._batches.allocate(n)
         filled = 0
         try:
-            # 1. rows left over from a block consumed in part by the previous call
-            for w in list(self._partials):
-                if filled == n:
-                    break
-                slot, r0 = self._partials.pop(w)
-                filled = self._take(out, filled, n, w, slot, r0, processor)
-            # 2. one env thread: its whole rounds in one quota, written straight into ``out`` in time order
-            # (the order the steps below would deliver them in), with no hand-off per step
-            if len(self._workers) == 1 and n - filled >= g:
+            # 1. steps published and not handed out yet (a step copied in part, an interrupted call's), oldest first
+            for w in sorted(range(W), key=lambda w: (self._consumed[w] == self._published[w], self._taken[w] == 0)):
+                first = filled
+                filled = self._take(out, filled, n, w)
+                self._after_take(out, range(first, filled), processor)
+            # 2. one env thread: its whole rounds in one grant, copied out in time order (the order the steps below
+            # would deliver them in), with no hand-off per step
+            if W == 1 and n - filled >= g:
                 if interrupter is not None and interrupter.should_stop():
                     return self._finish_flat(out, filled)  # stopped first: nothing is asked, nothing is lost
                 T = (n - filled) // g
-                rounds = {k: np.moveaxis(v[filled:filled + T * g].reshape(T, 1, g, *v.shape[1:]), 0, 2)
-                          for k, v in out.items()}  # views [1, g, T] of rows filled + t * g + j
-                done, error = self._run_quotas(rounds, T, interrupter)
-                self._after_take(out, range(filled, filled + done * g), processor)
-                filled += done * g
+                done, error = self._run_grants(self._consumed[0] + T, interrupter)
+                k = min(done, T)
+                first = filled
+                filled = self._take_rounds(out, filled, 0, k)
+                self._after_take(out, range(first, filled), processor)
                 if error is not None:
                     raise error
-                if done < T:  # interrupted
+                if k < T:  # interrupted
                     return self._finish_flat(out, filled)
-            in_flight_rows = g * sum(self._in_flight)
-            # 3. ask idle workers, oldest idle first
+            # 3. grant idle workers a step each, oldest idle first
+            self._refresh_idle()
+            in_flight_rows = g * sum(1 for w in range(W) if self._outstanding[w])
             self._deferred = []
             while self._idle and filled + in_flight_rows < n:
                 w = self._idle.popleft()
-                self._request_step(w)
+                self._grant(w, self._consumed[w] + 1)
                 in_flight_rows += g
             self._send_deferred()
-            # 4. consume arrivals, re-asking while more is needed
+            # 4. copy arrivals out, granting again while more is needed
             while filled < n:
-                arrival = self._next_step(interrupter)
-                if arrival is None:
+                msg = self._wait(interrupter)
+                if msg is None:
                     break
-                w, slot = arrival
+                if isinstance(msg, EpisodeReady):
+                    self._stray_episodes.append(msg)
+                    continue
+                if not isinstance(msg, Published):
+                    continue
+                w = msg.worker
                 in_flight_rows -= g
-                filled = self._take(out, filled, n, w, slot, 0, processor)
-                if w not in self._partials:
+                first = filled
+                filled = self._take(out, filled, n, w)
+                self._after_take(out, range(first, filled), processor)
+                if self._consumed[w] == self._published[w] and not self._outstanding[w]:
                     if filled + in_flight_rows < n:
-                        self._request_step(w)
+                        self._grant(w, self._consumed[w] + 1)
                         in_flight_rows += g
                     else:
                         self._idle.append(w)
         except CollectionError as exc:
+            self.close()
+            self._keep_settled()
+            for w in range(W):  # every step settled before the failure is delivered
+                first = filled
+                filled = self._take(out, filled, n, w)
+                self._after_take(out, range(first, filled), processor)
             self._fail(exc, self._finish_flat(out, filled))
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
         return self._finish_flat(out, filled)
 
-    def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int, slot: int, r0: int,
-              processor: EventProcessor | None) -> int:
-        """Copy rows ``r0:`` of worker ``w``'s slot into ``out[filled:]``; keep the rest as a partial."""
-        g = self.envs_per_thread
-        k = min(g - r0, n - filled)
-        src = self._workers[w].slots[slot]
-        for key, dst in out.items():
-            dst[filled:filled + k] = src[key][r0:r0 + k]
-        if r0 + k < g:
-            self._partials[w] = (slot, r0 + k)
-        elif r0 > 0:  # a partial block is now used up: the worker is free again
-            self._idle.append(w)
-        self._after_take(out, range(filled, filled + k), processor)
-        return filled + k
-
     def _after_take(self, out: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None) -> None:
-        """Count delivered frames and episodes, and emit training events for ``rows``."""
-        first_frame = self.frames + 1
-        self.frames += len(rows)
-        if processor is not None:
-            self._emit(out, rows, processor, self.eval, -1, first_frame)
-        self.episodes += int(out[_STATS][rows, _S_DONE].sum())
+        """Count the rows just copied out (``_take`` counted nothing) and emit their training events."""
+        if len(rows):
+            self._count(out, rows, processor)
 
-    def _finish_flat(self, out: dict[NestedKey, np.ndarray], filled: int) -> TensorDict:
-        if filled < len(out[_VERSION]):
-            out = {k: v[:filled] for k, v in out.items()}
-        out[_TRAJ][:] = self._assign_traj(out[_ENV_ID], out[_STATS][:, _S_DONE] > 0)
-        return self._layout.to_tensordict(out, [filled])
+    def _run_grants(self, end: int | list[int], interrupter: Interrupter | None) -> tuple[int, CollectionError | None]:
+        """Grant every worker its steps up to ``end`` (one end, or one a worker) and wait until each published
+        them, or until the interrupter fires: then the grants are cut (each worker stops after its current step)
+        and every answer is awaited. Returns the steps every worker published past what was handed out, and the
+        error that cut the call (the loop is then closed; each worker's settled steps count)."""
+        W = len(self._workers)
+        ends = [end] * W if isinstance(end, int) else end
+        interrupted = False
+        try:
+            self._deferred = []
+            for w in range(W):
+                if self._published[w] < ends[w]:
+                    self._grant(w, ends[w])
+            self._send_deferred()
+            while any(self._outstanding):
+                msg = self._wait(None if interrupted else interrupter)
+                if msg is None:  # interrupted: every worker stops after its current step and answers
+                    interrupted = True
+                    self._cut.set()
+                    continue
+                if isinstance(msg, EpisodeReady):
+                    self._stray_episodes.append(msg)
+        except CollectionError as exc:
+            self.close()  # workers stopped (a hung one only ever writes steps it has not published)
+            self._keep_settled()
+            return self._common_steps(), exc
+        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
+            self.close()
+            raise
+        finally:
+            self._cut.clear()
+        return self._common_steps(), None
+
+    def _refresh_idle(self) -> None:
+        """Queue up workers with no grant outstanding and nothing left to hand out (after the idle ones already
+        queued)."""
+        for w in range(len(self._workers)):
+            if not self._outstanding[w] and self._consumed[w] == self._published[w] and w not in self._idle:
+                self._idle.append(w)
+
+    def _common_steps(self) -> int:
+        """Steps every worker published and has not handed out yet."""
+        return min((p - c for p, c in zip(self._published, self._consumed)), default=0)
 
     @_driver_call
     def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
@@ -902,130 +1023,55 @@ class MultiEnvLoop:
         """
         check_int("steps_per_env", steps_per_env, 0)
         self._driver_ready()
-        if any(r0 for _, r0 in self._partials.values()):  # whole blocks (r0 == 0) are placed below
+        if any(self._taken):
             raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
                                   f"envs_per_thread={self.envs_per_thread} rows half consumed; ask run_steps for "
                                   "multiples of envs_per_thread")
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
-        g, W, T = self.envs_per_thread, len(self._workers), steps_per_env
+        T = steps_per_env
         if interrupter is not None and interrupter.should_stop():
             T = 0  # stopped before the call: nothing is asked, nothing is lost
-        out = self._batches.allocate((W, g, T))
-        done, error = self._run_quotas(out, T, interrupter)
-        result = self._finish_env_time(out, done, processor)
+        out = self._batches.allocate((self.num_envs, T))
+        done, error = self._run_grants([c + T for c in self._consumed], interrupter)
+        result = self._finish_env_time(out, min(done, T), processor)
         if error is not None:
             self._fail(error, result)
         return result
 
-    def _run_quotas(self, out: dict[NestedKey, np.ndarray], T: int, interrupter: Interrupter | None
-                    ) -> tuple[int, CollectionError | None]:
-        """Fill ``out[w, j, t]`` (``[workers, envs_per_thread, T]`` views, any strides) with ``T`` steps of
-        every env, one quota request per worker; return the steps every env delivered and the error that
-        cut the call (the loop is then closed). Emits no events."""
-        W = len(self._workers)
-        t = [0] * W  # steps of each worker written into ``out``
-        quotas: set[int] = set()  # workers writing a quota into ``out``
-        interrupted = False
-        try:
-            for w, (slot, _) in list(self._partials.items()):  # whole blocks parked by an earlier call
-                del self._partials[w]
-                self._place(out, t, w, slot, T)
-            self._place_carry(out, t, T)
-            # One quota request per worker: it writes its steps straight into ``out`` (no hand-off per step).
-            # A worker with a single step in flight (an interrupted run_steps) gets its quota on arrival.
-            self._deferred = []
-            for w in range(W):
-                if t[w] < T and not self._in_flight[w]:
-                    self._request(w, QuotaRequest(out, t[w], T - t[w]))
-                    quotas.add(w)
-            self._send_deferred()
-            while any(self._in_flight):
-                msg = self._wait(None if interrupted else interrupter)
-                if msg is None:  # interrupted: every worker stops after its current step and reports
-                    interrupted = True
-                    self._cut.set()
-                    continue
-                if isinstance(msg, EpisodeReady):
-                    self._stray_episodes.append(msg)
-                    continue
-                w = msg.worker
-                self._answered(w)
-                if isinstance(msg, QuotaEnded):
-                    t[w] = msg.end
-                    quotas.discard(w)
-                else:  # a single step requested by an interrupted run_steps
-                    assert isinstance(msg, StepReady)
-                    self._place(out, t, w, msg.slot, T)
-                    if t[w] < T and not interrupted:
-                        self._request(w, QuotaRequest(out, t[w], T - t[w]))
-                        quotas.add(w)
-        except CollectionError as exc:
-            self.close()  # workers stopped (a hung one only ever writes at its quota_end, past what is kept)
-            for w in quotas:  # a hung worker's complete steps are settled here (the others settled theirs)
-                self._workers[w].settle()
-                t[w] = max(t[w], self._workers[w].quota_end)
-            return self._settle_env_time(out, t), exc
-        except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
-            self.close()
-            raise
-        finally:
-            self._cut.clear()
-        return self._settle_env_time(out, t), None
-
-    def _settle_env_time(self, out: dict[NestedKey, np.ndarray], t: list[int]) -> int:
-        """Steps every env delivered; steps of faster workers beyond that are carried to the next call."""
-        done = min(t, default=0)
-        for w, tw in enumerate(t):
-            if tw > done:
-                self._carry[w] = {k: v[w, :, done:tw].copy() for k, v in out.items()}
-        self._idle = deque(w for w in range(len(self._workers)) if w not in self._partials)
-        return done
-
-    def _place_carry(self, out: dict[NestedKey, np.ndarray], t: list[int], T: int) -> None:
-        """Steps carried from an interrupted call go first, in order (what does not fit stays carried)."""
-        for w in list(self._carry):
-            carried = self._carry.pop(w)
-            n = next(iter(carried.values())).shape[1]
-            k = min(n, T - t[w])
-            for key, dst in out.items():
-                dst[w, :, t[w]:t[w] + k] = carried[key][:, :k]
-            t[w] += k
-            if k < n:
-                self._carry[w] = {key: v[:, k:] for key, v in carried.items()}
-
-    def _place(self, out: dict[NestedKey, np.ndarray], t: list[int], w: int, slot: int, T: int) -> None:
-        """Put worker ``w``'s block at its next time index, or park it for the next call when full."""
-        if t[w] == T:
-            self._partials[w] = (slot, 0)
-            return
-        src = self._workers[w].slots[slot]
-        for key, dst in out.items():
-            dst[w, :, t[w]] = src[key]
-        t[w] += 1
-
-    def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None) -> TensorDict:
-        flat = {k: v.reshape(self.num_envs, v.shape[2], *v.shape[3:])[:, :T] for k, v in out.items()}
-        done = flat[_STATS][:, :, _S_DONE] > 0
-        flat[_TRAJ][...] = self._assign_traj_env_time(done)
+    def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None
+                         ) -> TensorDict:
+        """Copy every worker's next ``T`` steps into ``out`` (``[num_envs, >= T]``), env-major; ids, events."""
+        g = self.envs_per_thread
+        cols = {k: v[:, :T] for k, v in out.items()}
+        steps_cols = {k: v for k, v in cols.items() if k != _ENV_ID and k != _TRAJ}
+        for w, worker in enumerate(self._workers):
+            rows = slice(w * g, (w + 1) * g)
+            worker.steps.copy_out(self._consumed[w], self._consumed[w] + T, {k: v[rows] for k, v in steps_cols.items()},
+                                  env_major=True)
+            self._consumed[w] += T
+        cols[_ENV_ID][...] = self._env_id_column
+        done = cols[_TERMINATED] | cols[_TRUNCATED]
+        cols[_TRAJ][...] = self._assign_traj_env_time(done)
         if processor is None:
             self.frames += done.size
             self.episodes += int(np.count_nonzero(done))
         else:  # events in time order, env by env within a time step
-            by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in flat.items()
-                       if k in (_STATS, _ENV_ID, _VERSION) or k in self._info_next or processor.wants_timesteps}
-            self._after_take(by_time, range(done.size), processor)
-        return self._layout.to_tensordict(flat, [self.num_envs, T], names=[None, "time"])
+            by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in cols.items()
+                       if isinstance(k, tuple) and k[0] == "_loop" or k in (_ENV_ID, _VERSION)
+                       or k in self._info_next or processor.wants_timesteps}
+            self._count(by_time, range(done.size), processor)
+        return self._layout.to_tensordict(cols, [self.num_envs, T], names=[None, "time"])
 
     @_driver_call
     def run_episodes(self, k: int, *, processor: EventProcessor | None = None,
                      interrupter: Interrupter | None = None, rng: random.Random | None = None) -> list[TensorDict]:
         """Run exactly ``k`` complete, fresh episodes (fewer only if interrupted).
 
-        Each asked env is reset first (a running step-mode episode is cut:
-        its waiting step is marked ``truncated``), runs one episode, and is asked
-        again until ``k`` requests were sent in total. With ``lookahead=False``
-        no step is waiting, so the cut falls after a step already delivered
+        Each asked env is reset first (a running step-mode episode is cut: its
+        last step not handed out yet is marked ``truncated``), runs one episode, and is
+        asked again until ``k`` requests were sent in total. With ``lookahead=False``
+        no step is written ahead, so the cut falls after a step already delivered
         without a done flag: do not mix ``run_episodes`` into an on-policy step
         stream whose value targets cross time (use a separate evaluation loop,
         as :class:`~lightning_rollout.lightning.RolloutDataModule` does). When ``k < num_envs`` a
@@ -1042,6 +1088,10 @@ class MultiEnvLoop:
         """
         check_int("k", k, 0)
         self._driver_ready()
+        if not self._workers[0].envs.partial:
+            raise CollectionError("run_episodes runs one env alone, and a natively batched env steps all its envs "
+                                  "at once: evaluate with env.rollout() on the batched env, or with a loop of single "
+                                  "envs")
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         rng = rng or random.Random()
@@ -1050,37 +1100,32 @@ class MultiEnvLoop:
         if k < self.num_envs:
             envs = rng.sample(envs, k)
         next_request = 0
-        g = self.envs_per_thread
         try:
             # Late episodes of an interrupted earlier call answered requests nobody waits for any more.
             self._stray_episodes.clear()
             for env_id in envs:
-                self._workers[env_id // g].requests.put(EpisodeRequest(env_id, next_request))
+                self._request_episode(env_id, next_request)
                 next_request += 1
             while len(results) < next_request:
                 msg = self._wait(interrupter)
                 if msg is None:
                     break
-                if isinstance(msg, StepReady):
-                    self._answered(msg.worker)
-                    self._partials[msg.worker] = (msg.slot, 0)
+                if not isinstance(msg, EpisodeReady):
                     continue
-                assert isinstance(msg, EpisodeReady)
-                w, index, cols, length, fresh = msg.worker, msg.request_index, msg.columns, msg.length, msg.fresh
-                trajectory = {key: v[:length].copy() for key, v in cols.items()}
+                env_id, length = msg.env_id, msg.length
+                trajectory = {key: v[:length, 0] for key, v in msg.steps.cols.items()}
+                trajectory[_ENV_ID] = np.full(length, env_id, dtype=np.int64)
+                trajectory[_TRAJ] = np.full(length, self._next_traj, dtype=np.int64)
+                self._next_traj += 1
                 if processor is not None:
                     self._emit(trajectory, range(length), processor, self.eval, k, 1)
                 if not self.eval:
                     self.episodes += 1
-                env_id = int(trajectory[_ENV_ID][0])
-                trajectory[_TRAJ][:] = self._next_traj
-                self._next_traj += 1
-                if fresh:  # no staged step ends the env's running trajectory: its next steps start a new one
+                if msg.fresh:  # no undelivered step ends the env's running trajectory: its next steps start a new one
                     self._new_trajectory(env_id)
-                results[index] = self._layout.to_tensordict(trajectory, [length])
+                results[msg.request_index] = self._layout.to_tensordict(trajectory, [length])
                 if next_request < k:
-                    env_id = int(trajectory[_ENV_ID][0])
-                    self._workers[w].requests.put(EpisodeRequest(env_id, next_request))
+                    self._request_episode(env_id, next_request)
                     next_request += 1
         except CollectionError as exc:
             done = [results[i] for i in sorted(results)]
@@ -1089,6 +1134,10 @@ class MultiEnvLoop:
             self.close()
             raise
         return [results[i] for i in sorted(results)]
+
+    def _request_episode(self, env_id: int, index: int) -> None:
+        w = env_id // self.envs_per_thread
+        self._workers[w].requests.put(EpisodeRequest(env_id, index, self._consumed[w], self._taken[w]))
 
     # -- shutdown ------------------------------------------------------------------------------------
     def close(self) -> None:

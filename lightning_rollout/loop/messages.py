@@ -2,20 +2,26 @@
 
 Requests go driver -> worker on the worker's own ``SimpleQueue`` (``Worker.requests``); replies go
 worker -> driver on the loop's one shared ``SimpleQueue`` (``MultiEnvLoop._ready``). Only these small,
-immutable records cross threads; transitions stay in the worker's slots or are written straight into
-the driver's batch. Each is a typed ``NamedTuple``: immutable like a frozen dataclass, at a tuple's
-cost, on the path every step takes. A worker answers each request with exactly one reply (a
-:class:`StopRequest` with none; a failure with :class:`WorkerFailed` instead of its reply).
+immutable records cross threads; transitions stay in the worker's storage
+(:class:`~lightning_rollout.loop.buffers.Steps`), from which the driver copies the steps it hands out.
+Each is a typed ``NamedTuple``: immutable like a frozen dataclass, at a tuple's cost, on the path every
+step takes. Steps are numbered per worker from 0; a request says how far the driver has copied them
+out (``consumed`` steps, and ``taken`` rows of the next one), so the worker knows which rows it may write
+again and which steps are still undelivered.
 
 ============================  =============================================================
 request                       reply
 ============================  =============================================================
-:class:`StepRequest`          :class:`StepReady`: the block's step is in that slot
-:class:`QuotaRequest`         :class:`QuotaEnded`: the quota's steps are in the batch
+:class:`Grant`                :class:`Published` once the grant's steps are in the storage (or
+                              the driver cut the grant short)
 :class:`EpisodeRequest`       :class:`EpisodeReady`: one fresh, complete episode
 :class:`ResetRequest`         :class:`ResetDone`
 :class:`StopRequest`          (none: the worker returns)
 ============================  =============================================================
+
+A worker answers each request with exactly one reply (a :class:`StopRequest` with none; a failure with
+:class:`WorkerFailed` instead of its reply). Grants are cumulative: a grant sent while an earlier one is
+running raises its end, and the worker then answers the two with one :class:`Published`.
 
 Between an env thread and a worker process (:mod:`lightning_rollout.loop.process`), over the block's
 ``Pipe``, the same kind of records, pickled: the parent's commands and the child's replies below. The two
@@ -40,85 +46,88 @@ failed; a :class:`CloseEnvs` instead of :class:`AttachBuffers` gives the constru
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..specs import NestedKey
 
-__all__ = ["STEP", "STOP", "EpisodeReady", "EpisodeRequest", "QuotaEnded", "QuotaRequest", "Reply", "Request",
-           "ResetDone", "ResetRequest", "StepReady", "StepRequest", "StopRequest", "WorkerFailed",
+if TYPE_CHECKING:
+    from .buffers import Steps
+
+__all__ = ["STOP", "EpisodeReady", "EpisodeRequest", "Grant", "Published", "Reply", "Request", "ResetDone",
+           "ResetRequest", "StopRequest", "WorkerFailed",
            "AttachBuffers", "ChildFailed", "ChildOk", "ChildReady", "ChildReply", "ChildStarted", "CloseEnvs",
            "ParentCommand", "RandomAction", "ResetEnv", "StepEnvs"]
 
 
 # -- driver -> worker --------------------------------------------------------------------------------------
-class StepRequest(NamedTuple):
-    """Publish one step of the whole block (computing it first unless it is staged)."""
+class Grant(NamedTuple):
+    """The driver may take the worker's steps up to ``end`` (exclusive): write them (those not written yet) and
+    answer :class:`Published` once they are settled in the storage, or when the driver cuts the grant short
+    (the loop's ``cut`` flag: the worker stops after its current step). The driver has copied out steps
+    ``0`` to ``consumed - 1`` and ``taken`` rows of step ``consumed``; the storage must hold ``capacity``
+    steps."""
 
-
-class QuotaRequest(NamedTuple):
-    """Write ``count`` steps of the block straight into ``out[w, j, start:]`` (``[W, rows, T, ...]`` arrays
-    by key), which the driver does not read until :class:`QuotaEnded` (or the worker's ``quota_end``)."""
-
-    out: dict[NestedKey, np.ndarray]
-    start: int
-    count: int
+    end: int
+    consumed: int
+    taken: int
+    capacity: int
 
 
 class EpisodeRequest(NamedTuple):
     """Run one fresh episode of env ``env_id`` alone (the block's other envs wait); ``request_index``
-    orders the answers of one ``run_episodes`` call."""
+    orders the answers of one ``run_episodes`` call; ``consumed`` and ``taken`` as in :class:`Grant`."""
 
     env_id: int
     request_index: int
+    consumed: int
+    taken: int
 
 
 class ResetRequest(NamedTuple):
-    """Reset these envs, each with its seed (``None``: unseeded), ending their running episodes."""
+    """Reset these envs, each with its seed (``None``: unseeded), ending their running episodes;
+    ``consumed`` and ``taken`` as in :class:`Grant`."""
 
     items: Sequence[tuple[int, int | None]]
+    consumed: int
+    taken: int
 
 
 class StopRequest(NamedTuple):
     """Return (the loop is closing)."""
 
 
-STEP = StepRequest()
 STOP = StopRequest()
 
 
 # -- worker -> driver --------------------------------------------------------------------------------------
-class StepReady(NamedTuple):
-    """Worker ``worker``'s block of transitions is ready in its slot ``slot`` (0 or 1)."""
-
-    worker: int
-    slot: int
-
-
-class QuotaEnded(NamedTuple):
-    """Worker ``worker``'s quota ended at time index ``end`` (short of the quota when cut or stopped)."""
+class Published(NamedTuple):
+    """Worker ``worker``'s steps up to ``end`` (exclusive) are settled in its storage; ``cut``: the worker
+    stopped short of its grant because the driver cut it (it then takes ``end`` as its grant)."""
 
     worker: int
     end: int
+    cut: bool
 
 
 class EpisodeReady(NamedTuple):
-    """The episode asked by request ``request_index``: the first ``length`` rows of ``columns``.
-    ``fresh``: no staged step ends the env's running trajectory, so its next steps start a new one."""
+    """The episode of env ``env_id`` asked by request ``request_index``: the first ``length`` steps of ``steps``
+    (one row a step). ``fresh``: no undelivered step ends the env's running trajectory, so its next steps start
+    a new one."""
 
     worker: int
     request_index: int
-    columns: dict[NestedKey, np.ndarray]
+    env_id: int
+    steps: Steps
     length: int
     fresh: bool
 
 
 class ResetDone(NamedTuple):
-    """Worker ``worker`` reset the envs asked; ``fresh`` as in :class:`EpisodeReady`."""
+    """Worker ``worker`` reset the envs asked; ``fresh``: the envs (by id) whose running trajectory no
+    undelivered step ends (see :class:`EpisodeReady`)."""
 
     worker: int
-    fresh: bool
+    fresh: tuple[int, ...]
 
 
 class WorkerFailed(NamedTuple):
@@ -128,8 +137,8 @@ class WorkerFailed(NamedTuple):
     error: BaseException
 
 
-Request = StepRequest | QuotaRequest | EpisodeRequest | ResetRequest | StopRequest
-Reply = StepReady | QuotaEnded | EpisodeReady | ResetDone | WorkerFailed
+Request = Grant | EpisodeRequest | ResetRequest | StopRequest
+Reply = Published | EpisodeReady | ResetDone | WorkerFailed
 
 
 # -- env thread -> worker process (over the block's pipe) ------------------------------------------------

@@ -94,7 +94,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,10 @@ def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_ste
         try:
             adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=validate,
                                           info_keys=info_keys))
+            if adapters[-1].rows > 1:
+                raise _Explained(f"the env factory makes a natively batched env of {adapters[-1].rows} envs, which "
+                                 "steps its batch in one call in the main process: pass num_workers=1 (each env thread "
+                                 "steps one batched env)")
         except BaseException as exc:
             raise EnvFailure(j, "create", "env", exc) from exc
     roots = []
@@ -518,6 +522,7 @@ class RemoteEnvs:
     """
 
     parallel = nan_checked = owned = False  # a Block stepped one process round at a time, closed by the pool
+    partial = True
 
     def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
         self.process, self.conn, self.rows = process, conn, rows
@@ -530,6 +535,7 @@ class RemoteEnvs:
         self.root: dict[NestedKey, np.ndarray] = {}
         self.reward = self.terminated = self.truncated = np.empty(0)
         self._keep: tuple[Any, ...] | None = None  # the shared tensors (the parent's references)
+        self._begun: Sequence[int] = ()  # the envs of the step in progress
         self.busy_env = -1  # as EnvBlock's: read by the driver's step_timeout check
         self.busy_phase = "step"
         self.busy_since = 0.0
@@ -563,8 +569,12 @@ class RemoteEnvs:
             failure.process = self.index
             raise
 
-    def send_step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
-        """First half of :meth:`step`: write the ``n`` envs' inputs to rows ``0:n`` and send the request."""
+    # A step (the Block protocol, :class:`~lightning_rollout.loop.block.Block`): one round trip for the block,
+    # rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results. The worker process
+    # checks every step's observations itself (``check_nan`` is not used).
+    def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Write the ``n`` envs' inputs to rows ``0:n`` and send the request: the child steps them now."""
+        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
         n = len(envs)
         for k, buf in self.inputs.items():
             buf[:n] = inputs[k]
@@ -572,29 +582,29 @@ class RemoteEnvs:
             self.conn.send_bytes(_STEP_ALL)
         else:
             self.conn.send(StepEnvs(tuple(envs)))
+        self._begun = envs
 
-    def finish_step(self, n: int, out: dict[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
-                    truncated: np.ndarray, stop: threading.Event | None) -> None:
-        """Second half of :meth:`step`: wait for the reply, copy rows ``0:n`` of the results out."""
-        self._reply(stop)
+    def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> Sequence[int]:
+        """Wait for the child's reply (polling ``stop``): every env begun ended. Raises :class:`EnvFailure`."""
+        try:
+            self._reply(stop)
+        except BaseException:
+            self.busy_since = 0.0
+            raise
+        return self._begun
+
+    def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
+               ) -> tuple[Sequence[int], EnvFailure | None]:
+        """Copy rows ``0:n`` of the results out."""
+        n = len(envs)
         for k, buf in out.items():
             buf[...] = self.next[k][:n]
         rewards[:] = self.reward[:n]
         terminated[:] = self.terminated[:n]
         truncated[:] = self.truncated[:n]
-
-    def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event, *,
-             check_nan: bool = True) -> None:
-        """:meth:`EnvBlock.step <lightning_rollout.loop.block.EnvBlock.step>` in the worker process: one round
-        trip for the block, rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results.
-        The worker process checks every step's observations itself (``check_nan`` is not used)."""
-        self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
-        try:
-            self.send_step(inputs, envs)
-            self.finish_step(len(envs), out, rewards, terminated, truncated, stop)
-        finally:
-            self.busy_since = 0.0
+        self.busy_since = 0.0
+        return envs, None
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
         self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
@@ -603,6 +613,9 @@ class RemoteEnvs:
         finally:
             self.busy_since = 0.0
         return {k: v[0].copy() for k, v in self.root.items()}
+
+    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, np.ndarray]]:
+        return [self.reset(j, None, stop) for j in envs]
 
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
         return self._call(RandomAction(j, columns), stop)
@@ -614,8 +627,8 @@ class LocalEnvs:
     Built in the main process like a worker's block (envs created and first reset at
     construction, an :class:`~lightning_rollout.loop.block.EnvBlock` once the loop's column
     layout is known, :meth:`attach`), and used like a :class:`RemoteEnvs` part: it is the first
-    part of the loop's one :class:`RemoteGroup`, where :meth:`send_step` only keeps the request
-    and :meth:`finish_step` steps the envs, so they step while the children step theirs.
+    part of the loop's one :class:`RemoteGroup`, where :meth:`begin` only keeps the request
+    and :meth:`finish` steps the envs, so they step while the children step theirs.
     Errors are :class:`EnvFailure` without a process index.
 
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
@@ -629,7 +642,6 @@ class LocalEnvs:
         self.validate = validate
         self.adapters: list[EnvAdapter] = []
         self.block: EnvBlock | None = None
-        self._sent: tuple[dict[NestedKey, np.ndarray], Sequence[int]] | None = None
         try:
             self.ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
                                      info_keys=info_keys)
@@ -658,16 +670,21 @@ class LocalEnvs:
     def busy_since(self) -> float:
         return self.block.busy_since if self.block is not None else 0.0
 
-    def send_step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
-        """First half of a group's step: keep the request (the envs step in :meth:`finish_step`)."""
-        self._sent = (inputs, envs)
+    def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Keep the request: the envs step in :meth:`finish`, once the children were sent theirs."""
+        assert self.block is not None
+        self.block.begin(inputs, envs)
 
-    def finish_step(self, n: int, out: dict[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
-                    truncated: np.ndarray, stop: threading.Event | None) -> None:
-        """Second half of a group's step: step the envs kept by :meth:`send_step`, in this thread."""
-        assert self._sent is not None and self.block is not None
-        (inputs, envs), self._sent = self._sent, None
-        self.block.step(inputs, envs, out, rewards, terminated, truncated, stop)
+    def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> Sequence[int]:
+        assert self.block is not None
+        return self.block.ended(stop, every=every)
+
+    def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
+               ) -> tuple[Sequence[int], EnvFailure | None]:
+        """Step the envs kept by :meth:`begin`, in this thread (raises :class:`EnvFailure`)."""
+        assert self.block is not None
+        return self.block.finish(envs, out, rewards, terminated, truncated)
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
         assert self.block is not None
@@ -704,10 +721,14 @@ class RemoteGroup:
     """
 
     parallel = nan_checked = owned = False  # as RemoteEnvs
+    partial = True
 
     def __init__(self, parts: Sequence[tuple[int, RemoteEnvs | LocalEnvs]]) -> None:
         self.parts = list(parts)
         self.rows = sum(part.rows for _, part in self.parts)
+        self._shares: list[tuple[int, RemoteEnvs | LocalEnvs, slice]] = []  # the step in progress
+        self._begun: Sequence[int] = ()
+        self._stop: threading.Event | None = None
         self.busy_env = -1
         self.busy_phase = "step"
         self.busy_since = 0.0
@@ -725,11 +746,10 @@ class RemoteGroup:
         shifted.process = failure.process
         return shifted
 
-    def step(self, inputs: dict[NestedKey, np.ndarray], envs: Sequence[int], out: dict[NestedKey, np.ndarray],
-             rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, stop: threading.Event, *,
-             check_nan: bool = True) -> None:
-        """Step ``envs`` (ascending) as :meth:`RemoteEnvs.step`, every part concurrently; every part checks
-        its observations each step (``check_nan`` is not used)."""
+    # A step of ``envs`` (ascending; the Block protocol): every part is sent its share in :meth:`begin`, the
+    # main process's part steps in :meth:`finish`, then every reply is read (pipes stay in step); each part
+    # checks its observations each step (``check_nan`` is not used).
+    def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
         shares = []  # (offset, part, rows of this call it takes)
         i = 0
         for offset, part in self.parts:
@@ -739,22 +759,34 @@ class RemoteGroup:
             if i > start:
                 shares.append((offset, part, slice(start, i)))
         self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
+        self._shares, self._begun = shares, envs
+        for offset, part, rows in shares:
+            part.begin({k: v[rows] for k, v in inputs.items()}, [j - offset for j in envs[rows]])
+
+    def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> Sequence[int]:
+        """Every env begun (they end in :meth:`finish`, which waits for the parts polling ``stop``)."""
+        self._stop = stop
+        return self._begun
+
+    def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
+               ) -> tuple[Sequence[int], EnvFailure | None]:
+        """Step the main process's part here, then gather every part's results (raises :class:`EnvFailure`,
+        renumbered to the block, for the first part that failed)."""
+        failure: EnvFailure | None = None
         try:
-            sent = []
-            failure: EnvFailure | None = None
-            for offset, part, rows in shares:
-                part.send_step({k: v[rows] for k, v in inputs.items()}, [j - offset for j in envs[rows]])
-                sent.append((offset, part, rows))
-            for offset, part, rows in sent:  # the local part steps here; every reply is read (pipes stay in step)
+            for offset, part, rows in self._shares:
                 try:
-                    part.finish_step(rows.stop - rows.start, {k: v[rows] for k, v in out.items()}, rewards[rows],
-                                     terminated[rows], truncated[rows], stop)
+                    part_envs = part.ended(self._stop, every=True)
+                    part.finish(part_envs, {k: v[rows] for k, v in out.items()}, rewards[rows], terminated[rows],
+                                truncated[rows])
                 except EnvFailure as exc:
                     failure = failure or self._shifted(exc, offset)
-            if failure is not None:
-                raise failure
         finally:
             self.busy_since = 0.0
+        if failure is not None:
+            raise failure
+        return envs, None
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
         offset, part = self._part(j)
@@ -765,6 +797,9 @@ class RemoteGroup:
             raise self._shifted(exc, offset) from exc.cause
         finally:
             self.busy_since = 0.0
+
+    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, np.ndarray]]:
+        return [self.reset(j, None, stop) for j in envs]
 
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
         offset, part = self._part(j)

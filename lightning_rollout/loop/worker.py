@@ -1,45 +1,57 @@
-"""The env-side loop: one thread per block of ``envs_per_thread`` envs.
+"""The env-side loop: one thread per block of ``envs_per_thread`` envs, one step driver.
 
-An env thread (``lightning_rollout-<name>-env<i>``, a daemon) runs a :class:`Worker`
-that owns its envs' running state: each env's current root entries (``cur``,
-TorchRL's carrier as one row per env), counters, two staging slots, and the envs
-themselves: an :class:`~lightning_rollout.loop.block.EnvBlock` in this process
-(stepped by this thread, or by its helper threads with ``parallel_steps``), or, with
-worker processes, a :class:`~lightning_rollout.loop.process.RemoteEnvs` block in a
-worker process, or a :class:`~lightning_rollout.loop.process.RemoteGroup` of parts in
-several processes (the main process's share, a
-:class:`~lightning_rollout.loop.process.LocalEnvs`, among them). All take the same
-calls. It answers the driver's requests (:mod:`lightning_rollout.loop.messages`): a
-step of the whole block into a slot, a quota of steps straight into the driver's
-batch, a reset, or one fresh episode of one env. What it reads of its loop is a
-:class:`WorkerContext`, fixed once the loop is built; the driver holds a worker
-active with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`. Each step asks the autobatching policy for the block's
-rows, steps the envs, writes the transition into its columns with one vectorised
-write per key, and advances the envs' root entries as TorchRL's ``step_mdp`` does: after
-a step of the whole block, the next step copies its root rows straight from the
-``"next"`` rows that step wrote (``Worker._carry``), one copy a step; ``cur``, the
-envs' root entries held apart, is brought up to date only when something else reads
-it (a step of part of the block, a reset) and before a quota's batch is reported.
+An env thread (``lightning_rollout-<name>-env<i>``, a daemon) runs a :class:`Worker`. It owns its
+block of envs (a :class:`~lightning_rollout.loop.block.Block`: in this process, stepped by this
+thread or its helper threads, or in worker processes), their running counters, and the storage
+its steps are written to (:class:`~lightning_rollout.loop.buffers.Steps`, time-major, one row per
+env). Steps are numbered per worker from 0. Row ``t`` holds step ``t``: the root entries the
+policy and the env read, the policy's outputs, the env's ``"next"`` entries and the loop's
+bookkeeping. When step ``t`` ends, the root entries of step ``t + 1`` are written into row
+``t + 1`` (copied from step ``t``'s ``"next"`` entries, as TorchRL's ``step_mdp`` carries them,
+or a reset's for an env that was done): the next step reads its inputs where they lie.
 
-With ``parallel_steps="free"`` a block stepped in helper threads runs its envs free
-within a quota: each env's next step starts as soon as its last one ended and the
-policy answered it, so a slow step holds back its own env only
-(:meth:`Worker._run_quota_free`). Its other requests step the block in lock-step.
+One step driver. The driver gives a worker a :class:`~.messages.Grant`: it may take the worker's
+steps up to ``end``. :meth:`Worker._advance` writes steps until they reach a target, and
+everything else is a target:
 
-Runs and settling. A step writes only what the next step needs: the root entries the
-policy and the env read, the policy's outputs and version, the env's ``"next"``
-entries, and its rewards and flags into the run's scratch rows. Everything that
-follows from those (TorchRL's ``done``, ``is_init``, ``step_count`` and
-``episode_reward`` of a gymnasium env, the env ids, the statistics column of events,
-the counters) is written by :meth:`Worker._settle` once for a whole run of steps,
-vectorised over time: a quota settles when it ends (cut, failed or stopped too), a
-single step (a slot, an episode's step, a free-running env's step) at once.
-``quota_end`` counts settled steps only; a driver that
-gives up on a hung worker settles its steps itself (:meth:`Worker.settle`, under
-``_settle_lock``, which orders it with the worker's own settling). The observations of
-an in-process gymnasium block are checked for NaN once a quota, at settling, the
-earliest NaN failing its step as if checked there (an error raised later in the quota
-gives way to it).
+* a grant: its end; the worker answers :class:`~.messages.Published` once the steps are
+  settled (below), or after the step in progress when the driver cuts the grant short (the
+  loop's ``cut`` flag);
+* double batching (``lookahead``): once a grant is done the worker advances one step more, to
+  ``end + 1``, and parks; the next grant finds that step written (acted with the weights of
+  its time: one step of policy lag after an update), so inference and env work for the next
+  batch overlap the driver's consumption of this one. With ``lookahead=False`` no step is
+  written before it is granted;
+* an episode (:class:`~.messages.EpisodeRequest`): env ``j`` alone, from a reset, into a
+  storage of its own that grows, until the step that ends the episode;
+* free-running (``parallel_steps="free"``, a block whose envs step in helper threads): each
+  env advances to the target at its own pace, its next step starting as soon as its last one
+  ended and the policy answered it; the policy is asked once for all the envs that ended since
+  its last call, for the whole block (the rows of envs still stepping are computed and
+  dropped, so it sees one batch size).
+
+A step of envs ``envs`` is one pass through :meth:`Worker._step`: act (the policy, or a random
+action), ``block.begin`` / ``block.ended`` / ``block.finish`` (the one route to the envs), then
+:meth:`Worker._stepped` (per-step counters, where the loop's episode cap or a policy needs them)
+and the root entries of the next step.
+
+Settling. A step writes only what the next step needs: the root entries the policy and the env
+read, the policy's outputs and version, the env's ``"next"`` entries, its reward and flags.
+Everything that follows from those (TorchRL's ``done``, ``is_init``, ``step_count`` and
+``episode_reward`` of a gymnasium env, the episode's return and length so far, the counters) is
+written by :meth:`Worker._settle_rows` once for a run of steps, vectorised over time: before
+steps are published, at least every ``_SETTLE_EVERY`` steps, and where the storage wraps
+around. ``published`` counts settled steps handed to the driver; a driver that gives up on a
+hung worker settles its steps itself (:meth:`Worker.settle`, under ``_settle_lock``, which
+orders it with the worker's own settling). The observations of an in-process gymnasium block
+are checked for NaN once a run, at settling, the earliest NaN failing its step as if checked
+there (an error raised later in the run gives way to it).
+
+The storage's rows are the driver's to read once published and until it says (in its next
+request) it copied them out; the worker writes a row again only after that, and holds a
+request's ``capacity`` rows, so a grant never waits for the driver. A worker reads of its loop
+only a :class:`WorkerContext`, fixed once the loop is built; the driver holds a worker active
+with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`.
 """
 
 from __future__ import annotations
@@ -53,27 +65,25 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ..envs import EnvAdapter
 from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
 from .block import Block, EnvBlock, EnvFailure
-from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _S_DONE, _S_LENGTH, _S_RETURN, _S_REWARD, _S_TERMINATED,
-                      _S_TRUNCATED, _STATS, _TRAJ, _VERSION, Layout, check_entries)
-from .messages import (EpisodeReady, EpisodeRequest, QuotaEnded, QuotaRequest, Reply, Request, ResetDone,
-                       ResetRequest, StepReady, StepRequest, StopRequest, WorkerFailed)
+from .buffers import (_GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRUNCATED, _VERSION, Layout, Steps,
+                      check_entries)
+from .messages import (EpisodeReady, EpisodeRequest, Grant, Published, Reply, Request, ResetDone, ResetRequest,
+                       StopRequest, WorkerFailed)
 
 if TYPE_CHECKING:
     from torchrl.envs.utils import ExplorationType
 
     from ..policy import AutobatchPolicy
-    from .process import RemoteEnvs, RemoteGroup
 
 __all__ = ["Worker", "WorkerContext"]
 
 _POLL_S = 0.05
-# A quota settles its steps (and looks for NaN in their observations) at least this often: it bounds the
-# scratch rows of a run and how long a NaN observation goes unreported.
+# A run settles its steps (and looks for NaN in their observations) at least this often: it bounds how long
+# a NaN observation goes unreported.
 _SETTLE_EVERY = 128
 # The "next" entries of a gymnasium env the loop writes itself (TorchRL's done flags, StepCounter, RewardSum and
 # InitTracker): all settled, none written by a step.
@@ -121,60 +131,13 @@ def _episode_counts(rewards: np.ndarray, done: np.ndarray, step_count: np.ndarra
     return count, returns, before
 
 
-class _Run:
-    """Steps of a worker's envs written and not settled yet (see :meth:`Worker._settle`).
-
-    Step ``t`` of the run's envs is in ``cols[k][t]`` (time-major columns: one row per env, row ``r`` for
-    env ``envs[r]``), its rewards and flags in row ``t - t0`` of ``rewards``, ``terminated`` and
-    ``truncated`` (scratch rows for ``steps`` steps, reused once settled). Steps ``t0`` to ``t - 1`` are
-    written and not settled; ``step_count``, ``episode_reward`` and ``is_init`` are the envs' root counters
-    and flag at step ``t0``. With per-step counters (``Worker._count_each_step``), ``count`` and
-    ``reward_sum`` run along with the steps.
-    """
-
-    __slots__ = ("cols", "envs", "sel", "t0", "t", "rewards", "terminated", "truncated", "step_count",
-                 "episode_reward", "is_init", "count", "reward_sum", "quota", "defer_nan")
-
-    def __init__(self, worker: Worker, cols: dict[NestedKey, np.ndarray], t: int, steps: int,
-                 envs: Sequence[int], *, quota: bool = False,
-                 results: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
-        self.cols, self.envs = cols, envs
-        rows = len(envs)
-        # every env of the block, in order (a range): counters and ``cur`` are then used without indexing
-        self.sel: slice | list[int] = slice(None) if isinstance(envs, range) and rows == worker.rows else list(envs)
-        if results is None:
-            results = (np.empty((steps, rows)), np.empty((steps, rows), dtype=bool),
-                       np.empty((steps, rows), dtype=bool))
-        self.rewards, self.terminated, self.truncated = results  # [steps, rows] each, given or to be written
-        self.quota = quota  # a quota's run: its done envs are reset before it settles
-        self.defer_nan = quota and worker._nan_later  # its observations are looked for NaN when it settles
-        self.restart(worker, t)
-
-    def restart(self, worker: Worker, t: int) -> None:
-        """Begin anew at step ``t`` (nothing unsettled), from the worker's counters as they are now; the
-        scratch rows are reused (a slot's run, one step at a time). A run of several steps keeps copies of
-        them (resets within it zero the worker's); any other run settles its step before a reset, so views
-        of the worker's own do."""
-        self.t0 = self.t = t
-        sel = self.sel
-        self.step_count = worker.step_count[sel]  # copies when ``sel`` indexes, else views
-        self.episode_reward = worker.episode_reward[sel]
-        is_init = worker.cur.get("is_init") if worker.ctx.layout.loop_keys else None
-        self.is_init = None if is_init is None else is_init[sel, 0]
-        if isinstance(sel, slice) and self.quota:
-            self.step_count, self.episode_reward = self.step_count.copy(), self.episode_reward.copy()
-            self.is_init = None if self.is_init is None else self.is_init.copy()
-        self.count = self.step_count.copy() if worker._count_each_step else None
-        self.reward_sum = self.episode_reward.copy() if worker._count_each_step else None
-
-
 @dataclass(frozen=True)
 class WorkerContext:
     """What every env thread of a loop reads, fixed once the loop is built: the loop builds one, after its probe
     laid out the columns, and hands it to each :class:`Worker`; a worker holds no reference to its loop.
 
     ``ready``, ``stop`` and ``cut`` are the loop's own, shared by all its workers: the queue of replies
-    (:mod:`lightning_rollout.loop.messages`), the loop's closing flag and the driver's "end the quota after
+    (:mod:`lightning_rollout.loop.messages`), the loop's closing flag and the driver's "end the grant after
     this step" flag. The key lists name the columns a step reads: the policy's inputs (``input_cols``; the
     root done flags it reads, which have no column, ``input_done``) and the env's (``env_inputs``,
     ``env_input_done``).
@@ -194,110 +157,89 @@ class WorkerContext:
     exploration_type: ExplorationType
     lookahead: bool
     validate: bool
-    parallel_steps: bool
     free_steps: bool
     max_episode_steps: int | None
-    step_timeout: float | None
     random_steps_per_env: int
     torch_threads: int  # torch.get_num_threads() of the thread that built the loop (a forward may run here)
     blocks: int  # env threads in the loop
 
 
 class Worker:
-    """One env thread: ``len(envs)`` envs stepped together, autobatched with other workers.
+    """One env thread: ``len(env_ids)`` envs stepped together, autobatched with other workers.
 
     Args:
         ctx: the loop's :class:`WorkerContext`.
         index: this worker's index in the loop (its replies name it).
         env_ids: the loop's ids of the block's envs.
+        block: the envs (a :class:`~lightning_rollout.loop.block.Block`, built by the loop).
         first_roots: ``{env_id: (seed, root)}``, the construction's reset of each env, used by the thread's first
             reset of that env when it has the same seed (this worker's own: it pops them).
-        adapters, remote: the envs, in this process (stepped by this thread) or in worker processes.
     """
 
-    def __init__(self, ctx: WorkerContext, index: int, env_ids: list[int], *,
-                 first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]],
-                 adapters: list[EnvAdapter] | None = None, remote: RemoteEnvs | RemoteGroup | None = None) -> None:
+    def __init__(self, ctx: WorkerContext, index: int, env_ids: list[int], *, block: Block,
+                 first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]]) -> None:
         self.ctx = ctx
         self.index = index
+        self.envs = block
         self._first_roots = first_roots
         self._seed: int | None = None  # the loop's seed when the thread starts (env i: seed + i)
         layout = ctx.layout
-        # The block's envs: in-process (stepped by this thread) or in worker processes.
-        self.envs: Block = remote if remote is not None else EnvBlock(
-            adapters or [], validate=ctx.validate, checked_next=layout.checked_next if ctx.validate else {},
-            checked_root=layout.checked_root if ctx.validate else {},
-            zero_done={k: layout.keys.done[k] for k in ctx.env_input_done}, parallel=ctx.parallel_steps,
-            name=ctx.name, env_ids=env_ids, watched=ctx.step_timeout is not None)
         self.env_ids = env_ids
-        self.env_id_array = np.asarray(env_ids, dtype=np.int64)
         self.rows = len(env_ids)
-        self.slots = [layout.allocate(self.rows), layout.allocate(self.rows)]
-        # A block stepped in helper threads runs its envs free within a quota (_run_quota_free): the
-        # rows of one policy call, the rows of the steps that ended together, and the entries each
-        # writes into the batch (known before the step, and the step's result).
-        self._free_cols: tuple[dict[NestedKey, np.ndarray], dict[NestedKey, np.ndarray]] | tuple[()] = ()
-        self._pre_keys: list[NestedKey] = []
-        self._post_keys: list[NestedKey] = []
-        if ctx.free_steps and self.envs.parallel:
-            self._free_cols = (layout.allocate(self.rows), layout.allocate(self.rows))
-            post = {next_key(k) for k in layout.keys.next} - set(layout.out_keys) | {_ENV_ID, _STATS}
-            self._post_keys = [k for k in layout.specs if k in post]
-            self._pre_keys = [k for k in layout.specs if k not in post and k != _TRAJ]
-        # Each env's current root entries (TorchRL's carrier, one row per env); root done flags are false.
-        self.cur = {k: np.zeros((self.rows, *s.shape), s.dtype) for k, s in layout.carried.items()}
-        # After a step of the whole block the advanced entries are not copied into ``cur``: ``_carry`` holds
-        # views of the rows that step wrote (its "next" entries) and the next step's root rows are copied
-        # from there, one copy a step. While ``_carry`` is set it, not ``cur``, holds those entries;
-        # ``_settle_carry`` copies it into ``cur`` before anything else reads or writes them, and before a
-        # batch is handed over.
-        # A gymnasium env's loop entries (is_init, step_count, episode_reward) are not advanced with the others:
-        # settling carries them into ``cur`` (or, with ``_count_each_step``, each step does).
-        loop_keys = set(_GYM_LOOP_KEYS) if layout.loop_keys else set()
-        advance = [(k, src) for k, src in layout.advance if k not in loop_keys]
-        self._advance = advance
-        self._carry: dict[NestedKey, np.ndarray] | None = None
-        self.zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
+        self._all = range(self.rows)
+        # The storage the driver reads (a ring of ``capacity`` steps, resized by a grant) and the step counters:
+        # steps 0 to t - 1 are written, t0 to t - 1 not settled yet, 0 to published - 1 handed to the driver.
+        # The root entries of step t are in row t.
+        self.steps = Steps(layout, self.rows, 3)
+        self.t = 0
+        self.t0 = 0
+        self.published = 0
+        self.granted = 0
+        self._consumed = 0  # the driver copied out steps 0 to _consumed - 1 and _taken rows of step _consumed
+        self._taken = 0
+        # The envs' root counters at step t0 (a gymnasium env's StepCounter / RewardSum / InitTracker entries).
         self.step_count = np.zeros(self.rows, dtype=np.int64)
         self.episode_reward = np.zeros(self.rows, dtype=np.float64)
-        self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps since start, per env (settled steps)
+        self.is_init = np.ones(self.rows, dtype=bool)
+        self.steps_done = np.zeros(self.rows, dtype=np.int64)  # env steps settled since start, per env
         self.random_left = np.full(self.rows, ctx.random_steps_per_env, dtype=np.int64)
         self._random_steps = ctx.random_steps_per_env > 0  # some env still acts at random
-        self._out_shapes = [(k, layout.specs[k].shape) for k in layout.out_keys]  # what each answer row holds
-        # What a step writes and what settling does (see the module docs). A gymnasium env's loop entries are
-        # settled, and carried into ``cur`` there, unless the policy reads them: then a step keeps them in
-        # ``cur`` itself (``_count_each_step``, which the loop's own episode cap needs too).
+        self._out_shapes = [(k, layout.step_specs[k].shape) for k in layout.out_keys]  # what each answer row holds
+        # A gymnasium env's loop entries (is_init, step_count, episode_reward) are settled, not carried by a step,
+        # unless the policy reads them: then each step writes them for the next (``_count_each_step``, which the
+        # loop's own episode cap needs too) into ``_count`` / ``_reward_sum``, the counts after the last step.
+        loop_keys = set(_GYM_LOOP_KEYS) if layout.loop_keys else set()
         self._loop_inputs = bool(loop_keys & set(ctx.input_cols))
         self._count_each_step = self._loop_inputs or bool(loop_keys and ctx.max_episode_steps is not None)
-        settled = {_ENV_ID, _STATS, _TRAJ}
-        if loop_keys:
-            settled |= set(_LOOP_NEXT) | (set() if self._loop_inputs else loop_keys)
-        self._step_keys = [k for k in layout.specs if k not in settled]
-        # the columns _settle writes (a free-running quota's run of one step views only these)
-        self._settle_keys = [k for k in layout.specs
-                             if k in (_ENV_ID, _STATS) or (loop_keys and (k in _LOOP_NEXT or k in loop_keys))]
-        self._load_keys = [k for k in self.cur if k not in settled]  # root entries a step copies from ``cur``
+        self._count = np.zeros(self.rows, dtype=np.int64)
+        self._reward_sum = np.zeros(self.rows, dtype=np.float64)
+        self._advance_pairs = [(k, src) for k, src in layout.advance if k not in loop_keys]
         self._root_keys = list(layout.keys.root)  # what a reset gives
-        self._slot_runs: list[_Run] = []  # each slot's run of one step (its columns as one time step), reused
-        # NaN in an in-process gymnasium block's observations is looked for once a quota (see _settle).
-        self._nan_later = self.envs.nan_checked
-        self._run: _Run | None = None  # the lock-step run in progress (its steps are not settled yet)
+        self._zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
+        # The columns settling writes (a free-running group's step views only these), and a free-running block's
+        # rows of one policy call (``_pre``) and of the steps that ended together (``_post``).
+        self._settle_keys = [_REWARD, _TERMINATED, _TRUNCATED, _RETURN, _LENGTH]
+        if layout.loop_keys:
+            self._settle_keys += [*_LOOP_NEXT, *_GYM_LOOP_KEYS]
+        self._free = ctx.free_steps and block.parallel
+        self._pre = layout.allocate(self.rows, steps=True) if self._free else {}
+        self._post = layout.allocate(self.rows, steps=True) if self._free else {}
+        self._post_keys = [k for k in layout.step_specs if k in self._settle_keys or k in
+                           {nk for _, nk in layout.env_next_pairs}]
+        self._nan_later = block.nan_checked  # NaN in its observations is looked for once a run (see _settle)
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.agent: Agent = ctx.policy.register(self.rows, env_ids=tuple(env_ids))
-        self.quota_end = 0  # after a quota request: the first time index it did not write
         self.abandoned = False  # set by the driver when a call exceeded step_timeout
-        self.pending_error: CollectionError | None = None  # raised once the steps before it are delivered
+        self.pending_error: CollectionError | None = None  # raised once the steps before it are published
         # The agent counts as active while this thread works (``_working``) or while the driver
-        # holds it (``_held``: a step request sent, its answer not yet consumed and decided on), so
-        # a worker the driver is about to ask again is waited for: with autobatch_size == num_envs
-        # every flush then has all envs (lock-step), instead of whichever thread woke first.
+        # holds it (``_held``: a grant sent, its answer not yet consumed and decided on), so a worker
+        # the driver is about to ask again is waited for: with autobatch_size == num_envs every
+        # flush then has all envs (lock-step), instead of whichever thread woke first.
         self._gate = threading.Lock()
         self._working = True
         self._held = False
-        self._on_envs = False  # a free-running block waiting for its envs' steps (see _run_quota_free)
-        self._slot_runs = [_Run(self, {k: v[None] for k, v in slot.items()}, 0, 1, range(self.rows))
-                           for slot in self.slots]
+        self._on_envs = False  # a free-running block waiting for its envs' steps (see _run_free)
         self.thread = threading.Thread(target=self._main, name=f"lightning_rollout-{ctx.name}-env{env_ids[0]}",
                                        daemon=True)
 
@@ -308,15 +250,14 @@ class Worker:
 
     @property
     def held(self) -> bool:
-        """Whether the driver holds this worker active (a request sent, its answer not yet decided on)."""
+        """Whether the driver holds this worker active (a grant sent, its answer not yet decided on)."""
         return self._held
 
     def set_held(self, held: bool) -> None:
         """The driver holds (or stops holding) this worker active: see ``_set_activity``."""
         self._set_activity(held=held)
 
-    # -- helpers ---------------------------------------------------------------------
-    # What the driver's step_timeout check reads (the env call in progress, if any).
+    # -- what the driver's step_timeout check reads (the env call in progress, if any) --------------
     @property
     def busy_since(self) -> float:
         """``perf_counter()`` when the env call in progress started; 0.0 when none is."""
@@ -330,10 +271,213 @@ class Worker:
     def busy_phase(self) -> str:
         return self.envs.busy_phase
 
-    def _reset_env(self, j: int, seed: int | None = None) -> None:
+    def step_index(self, j: int) -> int:
+        """Env ``j``'s steps so far, the unsettled steps of the run in progress counted: the index of its next
+        step (any thread; a stale read is at most one step behind)."""
+        return int(self.steps_done[j]) + max(0, self.t - self.t0)
+
+    # -- the thread ------------------------------------------------------------------------------
+    def _main(self) -> None:
         ctx = self.ctx
-        if self._carry is not None:
-            self._settle_carry()
+        torch.set_num_threads(ctx.torch_threads)  # the creating thread's setting (a forward may run here)
+        # Env steps and policy calls run without autograd, as in TorchRL's collector (its rollout is under
+        # torch.no_grad()); set once for the thread, not around every call.
+        torch.set_grad_enabled(False)
+        try:
+            first = self.steps.row(0)
+            for j in self._all:
+                seed = None if self._seed is None else self._seed + self.env_ids[j]
+                self._reset_env(j, seed, first, j)
+            while True:
+                if self.pending_error is None:  # (a failed reset after a done step: no step until it is raised)
+                    if self.t < self.granted:  # steps owed to the driver
+                        self._advance(self.granted)
+                        continue
+                    if ctx.lookahead and self.t == self.granted and \
+                            self.t + 2 <= self._consumed + self.steps.capacity:
+                        self._advance(self.t + 1)  # the step ahead (double batching), published by the next grant
+                        continue
+                request = self._wait_request()
+                if request is None:
+                    return
+                if isinstance(request, Grant):
+                    self._grant(request)
+                    continue
+                self._raise_pending()
+                if isinstance(request, ResetRequest):
+                    self._delivered(request.consumed, request.taken)
+                    fresh = []
+                    for env_id, seed in request.items:
+                        j = self.env_ids.index(env_id)
+                        if not self._cut_episode(j):
+                            fresh.append(env_id)
+                        self._reset_env(j, seed, self.steps.row(self.t), j)
+                    ctx.ready.put(ResetDone(self.index, tuple(fresh)))
+                else:
+                    assert isinstance(request, EpisodeRequest)
+                    self._run_episode(request)
+        except _Stopped:
+            return
+        except BaseException as exc:  # forwarded to the driver, which re-raises it
+            if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
+                j = max(self.busy_env, 0)
+                wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
+                                   step=self.step_index(j), phase="step")
+                wrapped.__cause__ = exc
+                exc = wrapped
+            ctx.ready.put(WorkerFailed(self.index, exc))
+        finally:
+            self.agent.close()
+            if self.envs.owned:  # the blocks of a loop with worker processes are closed by its pool
+                self.envs.close()
+
+    def _wait_request(self) -> Request | None:
+        self._set_activity(working=False)
+        try:
+            while True:
+                try:
+                    request = self.requests.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self.ctx.stop.is_set():
+                        return None
+                    continue
+                return None if isinstance(request, StopRequest) else request
+        finally:
+            self._set_activity(working=True)
+
+    def _delivered(self, consumed: int, taken: int) -> None:
+        """The driver copied out steps ``0`` to ``consumed - 1`` and ``taken`` rows of step ``consumed``."""
+        self._consumed, self._taken = consumed, taken
+
+    def _grant(self, grant: Grant) -> None:
+        """Take a grant: hold its capacity (keeping the steps the driver has not copied out, and the next root
+        entries), raise the end, and answer at once when the steps are written already (the step ahead). A
+        failure kept for after a step is raised instead of the answer (``WorkerFailed``), that step published
+        (``published``) for the driver to keep."""
+        self._delivered(grant.consumed, grant.taken)
+        if grant.capacity > self.steps.capacity:
+            self.steps.resize(grant.capacity, grant.consumed, self.t + 1)
+        self.granted = max(self.granted, grant.end)
+        if self.pending_error is not None:  # a reset failed after the step written ahead: it is kept, then raised
+            self.published = max(self.published, min(self.t, self.granted))
+            self._raise_pending()
+        if self.t >= self.granted:  # written ahead: the grant's steps are all there
+            self._publish(self.granted, cut=False)
+
+    def _publish(self, end: int, *, cut: bool) -> None:
+        """Hand steps up to ``end`` (settled) to the driver."""
+        self.published = max(self.published, end)
+        if cut:
+            self.granted = end
+        self.ctx.ready.put(Published(self.index, end, cut))
+
+    # -- the one step driver -----------------------------------------------------------------------
+    def _advance(self, target: int) -> None:
+        """Write steps until every env has ``target`` of them (see the module docs); publish them when they were
+        granted. Stops early after the step in progress when the driver cuts a grant, and raises when the loop
+        is closing or a step failed (its settled steps are published for the driver first, without a reply)."""
+        ctx = self.ctx
+        cut, stop = ctx.cut, ctx.stop
+        granted = target <= self.granted
+        stopped = False
+        try:
+            if self._free and target - self.t > 1:
+                stopped = self._run_free(target)
+            else:
+                store, envs = self.steps, self._all
+                while self.t < target:
+                    t = self.t
+                    done = self._step(store, t, envs, slice(None), check_nan=not self._nan_later)
+                    self.t = t + 1
+                    self._reset_done(done, store.row(t + 1))
+                    if self.t - self.t0 >= _SETTLE_EVERY or self.t % store.capacity == 0:
+                        self._settle_steps()
+                    if self.pending_error is not None:
+                        break
+                    if granted and cut.is_set():
+                        stopped = True
+                        break
+                    if stop.is_set():  # the loop is closing (an error elsewhere, Ctrl-C): leave within one step
+                        raise _Stopped()
+        finally:  # settled, and the granted ones kept for the driver whatever happened (it reads ``published``)
+            with self._settle_lock:
+                failure = self._settle_locked()
+                self.published = max(self.published, min(self.t0, self.granted))
+            if failure is not None:
+                raise failure  # an earlier step's NaN observation: it fails first, whatever ended the run
+        if granted:
+            self._raise_pending()  # instead of the answer: the driver keeps the published steps (see finally)
+            self._publish(self.t, cut=stopped)
+
+    def _step(self, store: Steps, t: int, envs: Sequence[int], sel: slice | list[int], *,
+              check_nan: bool = True) -> np.ndarray:
+        """One step of ``envs`` (block indices; all at step ``t`` of ``store``, whose row has a column for each
+        of them, in order): act, step the envs, write the root entries of step ``t + 1``. Returns the done flags
+        (those envs are not reset yet). ``sel`` selects them in the worker's per-env arrays; ``check_nan=False``
+        leaves the NaN check of a block that allows it to settling."""
+        ctx = self.ctx
+        row = store.row(t)
+        self._act(row, envs)
+        block = self.envs
+        try:
+            block.begin({k: row[k] for k in ctx.env_inputs}, envs)
+            block.ended(ctx.stop, every=True)
+            failure = block.finish(envs, {k: row[nk] for k, nk in ctx.layout.env_next_pairs}, row[_REWARD],
+                                   row[_TERMINATED], row[_TRUNCATED], check_nan=check_nan)[1]
+        except EnvFailure as exc:
+            failure = exc
+        if failure is not None:
+            raise self._failure_error(failure) from failure.cause
+        done = self._stepped(row, sel)
+        store.ensure(t + 1)
+        nxt = store.row(t + 1)
+        for k, src in self._advance_pairs:
+            nxt[k][...] = row[src]
+        if self._loop_inputs:  # the policy reads them at the next step
+            nxt["is_init"][...] = False
+            nxt["step_count"][:, 0] = self._count[sel]
+            nxt["episode_reward"][:, 0] = self._reward_sum[sel]
+        return done
+
+    def _stepped(self, row: Mapping[NestedKey, np.ndarray], sel: slice | list[int] | np.ndarray) -> np.ndarray:
+        """What a step does once its results are in ``row`` (envs ``sel`` of the worker's arrays): the per-step
+        counters when kept (the loop's episode cap truncates here). Returns the done flags."""
+        terminated, truncated = row[_TERMINATED], row[_TRUNCATED]
+        if not self._count_each_step:
+            return terminated | truncated
+        count = self._count[sel] + 1
+        reward_sum = self._reward_sum[sel] + row[_REWARD]
+        cap = self.ctx.max_episode_steps
+        if cap is not None:
+            truncated |= count >= cap
+        done = terminated | truncated
+        self._count[sel] = np.where(done, 0, count)  # a done env's episode starts again (its reset's root)
+        self._reward_sum[sel] = np.where(done, 0.0, reward_sum)
+        return done
+
+    def _reset_done(self, done: np.ndarray, nxt: dict[NestedKey, np.ndarray]) -> None:
+        """Reset the block's envs whose last step was done (their root entries into ``nxt``, the next step's row).
+
+        A reset that fails after a done step does not lose that step: the error is kept in
+        ``pending_error`` and raised once the step is published."""
+        envs = done.nonzero()[0].tolist()  # (ndarray.any and np.flatnonzero cost more, through Python)
+        if not envs:
+            return
+        try:
+            roots = self.envs.reset_many(envs, self.ctx.stop)  # all at once: one call for a batched env
+        except EnvFailure as failure:  # that env has no next root: nothing more is stepped before it is raised
+            error = self._failure_error(failure)
+            error.__cause__ = failure.cause
+            self.pending_error = error
+            return
+        for j, root in zip(envs, roots):
+            self._write_root(root, nxt, j)
+
+    def _reset_env(self, j: int, seed: int | None, row: dict[NestedKey, np.ndarray], col: int, *,
+                   counters: bool = True) -> None:
+        """Reset env ``j``, writing its root entries into column ``col`` of ``row`` (the step that starts its
+        episode). ``counters``: zero its counters too (a reset outside a run; within one, settling does)."""
+        ctx = self.ctx
         # the construction's reset, if still valid (the loop keeps each env's until its thread starts it)
         first = self._first_roots.pop(self.env_ids[j], None) if self._first_roots else None
         if first is not None and first[0] == seed:
@@ -344,13 +488,21 @@ class Worker:
                 root = self.envs.reset(j, seed, ctx.stop)
             except EnvFailure as failure:
                 raise self._failure_error(failure) from failure.cause
-        cur = self.cur
+        self._write_root(root, row, col)
+        if counters:
+            self.step_count[j] = 0
+            self.episode_reward[j] = 0.0
+            self.is_init[j] = True
+            self._count[j] = 0
+            self._reward_sum[j] = 0.0
+
+    def _write_root(self, root: Mapping[NestedKey, Any], row: dict[NestedKey, np.ndarray], col: int) -> None:
+        """A reset's root entries into column ``col`` of ``row``; the policy's carried entries start from zeros,
+        as a primer's."""
         for k in self._root_keys:
-            cur[k][j] = root[k]
-        for k in ctx.layout.policy_carried:  # recurrent state and kept outputs start from zeros, as a primer's
-            cur[k][j] = 0
-        self.step_count[j] = 0
-        self.episode_reward[j] = 0.0
+            row[k][col] = root[k]
+        for k in self.ctx.layout.policy_carried:
+            row[k][col] = 0
 
     def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
         """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
@@ -359,21 +511,14 @@ class Worker:
             if problem is not None:
                 raise EnvError(problem, env_id=self.env_ids[j], step=self.step_index(j), phase="check")
 
-    def step_index(self, j: int) -> int:
-        """Env ``j``'s steps so far, the unsettled steps of the quota in progress counted: the index of its
-        next step (any thread; a stale read is at most one step behind)."""
-        run = self._run
-        if run is None:
-            return int(self.steps_done[j])
-        return int(self.steps_done[j]) + run.t - run.t0
-
-    def _act(self, cols: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
-        """Fill the policy outputs of ``cols`` (one row per env of ``envs``, which step together: all or none
+    # -- acting ------------------------------------------------------------------------------------
+    def _act(self, row: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
+        """Fill the policy outputs of ``row`` (one row per env of ``envs``, which step together: all or none
         of them are still on random steps)."""
         if self._random_steps and self.random_left[envs[0]] > 0:
-            self._act_random(cols, 0, len(envs), envs)
+            self._act_random(row, 0, len(envs), envs)
         else:
-            self._act_policy(cols, envs)
+            self._act_policy(row, envs)
 
     def _act_random(self, cols: dict[NestedKey, np.ndarray], r0: int, rows: int, envs: Sequence[int]) -> None:
         """A uniformly random action for each of envs ``envs`` in rows ``r0:r0+rows`` (its other outputs
@@ -394,7 +539,7 @@ class Worker:
         ctx = self.ctx
         inputs = {k: cols[k] for k in ctx.input_cols}
         for k in ctx.input_done:  # root done flags: false (no column)
-            inputs[k] = self.zero_done[k][:len(envs)]
+            inputs[k] = self._zero_done[k][:len(envs)]
         try:
             answer = self.agent.act(inputs, exploration_type=ctx.exploration_type, stop=ctx.stop)
         except PolicyError as exc:  # name this env and its step (the shared error names only the batch)
@@ -421,333 +566,232 @@ class Worker:
         where = "" if failure.process is None else f" (in worker process {failure.process})"
         return EnvError(f"{failure}{where}", env_id=env_id, step=step, phase=failure.phase)
 
-    def _step_block(self, cols: dict[NestedKey, np.ndarray], run: _Run) -> np.ndarray:
-        """Step the run's envs with the actions in ``cols`` (the rows of step ``run.t``); write the env's
-        entries there and its rewards and flags into the run's row (see :meth:`_stepped`). Returns the done
-        flags."""
-        ctx = self.ctx
-        i = run.t - run.t0
-        try:
-            self.envs.step({k: cols[k] for k in ctx.env_inputs}, run.envs,
-                           {k: cols[nk] for k, nk in ctx.layout.env_next_pairs}, run.rewards[i],
-                           run.terminated[i], run.truncated[i], ctx.stop, check_nan=not run.defer_nan)
-        except EnvFailure as failure:
-            raise self._failure_error(failure) from failure.cause
-        return self._stepped(cols, run, i)
-
-    def _stepped(self, cols: Mapping[NestedKey, np.ndarray], run: _Run, i: int) -> np.ndarray:
-        """What a step does once its env entries are in ``cols`` (the rows of the run's envs) and its rewards
-        and flags in the run's row ``i``: the per-step counters when kept (the loop's episode cap truncates
-        here), ``cur`` advanced. Returns the done flags."""
-        terminated, truncated = run.terminated[i], run.truncated[i]
-        sel = run.sel
-        count = run.count
-        if count is None:
-            done = terminated | truncated
-        else:
-            reward_sum = run.reward_sum
-            assert reward_sum is not None
-            count += 1
-            reward_sum += run.rewards[i]
-            cap = self.ctx.max_episode_steps
-            if cap is not None:
-                truncated |= count >= cap
-            done = terminated | truncated
-            if self._loop_inputs:  # the policy reads them at the next step
-                cur = self.cur
-                cur["is_init"][sel] = False
-                cur["step_count"][sel, 0] = count
-                cur["episode_reward"][sel, 0] = reward_sum
-            count[done] = 0
-            reward_sum[done] = 0.0
-        if isinstance(sel, slice):  # the whole block: the next step reads them where this one wrote them
-            self._carry = {k: cols[src] for k, src in self._advance}
-        else:
-            self._settle_carry()
-            cur = self.cur
-            for k, src in self._advance:
-                cur[k][sel] = cols[src]
-        return done
-
-    def _settle(self, run: _Run) -> CollectionError | None:
-        """Write the bookkeeping of the run's unsettled steps (``t0`` to ``t - 1``), vectorised over them:
-        the env ids, the statistics column, a gymnasium env's done flags, ``is_init``, ``step_count`` and
-        ``episode_reward`` (root and ``"next"``, exactly as adding the rewards step by step gives them), and
-        this worker's counters and ``cur``'s loop entries. With ``run.defer_nan`` it first looks for NaN in
-        those steps' observations: the earliest step holding one, and every step after it, are dropped
-        (``run.t`` is cut there) and its error is returned, naming its lowest env."""
-        t0, t1 = run.t0, run.t
-        failure: CollectionError | None = None
-        if run.defer_nan and t1 > t0:
-            found = cast(EnvBlock, self.envs).find_nan(run.cols["next", "observation"][t0:t1], run.envs)  # nan_checked
-            if found is not None:
-                t1 = run.t = t0 + found[0]
-                failure = self._failure_error(found[1])  # step_index: steps_done counts the settled steps
-        n = t1 - t0
-        if n <= 0:
-            return failure
-        cols, sel = run.cols, run.sel
-        rewards, terminated, truncated = run.rewards[:n], run.terminated[:n], run.truncated[:n]
-        done = terminated | truncated
-        count, returns, before = _episode_counts(rewards, done, run.step_count, run.episode_reward)
-        length = count + 1  # the "next" step count: the episode's length so far
-        if self.ctx.layout.loop_keys:
-            rows = slice(t0, t1)
-            cols["next", "reward"][rows, :, 0] = rewards
-            cols["next", "terminated"][rows, :, 0] = terminated
-            cols["next", "truncated"][rows, :, 0] = truncated
-            cols["next", "done"][rows, :, 0] = done
-            cols["next", "is_init"][rows] = False
-            cols["next", "step_count"][rows, :, 0] = length
-            cols["next", "episode_reward"][rows, :, 0] = returns
-            is_init = cols["is_init"][rows, :, 0]
-            is_init[0] = run.is_init
-            if n > 1:
-                is_init[1:] = done[:-1]
-            cols["step_count"][rows, :, 0] = count
-            cols["episode_reward"][rows, :, 0] = before
-        cols[_ENV_ID][t0:t1] = self.env_id_array[sel]
-        stats = cols[_STATS][t0:t1]
-        stats[..., _S_REWARD] = rewards
-        stats[..., _S_RETURN] = returns
-        stats[..., _S_LENGTH] = length
-        stats[..., _S_TERMINATED] = terminated
-        stats[..., _S_TRUNCATED] = truncated
-        stats[..., _S_DONE] = done
-        last = done[-1]
-        self.steps_done[sel] += n
-        run.step_count = np.where(last, 0, length[-1])
-        run.episode_reward = np.where(last, 0.0, returns[-1])
-        run.is_init = last
-        self.step_count[sel] = run.step_count
-        self.episode_reward[sel] = run.episode_reward
-        if self.ctx.layout.loop_keys and not self._loop_inputs:  # carried here, not by each step
-            cur = self.cur
-            cur["is_init"][sel, 0] = last
-            cur["step_count"][sel, 0] = run.step_count
-            cur["episode_reward"][sel, 0] = run.episode_reward
-        run.t0 = t1
-        return failure
-
-    def settle(self, *, last: bool = False) -> CollectionError | None:
-        """Settle the steps of the quota in progress written so far (see :meth:`_settle`) and bring
-        ``quota_end`` to them; returns the error of the earliest NaN observation found. ``last``: the quota
-        ends (this thread). Thread-safe: a driver that gave up on this worker (a hung env) calls it to keep
-        the worker's complete steps; a no-op without a quota in progress."""
-        with self._settle_lock:
-            run = self._run
-            if run is None:
-                return None
-            failure = self._settle(run)
-            self.quota_end = run.t0
-            if last or failure is not None:  # a NaN ends the quota there: nothing after it is settled
-                self._run = None
-            return failure
-
-    def _settle_carry(self) -> None:
-        """Copy the advanced entries still read from the last step's rows into ``cur`` (see ``_carry``)."""
-        carry, self._carry = self._carry, None
-        if carry is not None:
-            for k, v in carry.items():
-                self.cur[k][...] = v
-
-    def _load_root(self, cols: dict[NestedKey, np.ndarray], sel: slice | list[int],
-                   keys: Sequence[NestedKey] | None = None) -> None:
-        """Write the current root entries ``keys`` (default: those a step reads, ``_load_keys``) of envs
-        ``sel`` into ``cols`` (one row per env; the advanced ones from the last step's rows while ``_carry`` holds
-        them: a whole block reads them there, part of one settles first)."""
-        cur, carry = self.cur, self._carry
-        if isinstance(sel, slice):  # every env: ``cur`` as it is, no indexing
-            for k in self._load_keys if keys is None else keys:
-                cols[k][...] = cur[k] if carry is None or k not in carry else carry[k]
-            return
-        if carry is not None:
-            self._settle_carry()
-        for k in self._load_keys if keys is None else keys:
-            cols[k][...] = cur[k][sel]
-
-    def _compute(self, run: _Run, cols: dict[NestedKey, np.ndarray] | None = None) -> np.ndarray:
-        """One step of the run's envs at ``run.t`` (written, not settled; ``run.t`` advanced); returns its
-        done flags (those envs are not reset yet: :meth:`_reset_done`). ``cols``: that step's rows when the
-        caller has them (a slot), else views of the run's columns."""
-        t = run.t
-        if cols is None:
-            cols = {k: run.cols[k][t] for k in self._step_keys}
-        self._load_root(cols, run.sel)
-        self._act(cols, run.envs)
-        done = self._step_block(cols, run)
-        run.t = t + 1
-        return done
-
-    def _reset_done(self, run: _Run, done: np.ndarray) -> None:
-        """Reset the run's envs whose last step was done.
-
-        A reset that fails after a done step does not lose that step: the error is kept in
-        ``pending_error`` and raised by :meth:`_raise_pending` once the block is delivered."""
-        for i in done.nonzero()[0].tolist():  # (ndarray.any and np.flatnonzero cost more, through Python)
-            try:
-                self._reset_env(run.envs[i])
-            except EnvError as exc:
-                self.pending_error = exc
-                return  # the env has no next root: nothing more is stepped before the error is raised
-
-    def _compute_slot(self, slot: int) -> None:
-        """One step of every env of this worker into slot ``slot``, settled (then the done envs reset)."""
-        run = self._slot_runs[slot]
-        run.restart(self, 0)
-        done = self._compute(run, self.slots[slot])
-        self._settle(run)
-        self._reset_done(run, done)
-
     def _raise_pending(self) -> None:
-        """Raise the error of a reset that failed in a block just delivered (see :meth:`_compute`)."""
+        """Raise the error of a reset that failed after a done step (once that step is published)."""
         error, self.pending_error = self.pending_error, None
         if error is not None:
             raise error
 
-    def _run_quota(self, out: dict[NestedKey, np.ndarray], start: int, count: int, staged: int | None) -> int | None:
-        """Write up to ``count`` steps of this worker's envs into ``out[:, w, :, start:]`` (the driver's
-        batch, which it does not read until this worker reports), as one run settled at its end; stop early
-        when the driver cuts. Keeps ``quota_end`` at the first time index not settled yet; returns the staged
-        slot left (None)."""
-        end = start + count
-        cut, stop = self.ctx.cut, self.ctx.stop
-        by_time = {k: v[self.index].swapaxes(0, 1) for k, v in out.items()}  # [T, rows, ...]
-        self.quota_end = start
-        run = _Run(self, by_time, start, min(count, _SETTLE_EVERY), range(self.rows), quota=True)
+    # -- settling ----------------------------------------------------------------------------------
+    def _settle_rows(self, cols: Mapping[NestedKey, np.ndarray], sel: slice | list[int] | np.ndarray, n: int
+                     ) -> None:
+        """Write the bookkeeping of ``n`` consecutive steps of envs ``sel`` whose rows are ``cols`` (``[n, m,
+        ...]`` views), vectorised over them: the episode's return and length so far, a gymnasium env's done
+        flags, ``is_init``, ``step_count`` and ``episode_reward`` (root and ``"next"``, exactly as adding the
+        rewards step by step gives them), and this worker's counters."""
+        rewards, terminated, truncated = cols[_REWARD][:n], cols[_TERMINATED][:n], cols[_TRUNCATED][:n]
+        done = terminated | truncated
+        is_init_before = self.is_init[sel]
+        count, returns, before = _episode_counts(rewards, done, self.step_count[sel].copy(),
+                                                 self.episode_reward[sel].copy())
+        length = count + 1  # the "next" step count: the episode's length so far
+        if self.ctx.layout.loop_keys:
+            cols["next", "reward"][:n, :, 0] = rewards
+            cols["next", "terminated"][:n, :, 0] = terminated
+            cols["next", "truncated"][:n, :, 0] = truncated
+            cols["next", "done"][:n, :, 0] = done
+            cols["next", "is_init"][:n] = False
+            cols["next", "step_count"][:n, :, 0] = length
+            cols["next", "episode_reward"][:n, :, 0] = returns
+            is_init = cols["is_init"][:n, :, 0]
+            is_init[0] = is_init_before
+            if n > 1:
+                is_init[1:] = done[:-1]
+            cols["step_count"][:n, :, 0] = count
+            cols["episode_reward"][:n, :, 0] = before
+        cols[_RETURN][:n] = returns
+        cols[_LENGTH][:n] = length
+        last = done[-1]
+        self.steps_done[sel] += n
+        self.step_count[sel] = np.where(last, 0, length[-1])
+        self.episode_reward[sel] = np.where(last, 0.0, returns[-1])
+        self.is_init[sel] = last
+
+    def _settle_steps(self) -> None:
+        """Settle steps ``t0`` to ``t - 1`` of the storage (see :meth:`_settle_rows`), in runs of consecutive rows;
+        with a NaN in their observations (a block that leaves that check to here), the earliest step holding one
+        and every step after it are dropped (``t`` is cut there) and its error is raised, naming its lowest env."""
         with self._settle_lock:
-            self._run = run
+            failure = self._settle_locked()
+        if failure is not None:
+            raise failure
+
+    def _settle_locked(self) -> CollectionError | None:
+        store, failure = self.steps, None
+        for a, b in store.spans(self.t0, self.t):
+            n = b - a
+            if self._nan_later:
+                found = cast(EnvBlock, self.envs).find_nan(store.cols["next", "observation"][a:b], self._all)
+                if found is not None:  # the steps from the NaN on are not kept; the error names the NaN's step
+                    n = found[0]
+                    self.t = self.t0 + n
+                    failure = self._failure_error(found[1])
+            if n > 0:
+                self._settle_rows({k: store.cols[k][a:a + n] for k in self._settle_keys}, slice(None), n)
+                self.t0 += n
+            if failure is not None:
+                break
+        return failure
+
+    def settle(self) -> None:
+        """Settle the steps written so far and publish them (without a reply): a driver that gave up on this
+        worker (a hung env) calls it to keep the worker's complete steps. Thread-safe."""
+        with self._settle_lock:
+            self._settle_locked()
+            self.published = max(self.published, min(self.t0, self.granted))
+
+    # -- episodes, resets ------------------------------------------------------------------------------
+    def _cut_episode(self, j: int) -> bool:
+        """Env ``j``'s running episode ends at its last step when the driver has not copied that step out yet:
+        it is marked truncated (and done). Returns whether it was (else the env's next steps start a new
+        trajectory for the driver)."""
+        t = self.t - 1
+        if t < self._consumed or (t == self._consumed and j < self._taken):
+            return False
+        row = self.steps.row(t)
+        if not (row[_TERMINATED][j] or row[_TRUNCATED][j]):
+            row[_TRUNCATED][j] = True
+            for k in self.ctx.layout.done_keys:
+                name = k[-1] if isinstance(k, tuple) else k
+                if name in ("done", "truncated"):
+                    row[next_key(k)][j] = True
+        return True
+
+    def _run_episode(self, request: EpisodeRequest) -> None:
+        """A fresh episode on one env alone, into a storage of its own; the others of this worker wait."""
+        ctx = self.ctx
+        self._delivered(request.consumed, request.taken)
+        j = self.env_ids.index(request.env_id)
+        fresh = not self._cut_episode(j)
+        store = Steps(ctx.layout, 1, 64, grow=True)
+        self.agent.set_rows(1)
+        saved = self.t, self.t0  # the episode's steps are numbered in its own storage
         try:
-            while run.t < end:
-                if staged is not None:  # the lookahead step, computed and settled before the request: first
-                    src = self.slots[staged]
-                    for k, v in by_time.items():
-                        v[run.t] = src[k]
-                    staged = None
-                    run.t0 = run.t = run.t + 1
-                else:
-                    self._reset_done(run, self._compute(run))
-                    if run.t - run.t0 == len(run.rewards):  # the scratch rows are full: settle them
-                        failure = self.settle()
-                        if failure is not None:
-                            raise failure
-                if self.pending_error is not None or cut.is_set():
+            self._reset_env(j, None, store.row(0), 0)
+            self.t = self.t0 = 0  # step_index: env j's settled steps (each step settles at once)
+            t = 0
+            while True:
+                done = bool(self._step(store, t, (j,), [j])[0])
+                self._settle_rows({k: store.cols[k][t:t + 1] for k in self._settle_keys}, [j], 1)
+                t += 1
+                if done:
                     break
-                if stop.is_set():  # the loop is closing (an error elsewhere, Ctrl-C): leave within one step
+                if ctx.stop.is_set():
                     raise _Stopped()
         finally:
-            failure = self.settle(last=True)
-            self._settle_carry()  # the batch is the caller's once reported: the carrier no longer reads it
-            if failure is not None:
-                raise failure  # an earlier step's NaN observation: it fails first, whatever stopped the quota
-        self._raise_pending()
-        return staged
+            self.t, self.t0 = saved
+            self.agent.set_rows(self.rows)
+        # Without an undelivered step to end it, the driver starts a new trajectory for the env's next steps.
+        ctx.ready.put(EpisodeReady(self.index, request.request_index, request.env_id, store, t, fresh))
+        self._reset_env(j, None, self.steps.row(self.t), j)
 
-    def _run_quota_free(self, out: dict[NestedKey, np.ndarray], start: int, count: int,
-                        staged: int | None) -> None:
-        """:meth:`_run_quota` for a block whose envs step in helper threads: every env runs free.
+    # -- free-running blocks -------------------------------------------------------------------------
+    def _run_free(self, target: int) -> bool:
+        """:meth:`_advance` for a block whose envs step in helper threads: every env runs free to ``target``.
 
-        Each env's next step starts as soon as its last one ended and the policy answered it; the
-        policy is asked once for all the envs that ended since its last call (one wake-up may report
-        several). So a slow step holds back only its own env, not the block, until the quota's end,
-        where every env has written ``count`` steps. Env ``j``'s step goes straight to
-        ``out[:, w, j, t_j]``: the entries known before the step when it starts, the step's result when
-        it ends. ``quota_end`` is the first time index some env has not written yet. When the driver
-        cuts, envs stop at the time index the furthest one reaches (the others catch up: every env
-        delivers the same number of steps, and no env steps beyond what is delivered). When an env
-        fails (its step, its checks, or its reset after a done step), it stops there and the others
-        catch up to it before the error is raised, so its complete steps are delivered, as in
-        lock-step; a policy error is raised at once."""
-        ctx, layout = self.ctx, self.ctx.layout
-        envs = cast(EnvBlock, self.envs)  # free-running: a parallel block, an EnvBlock
-        w, end, n_env = self.index, start + count, self.rows
+        Each env's next step starts as soon as its last one ended and the policy answered it; the policy is
+        asked once for all the envs that ended since its last call. So a slow step holds back only its own
+        env, not the block. Env ``j``'s step goes to its own row ``t_j`` of the storage. When the driver cuts,
+        envs stop at the step the furthest one reaches (the others catch up: every env delivers the same
+        number of steps). When an env fails (its step, its checks, or its reset after a done step), it stops
+        there and the others catch up to it before the error is raised, so its complete steps are delivered;
+        a policy error is raised at once. Each group of steps that ended together settles at once. Returns
+        whether the driver cut the run."""
+        ctx, layout, store = self.ctx, self.ctx.layout, self.steps
+        envs = self.envs
         cut, stop = ctx.cut, ctx.stop
-        t = np.full(n_env, start, dtype=np.int64)  # each env's next time index
-        self.quota_end = start
-        if staged is not None:  # the lookahead step computed before the request: every env's first step
-            src = self.slots[staged]
-            for k, v in out.items():
-                v[w, :, start] = src[k]
-            t += 1
-            self.quota_end = start + 1
-            self._raise_pending()
-        target = start if cut.is_set() else end  # every env stops at this time index
-        flying = np.zeros(n_env, dtype=bool)
-        pre, post = self._free_cols
+        granted = target <= self.granted
+        start = self.t
+        t = np.full(self.rows, start, dtype=np.int64)  # each env's next step
+        stopped = granted and cut.is_set()
+        end = start if stopped else target  # every env stops at this step
+        flying = np.zeros(self.rows, dtype=bool)
+        pre, post = self._pre, self._post
         park = ctx.blocks > 1  # let other blocks' requests flush while this one waits on its envs
-        ready = list(range(n_env))
-        while True:
-            ready = [j for j in ready if t[j] < target]
-            if ready:
-                self._start_free(out, pre, t, ready)
-                flying[ready] = True
-            if not flying.any():
-                break
-            if park:
-                self._set_activity(on_envs=True)
-            try:
-                ended = sorted(envs.ended(stop))
-            finally:
+        cols = store.cols
+        ready = list(self._all)
+        try:
+            while True:
+                ready = [j for j in ready if t[j] < end]
+                if ready:
+                    self._start_free(pre, t, ready)
+                    flying[ready] = True
+                if not flying.any():
+                    break
                 if park:
-                    self._set_activity(on_envs=False)
-            flying[ended] = False
-            m = len(ended)
-            results = np.empty((1, m)), np.empty((1, m), dtype=bool), np.empty((1, m), dtype=bool)
-            written, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs},
-                                           *(a[0] for a in results))
-            if failure is not None:  # that env stops here; the others catch up to it
-                self._fail_free(self._failure_error(failure), failure.cause)
-                target = min(target, int(t[failure.j]))
-            m, idx = len(written), np.asarray(written, dtype=np.int64)
-            # the ended steps as a run of one step of envs ``written`` (row i: env written[i]), settled at once
-            run = _Run(self, {k: post[k][None, :m] for k in self._settle_keys}, 0, 1, written,
-                       results=tuple(a[:, :m] for a in results))  # type: ignore[arg-type]
-            done = self._stepped({src: post[src][:m] for _, src in self._advance}, run, 0)
-            run.t = 1
-            self._settle(run)
-            rows_t = t[idx]
-            for k in self._post_keys:
-                out[k][w, idx, rows_t] = post[k][:m]
-            t[idx] += 1
-            ready = written  # next: their next steps (those still short of the target)
-            for i in np.flatnonzero(done):
-                j = written[i]
+                    self._set_activity(on_envs=True)
                 try:
-                    self._reset_env(j)
-                except EnvError as exc:  # its done step is kept: the others catch up to it
-                    self._fail_free(exc, exc.__cause__)
-                    target = min(target, int(t[j]))
-            self.quota_end = int(t.min())
-            if cut.is_set() and target == end:  # stop where the furthest env gets to
-                target = int((t + flying).max())
-            if stop.is_set():
-                raise _Stopped()
-        self._raise_pending()
+                    ended = sorted(envs.ended(stop))
+                finally:
+                    if park:
+                        self._set_activity(on_envs=False)
+                flying[ended] = False
+                m = len(ended)
+                written, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs},
+                                               post[_REWARD][:m], post[_TERMINATED][:m], post[_TRUNCATED][:m])
+                if failure is not None:  # that env stops here; the others catch up to it
+                    self._fail_free(self._failure_error(failure), failure.cause)
+                    end = min(end, int(t[failure.j]))
+                m = len(written)
+                if m:
+                    idx = np.asarray(written, dtype=np.int64)
+                    rows = t[idx] % store.capacity
+                    done = self._stepped({k: post[k][:m] for k in (_REWARD, _TERMINATED, _TRUNCATED)}, idx)
+                    self._settle_rows({k: post[k][None, :m] for k in self._settle_keys}, idx, 1)
+                    for k in self._post_keys:
+                        cols[k][rows, idx] = post[k][:m]
+                    nxt = (t[idx] + 1) % store.capacity
+                    for k, src in self._advance_pairs:
+                        cols[k][nxt, idx] = post[src][:m] if src in post and src in self._post_keys \
+                            else cols[src][rows, idx]
+                    if self._loop_inputs:
+                        cols["is_init"][nxt, idx] = False
+                        cols["step_count"][nxt, idx, 0] = self._count[idx]
+                        cols["episode_reward"][nxt, idx, 0] = self._reward_sum[idx]
+                    t[idx] += 1
+                    for i in np.flatnonzero(done):
+                        j = written[i]
+                        try:
+                            self._reset_env(j, None, store.row(int(t[j])), j, counters=False)
+                        except EnvError as exc:  # its done step is kept: the others catch up to it
+                            self._fail_free(exc, exc.__cause__)
+                            end = min(end, int(t[j]))
+                ready = list(written)  # next: their next steps (those still short of the end)
+                self.published = max(self.published, min(int(t.min()), self.granted))
+                if granted and cut.is_set() and not stopped:  # stop where the furthest env gets to
+                    stopped = True
+                    end = int((t + flying).max())
+                if stop.is_set():
+                    raise _Stopped()
+        finally:
+            self.t = self.t0 = int(t.min())
+        return stopped
 
     def _fail_free(self, error: CollectionError, cause: BaseException | None) -> None:
-        """Keep the first error of a free-running quota, raised once every env reached the failed one."""
+        """Keep the first error of a free-running run, raised once every env reached the failed one."""
         if self.pending_error is None:
             if cause is not None and error.__cause__ is None:
                 error.__cause__ = cause
             self.pending_error = error
 
-    def _start_free(self, out: dict[NestedKey, np.ndarray], pre: dict[NestedKey, np.ndarray], t: np.ndarray,
-                    ready: list[int]) -> None:
-        """Act for envs ``ready`` and start their steps (see :meth:`_run_quota_free`); row ``j`` of
-        ``pre`` is env ``j``. The policy is asked for the whole block, the rows of envs still stepping
-        computed and dropped: it sees the same batch size on every call, as in lock-step (what a
-        compiled or CUDA-graphed policy, or one that squeezes its batch, needs)."""
-        w, random_left = self.index, self.random_left
-        self._load_root(pre, slice(None), keys=list(self.cur))  # every root entry: ``cur`` is settled
+    def _start_free(self, pre: dict[NestedKey, np.ndarray], t: np.ndarray, ready: list[int]) -> None:
+        """Act for envs ``ready`` and start their steps (see :meth:`_run_free`); row ``j`` of ``pre`` is env
+        ``j``. The policy is asked for the whole block, the rows of envs still stepping computed and dropped: it
+        sees the same batch size on every call, as in lock-step (what a compiled or CUDA-graphed policy, or one
+        that squeezes its batch, needs)."""
+        cols, random_left, capacity = self.steps.cols, self.random_left, self.steps.capacity
+        rows = t % capacity
+        everyone = np.arange(self.rows)
+        for k in self.ctx.layout.carried:  # every env's root entries, each from its own step's row
+            pre[k][...] = cols[k][rows, everyone]
         if any(random_left[j] <= 0 for j in ready):
-            self._act_policy(pre, range(self.rows))
+            self._act_policy(pre, self._all)
         for j in ready:
             if random_left[j] > 0:
                 self._act_random(pre, j, 1, (j,))
         idx = np.asarray(ready)
-        rows_t = t[idx]
-        for k in self._pre_keys:
-            out[k][w, idx, rows_t] = pre[k][idx]
+        for k in (*self.ctx.layout.out_keys, _VERSION):
+            cols[k][rows[idx], idx] = pre[k][idx]
         try:
             self.envs.begin({k: pre[k][idx] for k in self.ctx.env_inputs}, ready)
         except EnvFailure as failure:
@@ -769,125 +813,3 @@ class Worker:
                 self.agent.unpark()
             else:
                 self.agent.park()
-
-    def _wait_request(self) -> Request | None:
-        self._set_activity(working=False)
-        try:
-            while True:
-                try:
-                    request = self.requests.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if self.ctx.stop.is_set():
-                        return None
-                    continue
-                return None if isinstance(request, StopRequest) else request
-        finally:
-            self._set_activity(working=True)
-
-    def _cut(self, staged: int | None, j: int) -> None:
-        """Env ``j``'s running episode ends at its staged (undelivered) step: mark it truncated."""
-        if staged is not None:
-            cols = self.slots[staged]
-            if not cols[_STATS][j, _S_DONE]:
-                cols[_STATS][j, _S_TRUNCATED] = 1
-                cols[_STATS][j, _S_DONE] = 1
-                for k in self.ctx.layout.done_keys:
-                    name = k[-1] if isinstance(k, tuple) else k
-                    if name in ("done", "truncated"):
-                        cols[next_key(k)][j] = True
-
-    def _run_episode(self, j: int, request_index: int, staged: int | None) -> None:
-        """A fresh episode on env ``j`` alone; the others of this worker wait."""
-        ctx = self.ctx
-        self._cut(staged, j)
-        self.agent.set_rows(1)
-        try:
-            self._reset_env(j)
-            capacity = 64
-            cols = ctx.layout.allocate(capacity)
-            by_time = {k: v[:, None] for k, v in cols.items()}  # [T, 1, ...]: step t is row 0 of by_time[k][t]
-            t = 0
-            while True:
-                if t == capacity:
-                    grown = ctx.layout.allocate(capacity * 2)
-                    for k, v in cols.items():
-                        grown[k][:capacity] = v
-                    cols, capacity = grown, capacity * 2
-                    by_time = {k: v[:, None] for k, v in cols.items()}
-                run = _Run(self, by_time, t, 1, (j,))
-                done = bool(self._compute(run)[0])
-                self._settle(run)
-                t += 1
-                if done:
-                    break
-                if ctx.stop.is_set():
-                    raise _Stopped()
-            # With a staged step, that step (delivered later, done) ends the env's running trajectory;
-            # without one, the driver starts a new trajectory for the env's next steps.
-            ctx.ready.put(EpisodeReady(self.index, request_index, cols, t, staged is None))
-            self._reset_env(j)
-        finally:
-            self.agent.set_rows(self.rows)
-
-    def _main(self) -> None:
-        ctx = self.ctx
-        torch.set_num_threads(ctx.torch_threads)  # the creating thread's setting (a forward may run here)
-        # Env steps and policy calls run without autograd, as in TorchRL's collector (its rollout is under
-        # torch.no_grad()); set once for the thread, not around every call.
-        torch.set_grad_enabled(False)
-        try:
-            for j in range(self.rows):
-                seed = None if self._seed is None else self._seed + self.env_ids[j]
-                self._reset_env(j, seed)
-            slot = 0
-            staged: int | None = None
-            if ctx.lookahead:
-                self._compute_slot(slot)
-                staged = slot
-            while True:
-                request = self._wait_request()
-                if request is None:
-                    return
-                if isinstance(request, StepRequest):
-                    if staged is None:
-                        self._compute_slot(slot)
-                    ctx.ready.put(StepReady(self.index, slot))
-                    self._raise_pending()
-                    slot ^= 1
-                    staged = None
-                    if ctx.lookahead:
-                        self._compute_slot(slot)
-                        staged = slot
-                elif isinstance(request, QuotaRequest):
-                    if self._free_cols:
-                        self._run_quota_free(request.out, request.start, request.count, staged)
-                        staged = None
-                    else:
-                        staged = self._run_quota(request.out, request.start, request.count, staged)
-                    ctx.ready.put(QuotaEnded(self.index, self.quota_end))
-                    if ctx.lookahead and staged is None:
-                        self._compute_slot(slot)
-                        staged = slot
-                elif isinstance(request, ResetRequest):
-                    for env_id, seed in request.items:
-                        j = self.env_ids.index(env_id)
-                        self._cut(staged, j)
-                        self._reset_env(j, seed)
-                    ctx.ready.put(ResetDone(self.index, staged is None))
-                else:
-                    assert isinstance(request, EpisodeRequest)
-                    self._run_episode(self.env_ids.index(request.env_id), request.request_index, staged)
-        except _Stopped:
-            return
-        except BaseException as exc:  # forwarded to the driver, which re-raises it
-            if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
-                j = max(self.busy_env, 0)
-                wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
-                                   step=self.step_index(j), phase="step")
-                wrapped.__cause__ = exc
-                exc = wrapped
-            ctx.ready.put(WorkerFailed(self.index, exc))
-        finally:
-            self.agent.close()
-            if self.envs.owned:  # the blocks of a loop with worker processes are closed by its pool
-                self.envs.close()
