@@ -444,8 +444,6 @@ class Block(Protocol):
             (``ended`` reports them as they end; :class:`EnvBlock` with helper threads).
         partial: a step may take some of its envs (every block but a natively batched env,
             :class:`~lightning_rollout.loop.native.NativeBlock`, whose envs step together).
-        nan_checked: a step may leave the NaN check of its observations to ``find_nan`` over many steps
-            (:class:`EnvBlock` only).
         owned: the worker's thread closes it (``False``: the loop's process pool does).
         busy_env, busy_phase, busy_since: the env call in progress (read by the driver's ``step_timeout``
             check).
@@ -453,7 +451,6 @@ class Block(Protocol):
 
     parallel: bool
     partial: bool
-    nan_checked: bool
     owned: bool
     busy_env: int
     busy_phase: str
@@ -467,8 +464,7 @@ class Block(Protocol):
         of those begun."""
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
-               ) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Write the results of the ended steps of ``envs`` into rows ``0, 1, ...``; returns the envs written
         and the first failure skipped, or raises the :class:`EnvFailure` that ends the whole step."""
 
@@ -591,25 +587,24 @@ class EnvBlock:
 
     def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
              rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-             stop: threading.Event | None = None, *, check_nan: bool = True) -> None:
+             stop: threading.Event | None = None) -> None:
         """One step of envs ``envs``, all of them: :meth:`begin`, :meth:`ended` for every one, :meth:`finish`.
         Row ``i`` of ``inputs`` is env ``envs[i]``'s; its ``"next"`` entries go to row ``i`` of ``out`` (keyed
         by the env's key, without ``"next"``), its reward and flags to ``rewards[i]``, ``terminated[i]``,
         ``truncated[i]``. Raises :class:`EnvFailure` (for the lowest env index that failed, as if stepped one
-        after the other). ``check_nan=False`` leaves the NaN check of the observations (see
-        :attr:`nan_checked`) to the caller's :meth:`find_nan`; every other check is made."""
+        after the other)."""
         self.begin(inputs, envs)
         self.ended(stop, every=True)
-        failure = self.finish(envs, out, rewards, terminated, truncated, check_nan=check_nan)[1]
+        failure = self.finish(envs, out, rewards, terminated, truncated)[1]
         if failure is not None:
             raise failure
 
     def _step_here(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int],
                    out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray, terminated: np.ndarray,
-                   truncated: np.ndarray, check_nan: bool) -> None:
+                   truncated: np.ndarray) -> None:
         """Step ``envs`` one after the other in this thread (see :meth:`step`); raises the first failure."""
         if self._gym:
-            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated, check_nan)
+            self._step_gym(inputs["action"], envs, out, rewards, terminated, truncated)
             return
         for i, (j, row) in enumerate(zip(envs, self._rows(inputs, len(envs)))):
             self._busy_env, self._busy_phase, self._busy_since = j, "step", time.perf_counter()
@@ -661,12 +656,11 @@ class EnvBlock:
         return ended
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *,
-               check_nan: bool = True) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Write the results of the ended steps of ``envs``, in order, into rows ``0, 1, ...`` of ``out``,
         ``rewards``, ``terminated`` and ``truncated`` (as :meth:`step` does). With helper threads, envs whose
-        step failed or whose result fails the checks (the NaN check left out with ``check_nan=False``) are
-        skipped; without, the envs step here, one after the other, and the first failure is raised.
+        step failed or whose result fails the checks are skipped; without, the envs step here, one after the
+        other, and the first failure is raised.
 
         Returns:
             The envs written (row ``i`` is ``written[i]``), and the failure of the first env of
@@ -678,7 +672,7 @@ class EnvBlock:
         if self._threads is None:  # step them now, in this thread; a failure ends the whole step
             assert self._pending is not None
             (inputs, _), self._pending = self._pending, None
-            self._step_here(inputs, envs, out, rewards, terminated, truncated, check_nan)
+            self._step_here(inputs, envs, out, rewards, terminated, truncated)
             return envs, None
         written: list[int] = []
         failure: EnvFailure | None = None
@@ -705,7 +699,7 @@ class EnvBlock:
                 failure = failure or exc
                 continue
             written.append(j)
-        bad = self._nan_rows(obs_out, len(written)) if gym and written and check_nan else None
+        bad = self._nan_rows(obs_out, len(written)) if gym and written else None
         if bad is not None:  # those envs fail their check: their rows are dropped, the others moved up
             nan = _nan_failure(written[int(bad.argmax())])
             if failure is None or list(envs).index(nan.j) < list(envs).index(failure.j):
@@ -778,26 +772,6 @@ class EnvBlock:
         """Whether observations written to ``obs_out`` are checked for NaN (validated float observations)."""
         return self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
 
-    @property
-    def nan_checked(self) -> bool:
-        """Whether a step checks the observations for NaN in one look for the block (gymnasium envs with one
-        float observation, validated), a look a caller may take later over many steps (:meth:`find_nan`)."""
-        return self._gym and self.validate and self._obs_spec is not None and self._obs_spec[1].kind == "f"
-
-    def find_nan(self, observations: np.ndarray, envs: Sequence[int]) -> tuple[int, EnvFailure] | None:
-        """The NaN check of steps made with ``check_nan=False``, for all of them at once. ``observations``:
-        ``[steps, len(envs), *shape]``, what those steps wrote (row ``i``: env ``envs[i]``). Returns the first
-        step holding a NaN and the failure of its lowest env (as that step's own check would have raised), or
-        ``None``."""
-        steps = observations.shape[0]
-        rows = steps * len(envs)
-        flat = observations.reshape(rows, -1)  # a copy when the columns are strided: once for all the steps
-        bad = self._nan_rows(flat, rows)
-        if bad is None:
-            return None
-        step, i = divmod(int(bad.argmax()), len(envs))
-        return step, _nan_failure(envs[i])
-
     def _nan_rows(self, obs_out: np.ndarray, n: int) -> np.ndarray | None:
         """Which of the first ``n`` rows of ``obs_out`` hold a NaN (``[n]`` bools), ``None`` when none does
         or the observations are not checked (see :meth:`_checks_nan`)."""
@@ -818,7 +792,7 @@ class EnvBlock:
             raise _nan_failure(envs[int(bad.argmax())])
 
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
-                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, check_nan: bool) -> None:
+                  rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
         """Gymnasium envs with one array observation, stepped in this thread: actions converted for the
         block at once, each ``env.step`` result written straight to its row, observations checked for
         the block."""
@@ -842,8 +816,7 @@ class EnvBlock:
                 obs_out[i] = obs
         finally:
             self._busy_since = 0.0
-        if check_nan:
-            self._check_nan(obs_out, envs)
+        self._check_nan(obs_out, envs)
 
     def close(self) -> None:
         """Stop the helper threads, close every env; errors are swallowed (closing must not hide the

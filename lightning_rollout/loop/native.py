@@ -45,7 +45,6 @@ class NativeBlock:
     """
 
     parallel = False  # every env of the batch ends with the batch's step
-    nan_checked = False
     owned = True
     partial = False  # it cannot step some of its envs alone
 
@@ -75,8 +74,7 @@ class NativeBlock:
         return self._all
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
-               ) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Step the batch with the inputs kept by :meth:`begin`; write its results (row ``i``: env ``i``).
 
         Raises:

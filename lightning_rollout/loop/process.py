@@ -521,7 +521,7 @@ class RemoteEnvs:
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
     """
 
-    parallel = nan_checked = owned = False  # a Block stepped one process round at a time, closed by the pool
+    parallel = owned = False  # a Block stepped one process round at a time, closed by the pool
     partial = True
 
     def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
@@ -571,7 +571,7 @@ class RemoteEnvs:
 
     # A step (the Block protocol, :class:`~lightning_rollout.loop.block.Block`): one round trip for the block,
     # rows ``0:n`` of the shared buffers carrying the ``n`` envs' inputs and results. The worker process
-    # checks every step's observations itself (``check_nan`` is not used).
+    # checks every step's observations itself.
     def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
         """Write the ``n`` envs' inputs to rows ``0:n`` and send the request: the child steps them now."""
         self.busy_env, self.busy_phase, self.busy_since = envs[0], "step", time.perf_counter()
@@ -594,8 +594,7 @@ class RemoteEnvs:
         return self._begun
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
-               ) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Copy rows ``0:n`` of the results out."""
         n = len(envs)
         for k, buf in out.items():
@@ -680,8 +679,7 @@ class LocalEnvs:
         return self.block.ended(stop, every=every)
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
-               ) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Step the envs kept by :meth:`begin`, in this thread (raises :class:`EnvFailure`)."""
         assert self.block is not None
         return self.block.finish(envs, out, rewards, terminated, truncated)
@@ -720,7 +718,7 @@ class RemoteGroup:
             ``offset`` to ``offset + part.rows - 1``.
     """
 
-    parallel = nan_checked = owned = False  # as RemoteEnvs
+    parallel = owned = False  # as RemoteEnvs
     partial = True
 
     def __init__(self, parts: Sequence[tuple[int, RemoteEnvs | LocalEnvs]]) -> None:
@@ -748,7 +746,7 @@ class RemoteGroup:
 
     # A step of ``envs`` (ascending; the Block protocol): every part is sent its share in :meth:`begin`, the
     # main process's part steps in :meth:`finish`, then every reply is read (pipes stay in step); each part
-    # checks its observations each step (``check_nan`` is not used).
+    # checks its observations each step.
     def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
         shares = []  # (offset, part, rows of this call it takes)
         i = 0
@@ -769,8 +767,7 @@ class RemoteGroup:
         return self._begun
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, *, check_nan: bool = True
-               ) -> tuple[Sequence[int], EnvFailure | None]:
+               terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Step the main process's part here, then gather every part's results (raises :class:`EnvFailure`,
         renumbered to the block, for the first part that failed)."""
         failure: EnvFailure | None = None

@@ -40,12 +40,9 @@ read, the policy's outputs and version, the env's ``"next"`` entries, its reward
 Everything that follows from those (TorchRL's ``done``, ``is_init``, ``step_count`` and
 ``episode_reward`` of a gymnasium env, the episode's return and length so far, the counters) is
 written by :meth:`Worker._settle_rows` once for a run of steps, vectorised over time: before
-steps are published, at least every ``_SETTLE_EVERY`` steps, and where the storage wraps
-around. ``published`` counts settled steps handed to the driver; a driver that gives up on a
+steps are published, and where the storage wraps around. ``published`` counts settled steps handed to the driver; a driver that gives up on a
 hung worker settles its steps itself (:meth:`Worker.settle`, under ``_settle_lock``, which
-orders it with the worker's own settling). The observations of an in-process gymnasium block
-are checked for NaN once a run, at settling, the earliest NaN failing its step as if checked
-there (an error raised later in the run gives way to it).
+orders it with the worker's own settling).
 
 The storage's rows are the driver's to read once published and until it says (in its next
 request) it copied them out; the worker writes a row again only after that, and holds a
@@ -57,10 +54,11 @@ with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -68,7 +66,7 @@ import torch
 from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
 from ..specs import ArraySpec, NestedKey, next_key
-from .block import Block, EnvBlock, EnvFailure
+from .block import Block, EnvFailure
 from .buffers import (_GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRUNCATED, _VERSION, Layout, Steps,
                       check_entries)
 from .messages import (EpisodeReady, EpisodeRequest, Grant, Published, Reply, Request, ResetDone, ResetRequest,
@@ -82,9 +80,6 @@ if TYPE_CHECKING:
 __all__ = ["Worker", "WorkerContext"]
 
 _POLL_S = 0.05
-# A run settles its steps (and looks for NaN in their observations) at least this often: it bounds how long
-# a NaN observation goes unreported.
-_SETTLE_EVERY = 128
 # The "next" entries of a gymnasium env the loop writes itself (TorchRL's done flags, StepCounter, RewardSum and
 # InitTracker): all settled, none written by a step.
 _LOOP_NEXT = tuple(next_key(k) for k in ("reward", "terminated", "truncated", "done", *_GYM_LOOP_KEYS))
@@ -129,6 +124,22 @@ def _episode_counts(rewards: np.ndarray, done: np.ndarray, step_count: np.ndarra
         np.cumsum(returns, axis=0, out=returns)
         before[1:] = returns[:-1]
     return count, returns, before
+
+
+class _Run:
+    """Steps of some of a worker's envs into one storage, and how far they got: the worker's own (every env,
+    the storage the driver reads) or an episode's (one env, a storage of its own).
+
+    Steps ``0`` to ``t - 1`` are written, ``t0`` to ``t - 1`` not settled yet; ``envs`` are the block's envs
+    (block indices), column ``i`` of the storage is ``envs[i]``'s, ``sel`` selects them in the worker's per-env
+    arrays. ``episode``: the run ends at the step that ends the env's episode (its env is not reset)."""
+
+    __slots__ = ("store", "envs", "sel", "t", "t0", "episode")
+
+    def __init__(self, store: Steps, envs: Sequence[int], sel: slice | list[int], *, episode: bool = False) -> None:
+        self.store, self.envs, self.sel = store, envs, sel
+        self.t = self.t0 = 0
+        self.episode = episode
 
 
 @dataclass(frozen=True)
@@ -191,8 +202,8 @@ class Worker:
         # steps 0 to t - 1 are written, t0 to t - 1 not settled yet, 0 to published - 1 handed to the driver.
         # The root entries of step t are in row t.
         self.steps = Steps(layout, self.rows, 3)
-        self.t = 0
-        self.t0 = 0
+        self._ring = _Run(self.steps, self._all, slice(None))
+        self._run = self._ring  # the run in progress (step_index, settle)
         self.published = 0
         self.granted = 0
         self._consumed = 0  # the driver copied out steps 0 to _consumed - 1 and _taken rows of step _consumed
@@ -226,7 +237,6 @@ class Worker:
         self._post = layout.allocate(self.rows, steps=True) if self._free else {}
         self._post_keys = [k for k in layout.step_specs if k in self._settle_keys or k in
                            {nk for _, nk in layout.env_next_pairs}]
-        self._nan_later = block.nan_checked  # NaN in its observations is looked for once a run (see _settle)
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.agent: Agent = ctx.policy.register(self.rows, env_ids=tuple(env_ids))
@@ -274,7 +284,8 @@ class Worker:
     def step_index(self, j: int) -> int:
         """Env ``j``'s steps so far, the unsettled steps of the run in progress counted: the index of its next
         step (any thread; a stale read is at most one step behind)."""
-        return int(self.steps_done[j]) + max(0, self.t - self.t0)
+        run = self._run
+        return int(self.steps_done[j]) + max(0, run.t - run.t0)
 
     # -- the thread ------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -290,12 +301,12 @@ class Worker:
                 self._reset_env(j, seed, first, j)
             while True:
                 if self.pending_error is None:  # (a failed reset after a done step: no step until it is raised)
-                    if self.t < self.granted:  # steps owed to the driver
-                        self._advance(self.granted)
+                    t = self._ring.t
+                    if t < self.granted:  # steps owed to the driver
+                        self._advance(self._ring, self.granted)
                         continue
-                    if ctx.lookahead and self.t == self.granted and \
-                            self.t + 2 <= self._consumed + self.steps.capacity:
-                        self._advance(self.t + 1)  # the step ahead (double batching), published by the next grant
+                    if ctx.lookahead and t == self.granted and t + 2 <= self._consumed + self.steps.capacity:
+                        self._advance(self._ring, t + 1)  # the step ahead (double batching), published when granted
                         continue
                 request = self._wait_request()
                 if request is None:
@@ -311,7 +322,7 @@ class Worker:
                         j = self.env_ids.index(env_id)
                         if not self._cut_episode(j):
                             fresh.append(env_id)
-                        self._reset_env(j, seed, self.steps.row(self.t), j)
+                        self._reset_env(j, seed, self.steps.row(self._ring.t), j)
                     ctx.ready.put(ResetDone(self.index, tuple(fresh)))
                 else:
                     assert isinstance(request, EpisodeRequest)
@@ -355,13 +366,14 @@ class Worker:
         failure kept for after a step is raised instead of the answer (``WorkerFailed``), that step published
         (``published``) for the driver to keep."""
         self._delivered(grant.consumed, grant.taken)
+        t = self._ring.t
         if grant.capacity > self.steps.capacity:
-            self.steps.resize(grant.capacity, grant.consumed, self.t + 1)
+            self.steps.resize(grant.capacity, grant.consumed, t + 1)
         self.granted = max(self.granted, grant.end)
         if self.pending_error is not None:  # a reset failed after the step written ahead: it is kept, then raised
-            self.published = max(self.published, min(self.t, self.granted))
+            self.published = max(self.published, min(t, self.granted))
             self._raise_pending()
-        if self.t >= self.granted:  # written ahead: the grant's steps are all there
+        if t >= self.granted:  # written ahead: the grant's steps are all there
             self._publish(self.granted, cut=False)
 
     def _publish(self, end: int, *, cut: bool) -> None:
@@ -372,26 +384,32 @@ class Worker:
         self.ctx.ready.put(Published(self.index, end, cut))
 
     # -- the one step driver -----------------------------------------------------------------------
-    def _advance(self, target: int) -> None:
-        """Write steps until every env has ``target`` of them (see the module docs); publish them when they were
-        granted. Stops early after the step in progress when the driver cuts a grant, and raises when the loop
-        is closing or a step failed (its settled steps are published for the driver first, without a reply)."""
+    def _advance(self, run: _Run, target: int) -> None:
+        """Write steps of ``run`` until every env has ``target`` of them, or, for an episode, until the step that
+        ends it (see the module docs); the worker's own steps are published when they were granted. Stops early
+        after the step in progress when the driver cuts a grant, and raises when the loop is closing or a step
+        failed (its settled steps are published for the driver first, without a reply)."""
         ctx = self.ctx
         cut, stop = ctx.cut, ctx.stop
-        granted = target <= self.granted
+        granted = run is self._ring and target <= self.granted
         stopped = False
+        self._run = run
         try:
-            if self._free and target - self.t > 1:
+            if self._free and run is self._ring and target - run.t > 1:
                 stopped = self._run_free(target)
             else:
-                store, envs = self.steps, self._all
-                while self.t < target:
-                    t = self.t
-                    done = self._step(store, t, envs, slice(None), check_nan=not self._nan_later)
-                    self.t = t + 1
-                    self._reset_done(done, store.row(t + 1))
-                    if self.t - self.t0 >= _SETTLE_EVERY or self.t % store.capacity == 0:
-                        self._settle_steps()
+                store = run.store
+                while run.t < target:
+                    t = run.t
+                    done = self._step(run, t)
+                    run.t = t + 1
+                    if run.episode:
+                        if done[0]:
+                            break
+                    else:
+                        self._reset_done(done, store.row(t + 1))
+                    if run.t % store.capacity == 0:  # the storage wraps around: settle in runs of consecutive rows
+                        self._settle_steps(run)
                     if self.pending_error is not None:
                         break
                     if granted and cut.is_set():
@@ -401,21 +419,18 @@ class Worker:
                         raise _Stopped()
         finally:  # settled, and the granted ones kept for the driver whatever happened (it reads ``published``)
             with self._settle_lock:
-                failure = self._settle_locked()
-                self.published = max(self.published, min(self.t0, self.granted))
-            if failure is not None:
-                raise failure  # an earlier step's NaN observation: it fails first, whatever ended the run
+                self._settle_locked(run)
+                if run is self._ring:
+                    self.published = max(self.published, min(run.t0, self.granted))
+                self._run = self._ring
         if granted:
             self._raise_pending()  # instead of the answer: the driver keeps the published steps (see finally)
-            self._publish(self.t, cut=stopped)
+            self._publish(run.t, cut=stopped)
 
-    def _step(self, store: Steps, t: int, envs: Sequence[int], sel: slice | list[int], *,
-              check_nan: bool = True) -> np.ndarray:
-        """One step of ``envs`` (block indices; all at step ``t`` of ``store``, whose row has a column for each
-        of them, in order): act, step the envs, write the root entries of step ``t + 1``. Returns the done flags
-        (those envs are not reset yet). ``sel`` selects them in the worker's per-env arrays; ``check_nan=False``
-        leaves the NaN check of a block that allows it to settling."""
-        ctx = self.ctx
+    def _step(self, run: _Run, t: int) -> np.ndarray:
+        """Step ``t`` of ``run``'s envs (all at step ``t`` of its storage): act, step the envs, write the root
+        entries of step ``t + 1``. Returns the done flags (those envs are not reset yet)."""
+        ctx, store, envs, sel = self.ctx, run.store, run.envs, run.sel
         row = store.row(t)
         self._act(row, envs)
         block = self.envs
@@ -423,7 +438,7 @@ class Worker:
             block.begin({k: row[k] for k in ctx.env_inputs}, envs)
             block.ended(ctx.stop, every=True)
             failure = block.finish(envs, {k: row[nk] for k, nk in ctx.layout.env_next_pairs}, row[_REWARD],
-                                   row[_TERMINATED], row[_TRUNCATED], check_nan=check_nan)[1]
+                                   row[_TERMINATED], row[_TRUNCATED])[1]
         except EnvFailure as exc:
             failure = exc
         if failure is not None:
@@ -607,45 +622,31 @@ class Worker:
         self.episode_reward[sel] = np.where(last, 0.0, returns[-1])
         self.is_init[sel] = last
 
-    def _settle_steps(self) -> None:
-        """Settle steps ``t0`` to ``t - 1`` of the storage (see :meth:`_settle_rows`), in runs of consecutive rows;
-        with a NaN in their observations (a block that leaves that check to here), the earliest step holding one
-        and every step after it are dropped (``t`` is cut there) and its error is raised, naming its lowest env."""
+    def _settle_steps(self, run: _Run) -> None:
+        """Settle steps ``t0`` to ``t - 1`` of ``run`` (see :meth:`_settle_rows`), in runs of consecutive rows."""
         with self._settle_lock:
-            failure = self._settle_locked()
-        if failure is not None:
-            raise failure
+            self._settle_locked(run)
 
-    def _settle_locked(self) -> CollectionError | None:
-        store, failure = self.steps, None
-        for a, b in store.spans(self.t0, self.t):
-            n = b - a
-            if self._nan_later:
-                found = cast(EnvBlock, self.envs).find_nan(store.cols["next", "observation"][a:b], self._all)
-                if found is not None:  # the steps from the NaN on are not kept; the error names the NaN's step
-                    n = found[0]
-                    self.t = self.t0 + n
-                    failure = self._failure_error(found[1])
-            if n > 0:
-                self._settle_rows({k: store.cols[k][a:a + n] for k in self._settle_keys}, slice(None), n)
-                self.t0 += n
-            if failure is not None:
-                break
-        return failure
+    def _settle_locked(self, run: _Run) -> None:
+        store = run.store
+        for a, b in store.spans(run.t0, run.t):
+            self._settle_rows({k: store.cols[k][a:b] for k in self._settle_keys}, run.sel, b - a)
+            run.t0 += b - a
 
     def settle(self) -> None:
         """Settle the steps written so far and publish them (without a reply): a driver that gave up on this
         worker (a hung env) calls it to keep the worker's complete steps. Thread-safe."""
         with self._settle_lock:
-            self._settle_locked()
-            self.published = max(self.published, min(self.t0, self.granted))
+            ring = self._ring
+            self._settle_locked(ring)
+            self.published = max(self.published, min(ring.t0, self.granted))
 
     # -- episodes, resets ------------------------------------------------------------------------------
     def _cut_episode(self, j: int) -> bool:
         """Env ``j``'s running episode ends at its last step when the driver has not copied that step out yet:
         it is marked truncated (and done). Returns whether it was (else the env's next steps start a new
         trajectory for the driver)."""
-        t = self.t - 1
+        t = self._ring.t - 1
         if t < self._consumed or (t == self._consumed and j < self._taken):
             return False
         row = self.steps.row(t)
@@ -663,27 +664,16 @@ class Worker:
         self._delivered(request.consumed, request.taken)
         j = self.env_ids.index(request.env_id)
         fresh = not self._cut_episode(j)
-        store = Steps(ctx.layout, 1, 64, grow=True)
+        run = _Run(Steps(ctx.layout, 1, 64, grow=True), (j,), [j], episode=True)
         self.agent.set_rows(1)
-        saved = self.t, self.t0  # the episode's steps are numbered in its own storage
         try:
-            self._reset_env(j, None, store.row(0), 0)
-            self.t = self.t0 = 0  # step_index: env j's settled steps (each step settles at once)
-            t = 0
-            while True:
-                done = bool(self._step(store, t, (j,), [j])[0])
-                self._settle_rows({k: store.cols[k][t:t + 1] for k in self._settle_keys}, [j], 1)
-                t += 1
-                if done:
-                    break
-                if ctx.stop.is_set():
-                    raise _Stopped()
+            self._reset_env(j, None, run.store.row(0), 0)
+            self._advance(run, sys.maxsize)
         finally:
-            self.t, self.t0 = saved
             self.agent.set_rows(self.rows)
         # Without an undelivered step to end it, the driver starts a new trajectory for the env's next steps.
-        ctx.ready.put(EpisodeReady(self.index, request.request_index, request.env_id, store, t, fresh))
-        self._reset_env(j, None, self.steps.row(self.t), j)
+        ctx.ready.put(EpisodeReady(self.index, request.request_index, request.env_id, run.store, run.t, fresh))
+        self._reset_env(j, None, self.steps.row(self._ring.t), j)
 
     # -- free-running blocks -------------------------------------------------------------------------
     def _run_free(self, target: int) -> bool:
@@ -701,7 +691,8 @@ class Worker:
         envs = self.envs
         cut, stop = ctx.cut, ctx.stop
         granted = target <= self.granted
-        start = self.t
+        ring = self._ring
+        start = ring.t
         t = np.full(self.rows, start, dtype=np.int64)  # each env's next step
         stopped = granted and cut.is_set()
         end = start if stopped else target  # every env stops at this step
@@ -764,7 +755,7 @@ class Worker:
                 if stop.is_set():
                     raise _Stopped()
         finally:
-            self.t = self.t0 = int(t.min())
+            ring.t = ring.t0 = int(t.min())
         return stopped
 
     def _fail_free(self, error: CollectionError, cause: BaseException | None) -> None:
