@@ -6,8 +6,14 @@ PIP := $(VENV)/bin/pip
 CONSTRAINTS ?= .ci/constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# the end-to-end bench's own venv (MuJoCo, Stable-Baselines3), so .venv keeps matching CI
+E2E_VENV ?= build/venv-e2e
+E2E_PY := $(E2E_VENV)/bin/python
+E2E_STAMP := $(E2E_VENV)/.installed
+E2E_OUT ?= benchmarks/results/e2e
+E2E_ARGS ?=
 
-.PHONY: help install test test-slow demo docs bench bench-quick bench-real bench-gpu bench-scaling clean
+.PHONY: help install test test-slow demo docs bench bench-quick bench-real bench-gpu bench-scaling bench-e2e bench-e2e-quick clean
 
 help:
 	@echo "make demo       train PPO on CartPole for a short budget, TensorBoard logs + learning curve"
@@ -18,6 +24,8 @@ help:
 	@echo "make bench-real the same on real envs (MuJoCo HalfCheetah, ALE Pong, envpool); installs the bench-real extra"
 	@echo "make bench-gpu  the heavy-policy scenario with every policy on the GPU (needs a CUDA build of torch)"
 	@echo "make bench-scaling  1-16 worker processes on a GIL-bound env (for a machine with 16 cores or more)"
+	@echo "make bench-e2e  whole PPO and SAC training runs on MuJoCo against Stable-Baselines3 and TorchRL's Collector;"
+	@echo "                hours (3 seeds); its own venv $(E2E_VENV); writes $(E2E_OUT) (bench-e2e-quick: a 1-minute smoke run)"
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,8 +60,20 @@ bench-gpu: $(STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m benchmarks --group scaling --out benchmarks/results/scaling
 
+$(E2E_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(E2E_PY) || $(PYTHON) -m venv $(E2E_VENV)
+	$(E2E_VENV)/bin/pip install -q --upgrade pip
+	$(E2E_VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[dev,e2e]'
+	touch $(E2E_STAMP)
+
+bench-e2e: $(E2E_STAMP)
+	$(E2E_PY) -m benchmarks.e2e --out $(E2E_OUT) $(E2E_ARGS)
+
+bench-e2e-quick: $(E2E_STAMP)
+	$(E2E_PY) -m benchmarks.e2e --quick --out benchmarks/results/e2e-quick
+
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick --out benchmarks/results/quick
 
 clean:
-	rm -rf $(VENV) docs/_build runs lightning_logs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(E2E_VENV) docs/_build runs lightning_logs .pytest_cache .hypothesis

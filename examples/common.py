@@ -1,4 +1,5 @@
-"""Helpers shared by the examples: the run summary and the learning-curve plot, read from TensorBoard.
+"""Helpers shared by the examples: the run summary and the learning-curve plot, read from TensorBoard; the
+command line and the Trainer of the MuJoCo examples.
 
 Kept apart so each example reads top to bottom as one algorithm (CleanRL style).
 ``EpisodeStatsLogger`` and ``RolloutEvaluation`` write their scalars against frames
@@ -7,11 +8,52 @@ Kept apart so each example reads top to bottom as one algorithm (CleanRL style).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any
+
+
+def env_dims(env_id: str) -> tuple[int, int]:
+    """Observation and action sizes of a gymnasium env with flat ``Box`` spaces (e.g. MuJoCo's)."""
+    import gymnasium as gym
+
+    probe = gym.make(env_id)
+    dims = probe.observation_space.shape[0], probe.action_space.shape[0]
+    probe.close()
+    return dims
+
+
+def config_from_args(config_cls: type, names: Sequence[str], *, argv: list[str] | None = None,
+                     description: str | None = None) -> Any:
+    """``config_cls`` (a dataclass) with the fields ``names`` read from the command line as ``--field-name``
+    options (their defaults: the class's), and ``target_return`` as ``--target-return``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in names:
+        default = getattr(config_cls, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    parser.add_argument("--target-return", type=float, default=None,
+                        help="stop at the first evaluation above this return (default: run every frame)")
+    return config_cls(**vars(parser.parse_args(argv)))
+
+
+def make_trainer(cfg: Any, *, name: str, callbacks: Sequence[Any] = ()) -> Any:
+    """The MuJoCo examples' Trainer: one epoch over the DataModule's batches, TensorBoard logs under
+    ``cfg.out/name/seed<seed>`` (every training step), no checkpoints, a progress bar on a terminal, and a stop
+    at the first evaluation above ``cfg.target_return`` when it is set."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    callbacks = list(callbacks)
+    if cfg.target_return is not None:
+        callbacks.append(stop_at_bar(cfg.target_return, frames=cfg.frames, eval_every_frames=cfg.eval_every_frames))
+    return pl.Trainer(max_epochs=1, logger=TensorBoardLogger(cfg.out, name=name, version=f"seed{cfg.seed}"),
+                      callbacks=callbacks, log_every_n_steps=1, enable_model_summary=False,
+                      enable_checkpointing=False, enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
 
 
 def read_scalars(log_dir: str, *, since: float | None = None) -> dict[str, list[tuple[int, float]]]:
@@ -59,18 +101,19 @@ def plot_learning_curve(log_dir: str, png_path: str, *, title: str, since: float
     return png_path
 
 
-def summary(log_dir: str, *, seconds: float, frames: int, target: float, since: float | None = None) -> dict[str, Any]:
+def summary(log_dir: str, *, seconds: float, frames: int, target: float | None,
+            since: float | None = None) -> dict[str, Any]:
     """What an example prints at the end (and what the slow tests read back), from the evaluation curve.
 
     ``eval_history`` is ``[(frames, mean evaluation return), ...]``; ``solved_at_frames`` the
-    frames of the first evaluation at or above ``target`` (``None`` if none). ``since``: as in
+    frames of the first evaluation at or above ``target`` (``None`` if none, or no target). ``since``: as in
     :func:`read_scalars`.
     """
     history = [(int(f), float(v)) for f, v in read_scalars(log_dir, since=since).get("eval/episode_reward", [])]
     returns = [v for _, v in history]
     return {"best_eval_return": max(returns, default=float("nan")),
             "last_eval_return": returns[-1] if returns else float("nan"),
-            "solved_at_frames": next((f for f, v in history if v >= target), None),
+            "solved_at_frames": next((f for f, v in history if target is not None and v >= target), None),
             "frames": frames, "seconds": round(seconds, 1), "eval_history": history}
 
 
@@ -83,7 +126,7 @@ def stop_at_bar(target: float, *, frames: int, eval_every_frames: int) -> Any:
                          patience=frames // eval_every_frames + 1)
 
 
-def fit_and_summarize(trainer: Any, model: Any, datamodule: Any, *, target: float) -> dict[str, Any]:
+def fit_and_summarize(trainer: Any, model: Any, datamodule: Any, *, target: float | None) -> dict[str, Any]:
     """``trainer.fit(model, datamodule=datamodule)``, timed; then :func:`summary` of this run's logs (not an
     earlier run's in the same folder), with ``log_dir`` and ``started_at`` (its ``time.time()``)."""
     started_at = time.time()

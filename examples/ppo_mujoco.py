@@ -23,14 +23,13 @@ logged returns are the env's own:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
@@ -39,7 +38,7 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fit_and_summarize, print_summary  # noqa: E402
+from common import config_from_args, env_dims, fit_and_summarize, make_trainer, print_summary  # noqa: E402
 
 from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
@@ -63,12 +62,18 @@ class Config:
     hidden: int = 256
     eval_every_frames: int = 20_480
     eval_episodes: int = 4
+    target_return: float | None = None  # stop at the first evaluation above it (None: run every frame)
     seed: int = 0
     out: str = "runs/ppo_mujoco"
 
     @property
     def frames_per_batch(self) -> int:
         return self.num_envs * self.steps_per_env
+
+
+# the Config fields the command line sets (--frames, --eval-every-frames...), and --target-return
+CLI_OPTIONS = ("env", "frames", "num_envs", "steps_per_env", "epochs", "eval_every_frames", "eval_episodes",
+               "seed", "out")
 
 
 class RunningNorm(nn.Module):
@@ -159,10 +164,20 @@ class PPO(pl.LightningModule):
         self.actor, self.critic, self.obs_norm = make_networks(obs_dim, act_dim, cfg)
         self.reward_scale = ReturnScaler(cfg.num_envs, gamma=cfg.gamma)
         self.advantage = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic)
+        # functional=False: the loss calls the modules as they are instead of swapping functional copies of their
+        # weights in on every call (about 10% of a minibatch step here); nothing in PPO needs the functional form
         self.loss = ClipPPOLoss(self.actor, self.critic, clip_epsilon=cfg.clip, entropy_coeff=cfg.entropy_coef,
-                                critic_coeff=cfg.value_coef, loss_critic_type="l2", normalize_advantage=True)
+                                critic_coeff=cfg.value_coef, loss_critic_type="l2", normalize_advantage=True,
+                                functional=False)
+        self.updates_done = 0  # optimiser steps taken
 
-    def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:
+    def learn(self, batch: TensorDictBase, optimizer: torch.optim.Optimizer,
+              backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> TensorDictBase:
+        """One PPO update on ``batch`` (``[num_envs, T]``, or TorchRL's ``[T]`` for one env): rewards scaled, GAE,
+        then ``epochs`` passes of clipped-PPO minibatch steps. Returns the last minibatch's losses.
+
+        Plain PyTorch (``training_step`` passes Lightning's optimizer and ``manual_backward``), so a loop
+        written by hand drives the same learner."""
         cfg = self.cfg
         if batch.batch_dims == 1:  # one env: TorchRL's [T] batch, as [1, T]
             batch = batch.unsqueeze(0)
@@ -172,15 +187,19 @@ class PPO(pl.LightningModule):
             self.advantage(batch)  # with the normaliser as it acted: "advantage" and "value_target"
         self.obs_norm.update(batch["observation"].reshape(-1, batch["observation"].shape[-1]))
         data = batch.reshape(-1)
-        optimizer = self.optimizers()
         for _ in range(cfg.epochs):
             for idx in torch.randperm(data.numel()).split(cfg.minibatch_size):
                 losses = self.loss(data[idx])
                 loss = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
                 optimizer.zero_grad()
-                self.manual_backward(loss)
+                backward(loss)
                 nn.utils.clip_grad_norm_(self.parameters(), cfg.max_grad_norm)
                 optimizer.step()
+                self.updates_done += 1
+        return losses.detach()
+
+    def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:
+        losses = self.learn(batch, self.optimizers(), self.manual_backward)
         self.log_dict({"train/loss_objective": losses["loss_objective"], "train/loss_critic": losses["loss_critic"],
                        "train/entropy": losses["entropy"]}, on_step=True, on_epoch=False, batch_size=1)
 
@@ -188,38 +207,21 @@ class PPO(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.cfg.lr, eps=1e-5)  # SB3's PPO: Adam, eps 1e-5
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", default=Config.env)
-    parser.add_argument("--frames", type=int, default=Config.frames)
-    parser.add_argument("--num-envs", type=int, default=Config.num_envs)
-    parser.add_argument("--steps-per-env", type=int, default=Config.steps_per_env)
-    parser.add_argument("--epochs", type=int, default=Config.epochs)
-    parser.add_argument("--eval-every-frames", type=int, default=Config.eval_every_frames)
-    parser.add_argument("--eval-episodes", type=int, default=Config.eval_episodes)
-    parser.add_argument("--seed", type=int, default=Config.seed)
-    parser.add_argument("--out", default=Config.out)
-    args = parser.parse_args(argv)
-    cfg = Config(env=args.env, frames=args.frames, num_envs=args.num_envs, steps_per_env=args.steps_per_env,
-                 epochs=args.epochs, eval_every_frames=args.eval_every_frames, eval_episodes=args.eval_episodes,
-                 seed=args.seed, out=args.out)
-    pl.seed_everything(cfg.seed, verbose=False)
-    torch.set_num_threads(1)  # small networks: intra-op threads only fight the env threads for the 2 cores
-
-    import gymnasium as gym
-
-    probe = gym.make(cfg.env)
-    obs_dim, act_dim = probe.observation_space.shape[0], probe.action_space.shape[0]
-    probe.close()
-    datamodule = RolloutDataModule(
+def make_datamodule(cfg: Config) -> RolloutDataModule:
+    """On-policy collection: ``[num_envs, steps_per_env]`` batches, each acted by the latest weights."""
+    return RolloutDataModule(
         cfg.env, num_envs=cfg.num_envs, frames_per_batch=cfg.frames_per_batch,
         total_frames=cfg.frames - cfg.frames % cfg.frames_per_batch, layout="env_time", on_policy=True,
-        seed=cfg.seed, eval_every_n_frames=cfg.eval_every_frames, eval_episodes=cfg.eval_episodes)
-    logger = TensorBoardLogger(cfg.out, name="ppo", version=f"seed{cfg.seed}")
-    trainer = pl.Trainer(max_epochs=1, logger=logger, log_every_n_steps=1, enable_model_summary=False,
-                         enable_checkpointing=False, enable_progress_bar=sys.stderr.isatty(), accelerator="cpu")
-    model = PPO(obs_dim, act_dim, cfg)
-    result = fit_and_summarize(trainer, model, datamodule, target=float("inf"))
+        seed=cfg.seed, eval_every_n_frames=cfg.eval_every_frames if cfg.eval_episodes else None,
+        eval_episodes=cfg.eval_episodes)  # --eval-episodes 0: no evaluation
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = config_from_args(Config, CLI_OPTIONS, argv=argv, description=__doc__)
+    pl.seed_everything(cfg.seed, verbose=False)
+    torch.set_num_threads(1)  # small networks: intra-op threads only fight the env threads for the 2 cores
+    result = fit_and_summarize(make_trainer(cfg, name="ppo"), PPO(*env_dims(cfg.env), cfg), make_datamodule(cfg),
+                               target=cfg.target_return)
     print_summary(result, out=cfg.out)
     return result
 

@@ -1,0 +1,168 @@
+"""The end-to-end bench (``benchmarks/e2e``): its pure parts (run plan, tables, ratios, targets, evaluation
+schedule) without MuJoCo or Stable-Baselines3, and a smoke run of the whole pipeline where both are installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.e2e.cli import BUDGETS, plan
+from benchmarks.e2e.common import CONTENDERS, LEARNER_ONLY, Evaluations, RunSpec
+from benchmarks.e2e.contenders import utd_schedule
+from benchmarks.e2e.report import compare, evaluate_targets, markdown, stats, summarize, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rec(algo: str, contender: str, seed: int, *, wall: float, grad_steps: int = 1000,
+        returns: tuple[float, ...] = (), utd: float = 1.0) -> dict:
+    """A run record as ``benchmarks.e2e.common.record`` writes it (evaluations every 100 frames)."""
+    frames = 100 * max(len(returns), 1)
+    return {"algo": algo, "contender": contender, "seed": seed, "utd": utd, "frames": frames,
+            "grad_steps": grad_steps, "wall_s": wall, "frames_per_s": frames / wall,
+            "grad_steps_per_s": grad_steps / wall, "eval_s": 1.0,
+            "eval": [{"frames": 100 * (i + 1), "at_frames": 100 * (i + 1), "return": r, "returns": [r]}
+                     for i, r in enumerate(returns)],
+            "config": {"env": "HalfCheetah-v5", "eval_every_frames": 100, "eval_episodes": 1}}
+
+
+def sac_records() -> list[dict]:
+    """Two seeds of every SAC contender, the learner-only runs with seed 0, and one failed run."""
+    out = []
+    for seed, (fit, loop) in enumerate([(108.0, 100.0), (129.6, 120.0)]):
+        out += [rec("sac", "ours", seed, wall=fit, returns=(1.0, 10.0 + seed)),
+                rec("sac", "ours-loop", seed, wall=loop, returns=(1.0, 12.0)),
+                rec("sac", "torchrl", seed, wall=150.0, returns=(2.0, 9.0)),
+                rec("sac", "sb3", seed, wall=200.0 + 40 * seed, returns=(1.0, 9.0 + 4 * seed))]
+    out += [rec("sac", "ours-learner", 0, wall=100.0), rec("sac", "sb3-learner", 0, wall=150.0),
+            {"algo": "sac", "contender": "torchrl", "seed": 2, "utd": 1.0, "error": "exit 1: boom"}]
+    return out
+
+
+def test_stats_are_mean_min_max_of_the_values_present() -> None:
+    assert stats([1.0, None, 3.0]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert stats([None]) is None
+
+
+def test_summarize_groups_runs_by_algorithm_and_utd_with_spreads_over_seeds() -> None:
+    records = sac_records() + [rec("sac", "ours", 0, wall=55.0, returns=(3.0,), utd=0.5)]
+    tables = summarize(records)
+    assert [(t["algo"], t["utd"]) for t in tables] == [("sac", 1.0), ("sac", 0.5)]
+    rows = {r["contender"]: r for r in tables[0]["rows"]}
+    assert list(rows) == list(CONTENDERS + LEARNER_ONLY)  # the report's order, whatever the run order
+    assert rows["ours"]["seeds"] == [0, 1]
+    assert rows["ours"]["wall_s"] == {"mean": pytest.approx(118.8), "min": 108.0, "max": 129.6, "n": 2}
+    assert rows["ours"]["returns"][200] == {"mean": 10.5, "min": 10.0, "max": 11.0, "n": 2}
+    assert rows["sb3"]["final_return"]["min"] == 9.0 and rows["sb3"]["final_return"]["max"] == 13.0
+    assert rows["torchrl"]["seeds"] == [0, 1] and rows["torchrl"]["errors"] == ["seed 2: exit 1: boom"]
+    assert rows["ours-learner"]["returns"] == {} and rows["ours-learner"]["final_return"] is None
+
+
+def test_compare_pairs_seeds_for_lightning_overhead_and_divides_mean_wall_times() -> None:
+    records = sac_records()
+    ratios = compare(summarize(records)[0], records)
+    assert ratios["lightning_overhead"] == pytest.approx(0.08)  # 108/100 and 129.6/120: both +8%
+    assert ratios["lightning_us_per_step"] == pytest.approx((8.0 + 9.6) / 2 / 1000 * 1e6)
+    assert ratios["speedup_vs_sb3"] == pytest.approx(220.0 / 118.8)
+    assert ratios["speedup_vs_torchrl"] == pytest.approx(150.0 / 118.8)
+    assert ratios["overlap"] == pytest.approx(1.188) and ratios["overlap_loop"] == pytest.approx(1.10)
+    assert ratios["learner_speedup_vs_sb3"] == pytest.approx(1.5)
+    assert ratios["learning"] == {"ours_mean": 10.5, "sb3_min": 9.0, "sb3_max": 13.0, "sb3_mean": 11.0}
+
+
+def test_targets_pass_and_miss_on_the_issues_thresholds() -> None:
+    records = sac_records()
+    verdicts = {t["label"]: t["passed"] for t in evaluate_targets("sac", compare(summarize(records)[0], records))}
+    assert verdicts == {
+        "learning: ours' final return (mean) within or above SB3's seed range": True,  # 10.5 >= 9
+        "wall time: Stable-Baselines3 / ours": True,                                  # 1.85 >= 1.2
+        "whole run / learner only (ours)": False,                                     # 1.19 > 1.15
+        "Lightning's overhead: `Trainer.fit` / the loop by hand - 1": True,           # 8% <= 10%
+    }
+    ppo = [rec("ppo", "ours", 0, wall=100.0, returns=(5.0,)), rec("ppo", "sb3", 0, wall=140.0, returns=(4.0,))]
+    targets = evaluate_targets("ppo", compare(summarize(ppo)[0], ppo))
+    by_label = {t["label"]: t for t in targets}
+    assert by_label["wall time: Stable-Baselines3 / ours"]["passed"] is False  # 1.4 < 1.5
+    assert by_label["wall time: the TorchRL `Collector` control / ours"]["passed"] is None  # not run
+    assert by_label["Lightning's overhead: `Trainer.fit` / the loop by hand - 1"]["value"] is None
+
+
+def test_markdown_has_one_parseable_table_per_section_and_flags_quick_runs(tmp_path: Path) -> None:
+    report = {"mode": "quick", "command": "python -m benchmarks.e2e --quick", "machine": {"cores": 2},
+              "records": sac_records()}
+    text = markdown(report)
+    assert "**Quick run**" in text and "## SAC on HalfCheetah-v5, UTD 1" in text
+    assert "| lightning_rollout: `Trainer.fit` + `RolloutDataModule` (the example) | 0,1 | 1 | 10 (10 to 11) |" in text
+    assert "Failed runs: torchrl seed 2: exit 1: boom" in text
+    for block in text.split("\n\n"):  # every table: a header, a rule, rows of the header's width
+        rows = [ln for ln in block.splitlines() if ln.startswith("|")]
+        if rows:
+            assert len({ln.count(" | ") for ln in rows}) == 1, block
+    paths = write_report(report, str(tmp_path), plot=False)
+    written = json.loads(Path(paths["json"]).read_text())
+    assert written["records"] == report["records"] and written["tables"][0]["targets"]
+    assert Path(paths["table"]).read_text() == text
+
+
+def test_plan_interleaves_contenders_and_runs_learner_only_once() -> None:
+    specs = plan(algos=["ppo", "sac"], seeds=[0, 1], contenders=list(CONTENDERS), learner_only=list(LEARNER_ONLY),
+                 budgets=BUDGETS["full"], sac_utds=[1.0, 0.5], eval_max_steps=None)
+    ppo = [(s.contender, s.seed) for s in specs if s.algo == "ppo"]
+    assert ppo == ([(c, 0) for c in CONTENDERS] + [(c, 0) for c in LEARNER_ONLY]
+                   + [(c, 1) for c in reversed(CONTENDERS)])
+    assert sorted({s.key[3] for s in specs if s.algo == "sac"}) == [0.5, 1.0]
+    assert len({s.key for s in specs}) == len(specs)
+    assert RunSpec.from_json(specs[-1].to_json()) == specs[-1]
+    with pytest.raises(ValueError, match="contender"):
+        RunSpec("ppo", "cleanrl", 0)
+
+
+def test_full_budgets_evaluate_at_whole_batches_of_the_examples() -> None:
+    """Each evaluation point is a whole number of batches (PPO: 512 frames, SAC: 250), so every contender
+    evaluates after the same frames."""
+    for algo, batch in (("ppo", 512), ("sac", 250)):
+        budget = BUDGETS["full"][algo]
+        assert budget["eval_every_frames"] % batch == 0 and budget["frames"] % budget["eval_every_frames"] == 0
+
+
+def test_utd_schedule_is_stable_baselines3s_train_freq_and_gradient_steps() -> None:
+    assert utd_schedule(1.0) == (1, 1)
+    assert utd_schedule(0.5) == (2, 1)
+    assert utd_schedule(2.0) == (1, 2)
+    with pytest.raises(ValueError):
+        utd_schedule(0.0)
+
+
+def test_evaluations_run_once_per_point_reached_and_keep_their_time_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_episodes(act, *, env_id, episodes, seed, max_steps):  # noqa: ANN001, ANN202
+        calls.append((env_id, episodes, seed, max_steps))
+        return [float(act(np.zeros(1))), 2.0]
+
+    monkeypatch.setattr("benchmarks.e2e.common.run_episodes", fake_episodes)
+    evals = Evaluations(env_id="X-v0", frames=1000, every=250, episodes=2, seed=3, max_steps=7)
+    for frames in range(100, 1001, 100):
+        evals.maybe(frames, lambda: (lambda obs: 4.0))
+    assert [e["frames"] for e in evals.history] == [250, 500, 750, 1000]
+    assert [e["at_frames"] for e in evals.history] == [300, 500, 800, 1000]
+    assert evals.history[0]["return"] == 3.0 and evals.seconds >= 0.0
+    assert calls == [("X-v0", 2, 1_003_000, 7)] * 4  # the same episodes (seeds) at every point
+
+
+def test_quick_bench_runs_the_whole_pipeline(tmp_path: Path) -> None:
+    pytest.importorskip("mujoco", reason="the end-to-end bench needs the e2e extra (gymnasium[mujoco])")
+    pytest.importorskip("stable_baselines3", reason="the end-to-end bench needs the e2e extra (stable-baselines3)")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--quick", "--algo", "sac", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert {r["contender"] for r in report["records"]} == set(CONTENDERS + LEARNER_ONLY)
+    assert not [r for r in report["records"] if r.get("error")]
+    assert all(len(r["eval"]) == 2 for r in report["records"] if r["contender"] in CONTENDERS)
+    assert "## SAC on HalfCheetah-v5" in (tmp_path / "table.md").read_text()
