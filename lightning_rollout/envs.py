@@ -50,8 +50,8 @@ from torchrl.envs import EnvBase
 from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, leaves, random_sample,
                     reserved_key_problem)
 
-__all__ = ["ActionError", "ArraySpec", "BatchedTorchRLEnv", "EnvAdapter", "EnvFactory", "GymAdapter", "GymMaker",
-           "InfoKeys", "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
+__all__ = ["ActionError", "ArraySpec", "BatchedTorchRLEnv", "EnvAdapter", "EnvFactory", "EnvpoolEnv", "GymAdapter",
+           "GymMaker", "InfoKeys", "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
 
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
 #: Entries of a gymnasium env's ``info`` read into batches (``info_keys=``): a list of keys (their specs
@@ -83,7 +83,8 @@ class EnvAdapter(Protocol):
     observation_spec: Composite
     action_spec: Composite
     loop_keys: bool  # the loop writes is_init/step_count/episode_reward/reward/done flags itself
-    rows: int  # 1 (a natively batched env is a BatchedTorchRLEnv, stepped as one block)
+    rows: int  # 1 (a natively batched env, ``batched``, has its batch's)
+    batched: bool  # a natively batched env (BatchedTorchRLEnv, EnvpoolEnv), stepped as one block
 
     def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
         """Start a new episode; returns every ``keys.root`` entry. ``seed`` only on reseeding resets."""
@@ -224,6 +225,7 @@ class GymAdapter:
 
     loop_keys = True
     rows = 1
+    batched = False
 
     def __init__(self, env: gym.Env, *, validate: bool = True, info_keys: InfoKeys | None = None) -> None:
         self.env = env
@@ -414,6 +416,55 @@ class GymAdapter:
         self.env.close()
 
 
+class EnvpoolEnv(GymAdapter):
+    """An envpool env (``envpool.make_gymnasium(...)``): its ``rows`` envs stepped in one call, as one block
+    (:class:`~lightning_rollout.loop.native.NativeBlock`), described as a :class:`GymAdapter` describes one env
+    (envpool's spaces are one env's). The loop resets the envs a step ended itself (``env.reset(env_id)``), so
+    envpool's own autoreset step never happens and never counts as a frame. Its seed is envpool's, given at
+    ``make``; a seed given to the loop does not reseed it.
+
+    Not thread-safe: owned by one env thread.
+
+    Raises:
+        ValueError: a space :class:`GymAdapter` does not support.
+    """
+
+    batched = True
+
+    def __init__(self, env: Any, *, validate: bool = True) -> None:
+        super().__init__(env, validate=validate)
+        self.rows = int(env.spec.config.num_envs)
+
+    def _roots(self, obs: np.ndarray) -> dict[NestedKey, np.ndarray]:
+        n = len(obs)
+        return {"observation": obs, "is_init": np.ones((n, 1), bool), "step_count": np.zeros((n, 1), np.int64),
+                "episode_reward": np.zeros((n, 1), np.float32)}
+
+    def reset_all(self, seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+        """Reset every env; their root entries, ``[rows, ...]``."""
+        return self._roots(self.env.reset()[0])
+
+    def reset_some(self, envs: Sequence[int], seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+        """Reset envs ``envs`` only; their root entries, row ``i`` for env ``envs[i]``."""
+        obs, info = self.env.reset(np.asarray(envs, dtype=np.int32))
+        order = np.argsort(np.argsort(np.asarray(envs)))  # envpool answers in env-id order
+        ids = info.get("env_id") if isinstance(info, Mapping) else None
+        if ids is not None:
+            order = np.searchsorted(np.asarray(ids), np.asarray(envs))
+        return self._roots(obs[order])
+
+    def step_all(self, root: Mapping[NestedKey, np.ndarray]
+                 ) -> tuple[dict[NestedKey, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """Step every env with the actions of ``root`` (``[rows, ...]``); as :meth:`BatchedTorchRLEnv.step_all`."""
+        actions = np.asarray(self.actions(root["action"]))
+        obs, reward, terminated, truncated, _ = self.env.step(actions)
+        return {"observation": obs}, reward.astype(np.float64), terminated, truncated
+
+
+def _is_envpool(env: Any) -> bool:
+    return any(cls.__module__.startswith("envpool") for cls in type(env).__mro__)
+
+
 def _bool_spec() -> Any:
     from torchrl.data import Unbounded
 
@@ -496,6 +547,7 @@ class TorchRLAdapter(_TorchRLEnv):
     """
 
     rows = 1
+    batched = False
 
     def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
         if tuple(env.batch_size) != ():
@@ -549,6 +601,8 @@ class BatchedTorchRLEnv(_TorchRLEnv):
         ValueError: a spec that cannot be stored in columns, or an entry named after the loop's own.
     """
 
+    batched = True
+
     def __init__(self, env: EnvBase, *, max_episode_steps: int | None = None) -> None:
         self.env = self._describe(env, max_episode_steps)
         self.batch_size = torch.Size(env.batch_size)
@@ -564,9 +618,11 @@ class BatchedTorchRLEnv(_TorchRLEnv):
             self.env.set_seed(seed)
         return self._rows_of(self.env.reset(), self._root_keys)
 
-    def reset_some(self, envs: Sequence[int]) -> dict[NestedKey, np.ndarray]:
-        """Reset envs ``envs`` only (TorchRL's partial reset: their done flags raised, ``env.maybe_reset``); their
-        root entries, row ``i`` for env ``envs[i]``."""
+    def reset_some(self, envs: Sequence[int], seed: int | None = None) -> dict[NestedKey, np.ndarray]:
+        """Reset envs ``envs`` only (TorchRL's partial reset: their done flags raised, ``env.maybe_reset``), the
+        batch reseeded with ``seed`` first when given; their root entries, row ``i`` for env ``envs[i]``."""
+        if seed is not None:
+            self.env.set_seed(seed)
         mask = torch.zeros(self.rows, dtype=torch.bool)
         mask[list(envs)] = True
         mask = mask.reshape(self.batch_size)
@@ -663,11 +719,12 @@ def close_env_quietly(env: EnvBase) -> None:
 
 
 def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bool = True,
-                 info_keys: InfoKeys | None = None) -> EnvAdapter | BatchedTorchRLEnv:
+                 info_keys: InfoKeys | None = None) -> EnvAdapter | BatchedTorchRLEnv | EnvpoolEnv:
     """Wrap an env instance in the matching adapter (``max_episode_steps`` goes to a TorchRL env as a
     ``StepCounter``; the loop applies it to gymnasium envs): a :class:`GymAdapter`, a :class:`TorchRLAdapter`,
     or, for a batched env (a TorchRL env with a batch size, a gymnasium vector env wrapped in TorchRL's
-    ``GymWrapper``, which handles its autoreset), a :class:`BatchedTorchRLEnv`.
+    ``GymWrapper``, which handles its autoreset), a :class:`BatchedTorchRLEnv`; an envpool env is an
+    :class:`EnvpoolEnv` (TorchRL 0.14's envpool wrappers do not take envpool 1.2's gymnasium spaces).
 
     ``info_keys`` go to a :class:`GymAdapter`. A TorchRL env reads its ``info`` with its own
     ``set_info_dict_reader``; its ``info_keys`` must then be a list of entries of its observation
@@ -678,6 +735,8 @@ def make_adapter(env: Any, *, max_episode_steps: int | None = None, validate: bo
         ValueError: ``env`` is neither a ``gymnasium.Env``, a gymnasium vector env nor a torchrl ``EnvBase``;
             ``info_keys`` that a TorchRL env does not have.
     """
+    if _is_envpool(env):
+        return EnvpoolEnv(env, validate=validate)
     if isinstance(env, gym.vector.VectorEnv):  # a vector env as TorchRL steps it (its autoreset handled there)
         from torchrl.envs.libs.gym import GymWrapper
 

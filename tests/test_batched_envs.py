@@ -297,3 +297,55 @@ def test_the_sota_sac_collector_line_swaps_with_its_env_and_kwargs_unchanged():
         assert {k: (v.shape, v.dtype) for k, v in leaves(ours).items()} == {
             k: (v.shape, v.dtype) for k, v in leaves(theirs).items()}
         assert ours["next", "step_count"].max() <= 200 and ours["action"].abs().max() <= 2.0
+
+
+# -- simulators of the bench-real extra: envpool, VMAS (skipped without them) ---------------------------------------
+def test_an_envpool_env_steps_its_batch_in_one_call_and_resets_only_the_envs_that_ended():
+    """TorchRL 0.14's envpool wrappers do not take envpool 1.2's gymnasium spaces, so the reference is envpool
+    stepped by hand as TorchRL's collector steps a batched env: the done envs reset before the next step (no
+    autoreset step, which would pay reward 0, is ever a frame)."""
+    envpool = pytest.importorskip("envpool", reason="envpool is in the bench-real extra")
+    import numpy as np
+
+    def policy(td: TensorDictBase) -> TensorDictBase:  # push left when the pole leans left: long, varied episodes
+        return td.set("action", (td["observation"][..., 2] > 0).long())
+
+    got = first_batches(ThreadedCollector, envpool.make_gymnasium("CartPole-v1", num_envs=3, seed=7), policy,
+                        count=1, frames_per_batch=300)[0]
+    env = envpool.make_gymnasium("CartPole-v1", num_envs=3, seed=7)
+    obs, _ = env.reset()
+    rows = []
+    for _ in range(100):
+        nxt, reward, terminated, truncated, _ = env.step((obs[:, 2] > 0).astype(np.int64))
+        rows.append((obs, nxt, reward, terminated | truncated))
+        obs = nxt.copy()
+        done = np.flatnonzero(terminated | truncated)
+        if done.size:
+            obs[done] = env.reset(done.astype(np.int32))[0]
+    want = {name: torch.as_tensor(np.stack([r[i] for r in rows], axis=1)) for i, name in
+            enumerate(["observation", "next_observation", "reward", "done"])}
+    assert got.batch_size == (3, 100) and got["next", "done"].any()
+    assert torch.equal(got["observation"], want["observation"].float())
+    assert torch.equal(got["next", "observation"], want["next_observation"].float())
+    assert torch.equal(got["next", "reward"][..., 0], want["reward"].float())
+    assert torch.equal(got["next", "done"][..., 0], want["done"])
+
+
+def test_a_vmas_env_gives_the_batches_of_torchrls_collector():
+    pytest.importorskip("vmas", reason="VMAS is in the multiagent extra")
+    from torchrl.envs.libs.vmas import VmasEnv
+
+    def vmas() -> EnvBase:
+        return VmasEnv(scenario="navigation", num_envs=6, continuous_actions=True, max_steps=20, device="cpu",
+                       n_agents=3, seed=0)
+
+    def policy(td: TensorDictBase) -> TensorDictBase:
+        return td.set(("agents", "action"), torch.zeros(*td.shape, 3, 2))
+
+    expected = first_batches(Collector, vmas(), policy, count=1, frames_per_batch=60)[0]
+    got = first_batches(ThreadedCollector, vmas(), policy, count=1, frames_per_batch=60)[0]
+    assert got.batch_size == expected.batch_size == (6, 10)
+    want, have = leaves(expected), leaves(got)
+    assert set(have) == set(want)
+    for key, value in want.items():
+        assert have[key].dtype == value.dtype and torch.equal(have[key], value), key

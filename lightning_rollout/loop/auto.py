@@ -259,7 +259,7 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         Exception: whatever building or stepping the env raised.
     """
     adapter = make_adapter(factory(), max_episode_steps=max_episode_steps)
-    if adapter.rows > 1:  # a natively batched env: its layout is one env thread a batch, whatever its speed
+    if adapter.batched:  # a natively batched env: its layout is one env thread a batch, whatever its speed
         adapter.close()
         return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=adapter.rows)
     delay = RunDelay()

@@ -385,7 +385,7 @@ class MultiEnvLoop:
                                   info_keys=info_keys)
         adapters.append(build(factories[0]))
         batch = adapters[0].rows
-        if batch > 1:
+        if adapters[0].batched:
             if self.num_envs % batch or self.envs_per_thread != batch:
                 raise ValueError(
                     f"the env factory makes a natively batched env of {batch} envs, stepped in one call by one env "
@@ -426,8 +426,8 @@ class MultiEnvLoop:
         for adapter in adapters:
             i = len(roots)
             try:
-                if isinstance(adapter, BatchedTorchRLEnv):
-                    batch = adapter.reset_all(seeds[i])
+                if adapter.batched:
+                    batch = cast(BatchedTorchRLEnv, adapter).reset_all(seeds[i])
                     roots += [{k: v[r] for k, v in batch.items()} for r in range(adapter.rows)]
                 else:
                     roots.append(adapter.reset(seeds[i]))
@@ -483,7 +483,7 @@ class MultiEnvLoop:
             self._pool.attach(layout.specs, inputs=self._env_inputs, nxt=layout.env_next, checked_next=checked_next,
                               checked_root=checked_root, zero_done=zero_done)
             return list(self._pool.groups)
-        if isinstance(adapters[0], BatchedTorchRLEnv):  # natively batched envs: one a block
+        if adapters[0].batched:  # natively batched envs: one a block
             return [NativeBlock(cast(BatchedTorchRLEnv, env), validate=validate, checked_next=checked_next,
                                 checked_root=checked_root, watched=self.step_timeout is not None) for env in adapters]
         g = self.envs_per_thread

@@ -1,14 +1,15 @@
 """A natively batched env as one block: its envs step in one call.
 
 When an env factory makes a batched env (a :class:`~lightning_rollout.envs.BatchedTorchRLEnv`: VMAS,
-envpool's ``MultiThreadedEnv``, a ``SerialEnv`` or ``ParallelEnv`` built by the factory, a gymnasium
-vector env through TorchRL's ``GymWrapper``), each env thread steps one of them as its block
+a ``SerialEnv`` or ``ParallelEnv`` built by the factory, a gymnasium vector env through TorchRL's
+``GymWrapper``; or an envpool env, :class:`~lightning_rollout.envs.EnvpoolEnv`), each env thread steps
+one of them as its block
 (:class:`NativeBlock`): the block's envs are the batch's, row-major over its batch dims, and a step
 of the block is one ``env.step`` of the whole batch, as TorchRL's collector makes it. Such a
 simulator cannot step part of its batch, so a step takes every env of the block (a free-running or
 single-env request is refused by the loop); the envs a step ended are reset together, with one
-partial reset of the batch (TorchRL's ``_reset`` entries). The batch is seeded as a whole
-(``env.set_seed``), with the seed of its first env.
+partial reset of the batch (TorchRL's ``_reset`` entries; envpool's ``reset(env_id)``). The batch is
+seeded as a whole (``env.set_seed``), with the seed of its first env (envpool: at ``make``).
 
 Threading: a block is owned by one env thread. ``busy_env``, ``busy_phase`` and ``busy_since`` name the
 call in progress (its first env: the batch has no single env at fault), read without a lock by the
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..envs import BatchedTorchRLEnv
+from ..envs import BatchedTorchRLEnv, EnvpoolEnv
 from ..specs import ArraySpec, NestedKey
 from .block import EnvFailure, _CheckFailed
 from .buffers import check_entries
@@ -48,7 +49,7 @@ class NativeBlock:
     owned = True
     partial = False  # it cannot step some of its envs alone
 
-    def __init__(self, env: BatchedTorchRLEnv, *, validate: bool, checked_next: Mapping[NestedKey, ArraySpec],
+    def __init__(self, env: BatchedTorchRLEnv | EnvpoolEnv, *, validate: bool, checked_next: Mapping[NestedKey, ArraySpec],
                  checked_root: Mapping[NestedKey, ArraySpec], watched: bool = True) -> None:
         self.env = env
         self.rows = env.rows
@@ -122,17 +123,18 @@ class NativeBlock:
 
     def reset(self, j: int, seed: int | None, stop: threading.Event | None = None) -> dict[NestedKey, Any]:
         """Reset env ``j`` alone (a partial reset of the batch, seeded as a whole with ``seed``)."""
-        if seed is not None:
-            self.env.env.set_seed(seed)
-        return self.reset_many([j], stop)[0]
+        return self._reset([j], seed)[0]
 
     def reset_many(self, envs: Sequence[int], stop: threading.Event | None = None) -> list[dict[NestedKey, Any]]:
         """Reset envs ``envs`` together (one partial reset of the batch); their root entries, checked."""
+        return self._reset(envs, None)
+
+    def _reset(self, envs: Sequence[int], seed: int | None) -> list[dict[NestedKey, Any]]:
         self.busy_env, self.busy_phase = envs[0], "reset"
         if self.watched:
             self.busy_since = time.perf_counter()
         try:
-            roots = self.env.reset_some(envs)
+            roots = self.env.reset_some(envs, seed)
         except Exception as exc:
             raise EnvFailure(envs[0], "reset", "env", exc) from exc
         finally:

@@ -236,7 +236,7 @@ def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_ste
         try:
             adapters.append(build_adapter(factory, max_episode_steps=max_episode_steps, validate=validate,
                                           info_keys=info_keys))
-            if adapters[-1].rows > 1:
+            if adapters[-1].batched:
                 raise _Explained(f"the env factory makes a natively batched env of {adapters[-1].rows} envs, which "
                                  "steps its batch in one call in the main process: pass num_workers=1 (each env thread "
                                  "steps one batched env)")
