@@ -255,6 +255,20 @@ def envpool_async(w: Workload, batch: int | None = None) -> Session:
     return Session(run, env.close)
 
 
+def threaded_envpool(w: Workload, *, per_env: int = 8) -> Session:
+    """``lightning_rollout.ThreadedCollector`` over envpool envs of ``per_env`` envs each, one env thread
+    driving each (natively batched blocks): the policy of one batch runs while the other batches step."""
+    from lightning_rollout import ThreadedCollector
+
+    factory = functools.partial(bench_envs.envpool_make, w.env_id, per_env)
+    collector = ThreadedCollector(factory, w.actor(), num_envs=w.num_envs, frames_per_batch=w.frames_per_batch,
+                                  total_frames=-1, name="bench")
+    policy, loop = collector.autobatch_policy, collector.loop
+    return _collector_session(collector, lambda: {"mean_flush_batch": policy.mean_batch_size,
+                                                  "num_workers": loop.num_workers,
+                                                  "envs_per_thread": loop.envs_per_thread})
+
+
 # -- gymnasium + plain loop (the no-collector limit) ------------------------------------------------------------
 def _vector_loop(vec: Any, policy: Callable[[np.ndarray], np.ndarray], seed: bool = True) -> Session:
     obs, _ = vec.reset(seed=0) if seed else vec.reset()
