@@ -1,14 +1,17 @@
 """One block of envs, stepped together by one thread, writing into caller-owned arrays.
 
-An :class:`EnvBlock` is what an env thread steps in-process and what a block server
-steps in a worker process (:mod:`lightning_rollout.loop.process`): the same code on
-both sides. A step takes the block's inputs for ``n`` of its envs (row ``i`` is env
-``envs[i]``) and writes each env's ``"next"`` entries, reward and flags into row
-``i`` of the arrays it is given: no per-env dictionaries on the way out, and for
-gymnasium envs with one array observation none on the way in either (actions are
-converted and validated once for the block, observations are checked once for the
-block). Errors come out as :class:`EnvFailure`, naming the env's index in the block
-and the phase, which the caller turns into the user-facing error.
+:class:`Block` is the one env interface of the loop: a step of some of a block's envs is
+``begin`` (their inputs), ``ended`` (which of them ended) and ``finish`` (their results written
+into the arrays given), whatever the block is. An :class:`EnvBlock` is what an env thread steps
+in-process and what a block server steps in a worker process
+(:mod:`lightning_rollout.loop.process`): the same code on both sides. A step takes the block's
+inputs for ``n`` of its envs (row ``i`` is env ``envs[i]``) and writes each env's ``"next"``
+entries, reward and flags into row ``i`` of the arrays it is given: no per-env dictionaries on
+the way out, and for gymnasium envs with one array observation none on the way in either (the
+gymnasium fast path: actions are converted and validated once for the block, observations are
+checked once for the block). Without helper threads the envs step one after the other in
+``finish``. Errors come out as :class:`EnvFailure`, naming the env's index in the block and the
+phase, which the caller turns into the user-facing error.
 
 Threading: a block is owned by one thread. ``busy_env``, ``busy_phase`` and
 ``busy_since`` name the env call in progress that started first, read without a lock
@@ -27,8 +30,9 @@ clears ``calls[j]`` and puts ``j`` on the ``done`` queue (so a call is in flight
 exactly while ``calls[j]`` is set, and its start time is already written then). The
 owner reads ``done`` (polling its stop flag every 50 ms). Two ways to use it:
 
-- :meth:`EnvBlock.step`: start every env, wait until all ended, write the results in
-  env order (errors are raised as in a sequential step, the lowest env index first);
+- lock-step (``ended(every=True)``, and :meth:`EnvBlock.step`, the three calls in one): start
+  every env, wait until all ended, write the results in env order (errors are raised as in a
+  sequential step, the lowest env index first);
   no helper is left running a call. The owner is woken once, by the last call to end:
   each helper, after putting ``j`` on ``done``, counts the ends under ``count_lock``,
   and the one whose end reaches the owner's ``target`` releases ``all`` (a lock held
@@ -37,7 +41,7 @@ owner reads ``done`` (polling its stop flag every 50 ms). Two ways to use it:
 - free-running, :meth:`EnvBlock.begin` / :meth:`EnvBlock.ended` /
   :meth:`EnvBlock.finish`: the owner starts envs as their actions are ready and
   writes the results of those that ended; each env runs at its own pace
-  (``Worker._run_quota_free`` in :mod:`lightning_rollout.loop.worker`). After the first
+  (``Worker._run_free`` in :mod:`lightning_rollout.loop.worker`). After the first
   call that ended the owner keeps gathering, for up to a tenth of the mean call
   duration or until half the calls in flight ended, so that one policy call answers
   envs that end close together; once it shares its helpers' core (below) it takes

@@ -166,7 +166,7 @@ class MultiEnvLoop:
             while the block's bookkeeping and policy call stay once per step in its
             thread: for envs whose step releases the GIL (C simulators, sleeps, I/O).
             Resets run in the block's thread. Not with worker processes. ``"free"``: the
-            same, and within a quota (:meth:`run_env_steps`, and :meth:`run_steps` with one
+            same, and within a grant (:meth:`run_env_steps`, and :meth:`run_steps` with one
             env thread) each env runs at its own pace (its next step starts as soon as its
             last one ended and the policy answered it; the
             policy is still called on the whole block), for envs whose step times vary
@@ -280,7 +280,7 @@ class MultiEnvLoop:
         if slow is not None:
             warnings.warn(LayoutWarning(f"{name}: {slow}"), stacklevel=2)
         self.parallel_steps: bool = bool(parallel_steps)
-        self.free_steps: bool = parallel_steps == "free"  # envs of a block run free within a quota
+        self.free_steps: bool = parallel_steps == "free"  # envs of a block run free within a grant
         self.num_envs = num_envs
         self.envs_per_thread = envs_per_thread
         self.num_workers = num_workers
@@ -305,7 +305,7 @@ class MultiEnvLoop:
         self._stop = threading.Event()
         self._driver_lock = threading.Lock()  # held by the thread inside a run_* / reset_envs call (see _driver_call)
         self._driver_thread: threading.Thread | None = None
-        self._cut = threading.Event()  # set by the driver: workers end their quota after the current step
+        self._cut = threading.Event()  # set by the driver: workers end their grant after the current step
         self._closed = False
         self._ready: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.frames = 0
