@@ -466,7 +466,7 @@ class MultiEnvLoop:
         return WorkerContext(
             name=self.name, layout=self._layout, policy=self.policy, ready=self._ready, stop=self._stop, cut=self._cut,
             input_cols=tuple(self._input_cols), input_done=tuple(self._input_done),
-            env_inputs=tuple(self._env_inputs), env_input_done=tuple(self._env_input_done),
+            env_inputs=tuple(self._env_inputs),
             action_columns=self._action_columns, exploration_type=self.exploration_type, lookahead=self.lookahead,
             validate=self.validate, free_steps=self.free_steps, max_episode_steps=self.max_episode_steps,
             random_steps_per_env=self._random_steps_per_env, torch_threads=self._torch_threads, blocks=blocks)

@@ -150,8 +150,8 @@ class WorkerContext:
     ``ready``, ``stop`` and ``cut`` are the loop's own, shared by all its workers: the queue of replies
     (:mod:`lightning_rollout.loop.messages`), the loop's closing flag and the driver's "end the grant after
     this step" flag. The key lists name the columns a step reads: the policy's inputs (``input_cols``; the
-    root done flags it reads, which have no column, ``input_done``) and the env's (``env_inputs``,
-    ``env_input_done``).
+    root done flags it reads, which have no column, ``input_done``) and the env's (``env_inputs``; the block
+    gives a TorchRL env the root done flags it reads).
     """
 
     name: str
@@ -163,7 +163,6 @@ class WorkerContext:
     input_cols: tuple[NestedKey, ...]
     input_done: tuple[NestedKey, ...]
     env_inputs: tuple[NestedKey, ...]
-    env_input_done: tuple[NestedKey, ...]
     action_columns: Mapping[NestedKey, ArraySpec]
     exploration_type: ExplorationType
     lookahead: bool
