@@ -319,13 +319,36 @@ def test_run_env_steps_rows_are_each_envs_consecutive_steps():
 
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "on_policy"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 130])
-def test_run_env_steps_bookkeeping_is_step_by_step_whatever_the_quota_length(steps, lookahead):
-    # A quota settles its steps' counters in one go; episodes of 2 to 4 steps end inside every quota of more
-    # than one step, at its last step, and across quotas (130 steps: past one settling's 128).
+def test_run_env_steps_bookkeeping_is_step_by_step_whatever_the_batch_length(steps, lookahead):
+    # A run of steps settles its counters in one go; episodes of 2 to 4 steps end inside every batch of more
+    # than one step, at its last step, and across batches (130 steps: past the storage's wrap-around).
     with MultiEnvLoop(mock_envs(3), CountingPolicy(), envs_per_thread=3, lookahead=lookahead) as loop:
         stream = StreamChecker()
         for _ in range(max(2, 12 // steps)):
             stream.add(loop.run_env_steps(steps))
+        assert stream.dones > 0
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "on_policy"])
+def test_is_init_marks_the_first_step_of_every_episode_as_torchrls_init_tracker_does(lookahead):
+    with MultiEnvLoop("CartPole-v1", None, num_envs=3, envs_per_thread=3, lookahead=lookahead, seed=1) as loop:
+        first, second = loop.run_env_steps(40), loop.run_env_steps(40)
+    td = torch.cat([first, second], dim=1)
+    assert td["next", "done"].any()
+    is_init, done = td["is_init"][..., 0], td["next", "done"][..., 0]
+    assert is_init[:, 0].all(), "the first step after the construction's reset"
+    assert torch.equal(is_init[:, 1:], done[:, :-1]), "after every done step, and only there"
+    assert not td["next", "is_init"].any()
+
+
+def test_storage_grows_for_a_longer_batch_and_keeps_the_steps_not_handed_out():
+    # run_steps leaves a step written ahead (lookahead) in a storage of a few rows; a longer batch then needs
+    # more rows, and the stream goes on without a gap or a duplicate
+    with MultiEnvLoop(mock_envs(2), CountingPolicy(), envs_per_thread=2) as loop:
+        stream = StreamChecker()
+        for call in (lambda: loop.run_steps(2), lambda: loop.run_env_steps(40), lambda: loop.run_steps(6),
+                     lambda: loop.run_env_steps(3), lambda: loop.run_env_steps(90)):
+            stream.add(call())
         assert stream.dones > 0
 
 
