@@ -200,8 +200,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
          "envpool async (batch 8)": c.envpool_async,
          **{k: PEERS[k] for k in ("gym SyncVectorEnv loop", "gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
         [Target(f">= {a:g}x envpool async", tuple(_REAL_OURS), "envpool async (batch 8)", a),
-         Target("envpool driven by our threads >= 0.8x envpool async", ("threaded envpool 2x8",),
-                "envpool async (batch 8)", 0.8),
          Target(f">= {b:g}x SyncVectorEnv loop", tuple(_REAL_OURS), "gym SyncVectorEnv loop", b),
          Target("defaults >= 0.9x our best", (AUTO,), "threaded num_workers=2", 0.9)],
         requires=real_envs_available, group="real")
