@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             "| --- | --- | --- | --- | --- |"]
     for scenario in args.scenario:
         for name in sorted(runs["after"][0].get(scenario, {})):
-            b = statistics.median(r[scenario][name] for r in runs["before"] if name in r.get(scenario, {}))
+            before_runs = [r[scenario][name] for r in runs["before"] if name in r.get(scenario, {})]
+            if not before_runs:  # a contender the before revision does not have
+                continue
+            b = statistics.median(before_runs)
             a = statistics.median(r[scenario][name] for r in runs["after"])
             table[f"{scenario} / {name}"] = {"before": b, "after": a, "ratio": a / b}
             rows.append(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
