@@ -721,11 +721,12 @@ def test_bad_configuration_raises_value_error_saying_what_to_change(kwargs, mess
     assert not {t for t in set(threading.enumerate()) - before if t.name.startswith(THREAD_PREFIX)}
 
 
-def test_a_factory_returning_a_batched_env_is_refused_with_a_hint_to_pass_the_env_itself():
-    serial = SerialEnv(2, lambda: GymEnv(CARTPOLE))
+def test_a_factory_returning_a_batched_env_has_its_batch_stepped_in_one_call_by_one_env_thread():
+    collector = ThreadedCollector(lambda: SerialEnv(2, lambda: GymEnv(CARTPOLE)), balance_policy, frames_per_batch=8,
+                                  num_envs=4, total_frames=8)
     try:
-        with pytest.raises(ValueError,
-                           match="returned a batched env.*pass the batched env itself.*use torchrl's Collector"):
-            ThreadedCollector(lambda: serial, balance_policy, frames_per_batch=8, num_envs=2)
+        assert collector.loop.envs_per_thread == 2 and len(list(collector.loop.threads())) == 2
+        batch = next(iter(collector))
     finally:
-        serial.close(raise_if_closed=False)  # a SerialEnv counts as closed until it is started
+        collector.shutdown()
+    assert batch.batch_size == (4, 2) and batch.names == [None, "time"]

@@ -195,17 +195,20 @@ def _wait_for_no_new_children(before: set[int], timeout: float = 10.0) -> list[p
     return left
 
 
-def test_a_factory_of_a_batched_env_is_refused_and_leaves_no_process_running():
+def test_a_factory_of_a_batched_env_is_stepped_as_it_is_and_leaves_no_process_running():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match="batch_size=\\(2,\\).*pass the batched env itself") as refusal:
-            ThreadedCollector(functools.partial(GymEnv, "CartPole-v1", num_envs=2), None, frames_per_batch=4, **FAST)
-    # the refusal is still held (its traceback references the env, as a caller's `except ... as e` does): the
-    # processes end because the env was closed, not because a dropped env was garbage-collected
+        collector = ThreadedCollector(functools.partial(GymEnv, "CartPole-v1", num_envs=2), None, frames_per_batch=4,
+                                      total_frames=4, envs_per_thread=2, num_workers=1)
+        try:
+            assert len(_new_children(before)) == 2  # the batched env's own two worker processes step it
+            batch = next(iter(collector))
+        finally:
+            collector.shutdown()
+    assert batch.batch_size == (2, 2)
     left = _wait_for_no_new_children(before)
     assert not left, f"processes left running: {[(p.pid, p.cmdline()) for p in left]}"
-    assert refusal.value is not None
 
 
 def test_a_batched_env_instance_is_taken_apart_and_its_own_processes_end():
