@@ -200,7 +200,7 @@ def test_a_factory_of_a_batched_env_is_stepped_as_it_is_and_leaves_no_process_ru
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         collector = ThreadedCollector(functools.partial(GymEnv, "CartPole-v1", num_envs=2), None, frames_per_batch=4,
-                                      total_frames=4, envs_per_thread=2, num_workers=1)
+                                      total_frames=4, num_envs=2, envs_per_thread=2, num_workers=1)
         try:
             assert len(_new_children(before)) == 2  # the batched env's own two worker processes step it
             batch = next(iter(collector))
