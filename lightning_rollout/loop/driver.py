@@ -894,11 +894,8 @@ class MultiEnvLoop:
         out = self._batches.allocate(n)
         filled = 0
         try:
-            # 1. steps published and not handed out yet (a step copied in part, an interrupted call's), oldest first
-            for w in sorted(range(W), key=lambda w: (self._consumed[w] == self._published[w], self._taken[w] == 0)):
-                first = filled
-                filled = self._take(out, filled, n, w)
-                self._after_take(out, range(first, filled), processor)
+            # 1. steps published and not handed out yet (a step copied in part, an interrupted call's)
+            filled = self._take_published(out, filled, n, processor)
             # 2. one env thread: its whole rounds in one grant, copied out in time order (the order the steps below
             # would deliver them in), with no hand-off per step
             if W == 1 and n - filled >= g:
@@ -947,15 +944,22 @@ class MultiEnvLoop:
         except CollectionError as exc:
             self.close()
             self._keep_settled()
-            for w in range(W):  # every step settled before the failure is delivered
-                first = filled
-                filled = self._take(out, filled, n, w)
-                self._after_take(out, range(first, filled), processor)
+            filled = self._take_published(out, filled, n, processor)  # every step settled before the failure
             self._fail(exc, self._finish_flat(out, filled))
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
         return self._finish_flat(out, filled)
+
+    def _take_published(self, out: dict[NestedKey, np.ndarray], filled: int, n: int,
+                        processor: EventProcessor | None) -> int:
+        """:meth:`_take` every worker's published steps (a step copied in part first), counted, events emitted."""
+        order = sorted(range(len(self._workers)), key=lambda w: (self._taken[w] == 0, w))
+        for w in order:
+            first = filled
+            filled = self._take(out, filled, n, w)
+            self._after_take(out, range(first, filled), processor)
+        return filled
 
     def _after_take(self, out: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None) -> None:
         """Count the rows just copied out (``_take`` counted nothing) and emit their training events."""
