@@ -54,6 +54,16 @@ def leaves(td: TensorDictBase) -> dict:
     return dict(td.items(include_nested=True, leaves_only=True))
 
 
+def assert_same_batches(expected: list[TensorDictBase], got: list[TensorDictBase]) -> None:
+    """Equal batch sizes, dim names, keys, dtypes and values, batch by batch."""
+    for theirs, ours in zip(expected, got, strict=True):
+        assert ours.batch_size == theirs.batch_size and ours.names == theirs.names
+        want, have = leaves(theirs), leaves(ours)
+        assert set(have) == set(want)
+        for key, value in want.items():
+            assert have[key].dtype == value.dtype and torch.equal(have[key], value), key
+
+
 def first_batches(collector_cls: type, env: EnvBase | gym.vector.VectorEnv, policy, count: int = 2,
                   **kwargs) -> list[TensorDictBase]:
     frames = kwargs.pop("frames_per_batch", 12)
@@ -77,13 +87,7 @@ def test_a_batched_torchrl_env_gives_the_batches_of_torchrls_collector(form):
     make = BATCHED_FORMS[form]
     expected = first_batches(Collector, make(), ones_policy)
     got = first_batches(ThreadedCollector, make(), ones_policy)
-    for theirs, ours in zip(expected, got, strict=True):
-        assert ours.batch_size == theirs.batch_size and ours.names == theirs.names
-        want, have = leaves(theirs), leaves(ours)
-        assert set(have) == set(want)
-        for key, value in want.items():
-            assert have[key].dtype == value.dtype, key
-            assert torch.equal(have[key], value), key
+    assert_same_batches(expected, got)
 
 
 def test_gym_env_with_num_envs_gives_the_layout_of_torchrls_collector():
@@ -179,13 +183,7 @@ def test_a_natively_batched_env_gives_the_batches_of_torchrls_collector(form):
     make = NATIVE_FORMS[form]
     expected = first_batches(Collector, make(), ones_policy, frames_per_batch=24)
     got = first_batches(ThreadedCollector, make(), ones_policy, frames_per_batch=24)
-    for theirs, ours in zip(expected, got, strict=True):
-        assert ours.batch_size == theirs.batch_size and ours.names == theirs.names
-        want, have = leaves(theirs), leaves(ours)
-        assert set(have) == set(want)
-        for key, value in want.items():
-            assert have[key].dtype == value.dtype, key
-            assert torch.equal(have[key], value), key
+    assert_same_batches(expected, got)
 
 
 class ResetCountingEnv(CountingBatchedEnv):
@@ -345,7 +343,4 @@ def test_a_vmas_env_gives_the_batches_of_torchrls_collector():
     expected = first_batches(Collector, vmas(), policy, count=1, frames_per_batch=60)[0]
     got = first_batches(ThreadedCollector, vmas(), policy, count=1, frames_per_batch=60)[0]
     assert got.batch_size == expected.batch_size == (6, 10)
-    want, have = leaves(expected), leaves(got)
-    assert set(have) == set(want)
-    for key, value in want.items():
-        assert have[key].dtype == value.dtype and torch.equal(have[key], value), key
+    assert_same_batches([expected], [got])
