@@ -232,7 +232,7 @@ class BenchResults(SphinxDirective):
 
 def _always_reread(app, env, added, changed, removed):  # noqa: ARG001
     # Pages whose content depends on files outside docs/ that may appear between builds.
-    return [d for d in ("performance", "api") if d in env.found_docs]
+    return [d for d in ("performance", "training", "api") if d in env.found_docs]
 
 
 def setup(app):
