@@ -301,7 +301,12 @@ def test_policy_fault_on_kth_call_single_env(kind, words, lookahead):
                                          ("row_shape", "shape (3,)"), ("no_action", "'action'")])
 @pytest.mark.parametrize("mode", MODES)
 def test_policy_fault_on_kth_call_many_envs(kind, words, mode):
-    loop = MultiEnvLoop(long_envs(4), FaultyPolicy(6, kind), autobatch_size=2, envs_per_thread=1)
+    """``exc.partial`` holds every granted step an env completed (``run_steps``: all but at most the one step
+    each env thread wrote ahead), or the steps every env completed (``run_env_steps``: a rectangle, ``None`` when
+    one env completed none; which envs the first calls served depends on the scheduler)."""
+    envs: list[MockEnv] = []
+    factories = [lambda f=f: envs.append(f()) or envs[-1] for f in long_envs(4)]
+    loop = MultiEnvLoop(factories, FaultyPolicy(6, kind), autobatch_size=2, envs_per_thread=1)
     run = (lambda: loop.run_steps(LONG)) if mode == "run_steps" else (lambda: loop.run_env_steps(LONG))
     with pytest.raises(PolicyError) as info:
         bounded(run, BOUND)
@@ -309,8 +314,16 @@ def test_policy_fault_on_kth_call_many_envs(kind, words, mode):
     assert words in str(exc), str(exc)
     assert exc.env_ids and set(exc.env_ids) <= set(range(4)) and exc.step is not None
     assert f"at step {exc.step}" in str(exc)
-    assert exc.partial is not None
-    check_stream(exc.partial)
+    completed = sorted(envs, key=lambda e: e.env_id)
+    if mode == "run_steps":
+        steps = sum(e.num_steps for e in completed)
+        assert exc.partial is not None and steps - 4 <= exc.partial.shape[0] <= steps
+    elif min(e.num_steps for e in completed) == 0:
+        assert exc.partial is None
+    else:
+        assert exc.partial is not None and exc.partial.shape == (4, min(e.num_steps for e in completed))
+    if exc.partial is not None:
+        check_stream(exc.partial)
     assert_no_rollout_threads()
 
 

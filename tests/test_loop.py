@@ -603,6 +603,44 @@ def test_interrupted_run_steps_returns_early_and_loses_nothing(lookahead, within
         assert sum(stream.steps.values()) == td.shape[0] + 20
 
 
+class _CutAt(MockEnv):
+    """Stops ``interrupter`` at its ``at``-th step (counted from 0) and returns only once the loop cut its call
+    short, so the call ends right after that step (no race with the driver's wake-ups)."""
+
+    def __init__(self, env_id: int, interrupter: Interrupter, at: int, loop_of: dict) -> None:
+        super().__init__(env_id)
+        self.interrupter, self.at, self.loop_of = interrupter, at, loop_of
+
+    def step(self, action):
+        result = super().step(action)
+        if self.num_steps - 1 == self.at:
+            self.interrupter.stop()
+            assert self.loop_of["loop"]._cut.wait(10.0), "the driver never cut the call"
+        return result
+
+
+@pytest.mark.parametrize("first", ["run_env_steps", "run_steps"])
+def test_steps_left_by_a_call_cut_short_reach_the_next_calls_whatever_their_size(first, within):
+    """A call cut short leaves the step its thread wrote ahead, and the root entries of the step after, in the rows
+    of the batch it was collecting; the next calls, of one step an env, deliver them in order."""
+    interrupter, loop_of = Interrupter(), {}
+    factories = [lambda: _CutAt(0, interrupter, 2, loop_of), lambda: MockEnv(1)]
+    with MultiEnvLoop(factories, CountingPolicy(), envs_per_thread=2, lookahead=True) as loop:
+        loop_of["loop"] = loop
+        stream = StreamChecker()
+        if first == "run_env_steps":
+            td = within(lambda: loop.run_env_steps(8, interrupter=interrupter))
+            assert td.shape == (2, 3)
+        else:
+            td = within(lambda: loop.run_steps(16, interrupter=interrupter))
+            assert td.shape == (6,)
+        stream.add(td)
+        interrupter.reset()
+        for _ in range(4):
+            stream.add(within(lambda: loop.run_env_steps(1)))
+        assert dict(stream.steps) == {0: 7, 1: 7}
+
+
 def test_interrupted_run_episodes_returns_what_finished(within):
     interrupter = Interrupter()
     interrupter.stop()

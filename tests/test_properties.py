@@ -300,7 +300,7 @@ class _StopAfter:
 
 @SETTINGS
 @given(num_envs=st.integers(1, 4), epts=st.sampled_from([1, 2, "all"]), lookahead=st.booleans(),
-       steps_per_env=st.integers(2, 12), stop_after=st.integers(0, 30), fail_env=st.integers(0, 3),
+       steps_per_env=st.integers(1, 12), stop_after=st.integers(0, 30), fail_env=st.integers(0, 3),
        fail_at=st.integers(0, 20), mode=st.sampled_from(["interrupt", "env_error"]),
        length_seed=st.integers(0, 10_000), max_len=st.integers(1, 6),
        parallel=st.sampled_from([False, True, "free"]), flat_extra=st.one_of(st.none(), st.integers(0, 3)))
