@@ -456,7 +456,7 @@ class EnvpoolEnv(GymAdapter):
     def step_all(self, root: Mapping[NestedKey, np.ndarray]
                  ) -> tuple[dict[NestedKey, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
         """Step every env with the actions of ``root`` (``[rows, ...]``); as :meth:`BatchedTorchRLEnv.step_all`."""
-        actions = np.ascontiguousarray(self.actions(root["action"]))  # (a step's rows may be a batch's strided view)
+        actions = np.asarray(self.actions(root["action"]))
         obs, reward, terminated, truncated, _ = self.env.step(actions)
         return {"observation": obs}, reward.astype(np.float64), terminated, truncated
 
@@ -639,9 +639,8 @@ class BatchedTorchRLEnv(_TorchRLEnv):
         ``"next"`` entries (``[rows, ...]``), rewards (``[rows]`` float64, summed over reward leaves), terminated
         and truncated (``[rows]`` bool)."""
         lead = tuple(self.batch_size)
-        # contiguous tensors, as TorchRL's collector passes (a step's rows may be a strided view of a batch)
-        td = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)).reshape(*lead, *v.shape[1:])
-                         for k, v in root.items()}, batch_size=self.batch_size)
+        td = TensorDict({k: torch.from_numpy(np.asarray(v)).reshape(*lead, *v.shape[1:]) for k, v in root.items()},
+                        batch_size=self.batch_size)
         for prefix, dims in self.keys.sub_batch.items():
             sub = td.get(prefix, None)
             if sub is not None:

@@ -1025,8 +1025,8 @@ class AutobatchPolicy:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
         elif self._on_cpu:
             stacked = {k: _own_tensor(batch[0].obs[k]) for k in keys}
-        else:  # (contiguous, as a step's rows may be a strided view of a batch)
-            stacked = {k: _as_tensor(np.ascontiguousarray(batch[0].obs[k])) for k in keys}
+        else:
+            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
         if not self._on_cpu:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
         call = self._call_direct if direct is not None else self._call_tensordict

@@ -3,7 +3,7 @@
 The files show the architecture (one data path: :mod:`~lightning_rollout.loop.worker` says how):
 
 * :mod:`~lightning_rollout.loop.driver`: :class:`MultiEnvLoop` / :class:`EnvLoop`, the
-  driver. Grants of steps (each lent its rows of the batch), resets and episodes; batches in
+  driver. Grants of steps, resets and episodes; batches copied out of the workers' storage in
   TorchRL's layouts; trajectory ids, events, errors and shutdown.
 * :mod:`~lightning_rollout.loop.worker`: the env-side loop run by an env thread, one per
   block of ``envs_per_thread`` envs: the one step driver, settling.

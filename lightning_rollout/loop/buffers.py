@@ -2,11 +2,9 @@
 
 One column (a preallocated numpy array) per leaf of the env's TorchRL specs, of the policy's
 outputs, and of the loop's own bookkeeping. An env thread writes its group's steps into a
-:class:`Steps` storage, time-major (``row(t)`` is step ``t`` of every env of the group, one
-row per env): into the rows of the batch the driver lent its grant (:meth:`Steps.lend`), so
-that handing them out copies nothing, or into a ring, from which the driver copies the steps it
-hands out into a batch, once. A step's row holds everything TorchRL's collector puts in a
-transition:
+:class:`Steps` storage, time-major (``cols[key][t]`` is step ``t`` of every env of the
+group, one row per env), and the driver copies the steps it hands out from there into a
+batch, once. A step's row holds everything TorchRL's collector puts in a transition:
 
 * the root entries the policy and the env read (written when the step before ended: copied
   from that step's ``"next"`` entries, or a reset's for an env that was done);
@@ -17,7 +15,7 @@ transition:
   counts read them; a batch handed to a user leaves them out).
 
 A batch adds ``("collector", "traj_ids")`` and ``("collector", "env_id")``, written by the
-driver when it hands the steps out. A TensorDict is built over a batch's columns once, never
+driver when it copies the steps out. A TensorDict is built over a batch's columns once, never
 per step. Nothing here holds threads; :class:`BatchPool` keeps the columns of recent batches
 to hand them out again once nothing references them.
 """
@@ -134,18 +132,16 @@ class Layout:
 
 
 class Steps:
-    """The steps of one env group, time-major: :meth:`row` ``(t)`` is step ``t``'s row of every column, one row
-    per env of the group (``[rows, *shape]``).
+    """The steps of one env group, time-major: ``cols[key][t % capacity]`` is step ``t``'s row, one row per env
+    of the group (``[rows, *shape]``).
 
-    Steps are numbered from 0 for ever. A step lives in the ring, ``cols[key][t % capacity]``, which keeps the
-    last ``capacity`` steps (or, with ``grow=True``, every one of them: an episode's; the capacity doubles
-    when a step needs a row past it), unless the driver lent the storage a segment for it (:meth:`lend`): the
-    rows of a batch it is collecting, where the steps of a grant are written in place, so that handing them
-    out copies nothing. A row's views are made once per physical row and reused.
+    Steps are numbered from 0 for ever; the storage keeps the last ``capacity`` of them (a ring), or, with
+    ``grow=True``, every one of them (an episode's: the capacity doubles when a step needs a row past it).
+    A row's views are made once per physical row and reused (:meth:`row`).
 
     Threading: the env thread that owns the group writes rows; the driver reads rows the thread published
-    (see :mod:`lightning_rollout.loop.worker`); :meth:`resize` and :meth:`lend` replace arrays and run in the
-    owning thread while the driver reads nothing.
+    (see :mod:`lightning_rollout.loop.worker`); :meth:`resize` replaces the arrays and runs in the owning
+    thread while the driver reads nothing.
 
     Args:
         layout: the columns.
@@ -161,36 +157,18 @@ class Steps:
         self.capacity = 0
         self.cols: dict[NestedKey, np.ndarray] = {}
         self._views: list[dict[NestedKey, np.ndarray] | None] = []
-        # the segment: steps seg_first to seg_end - 1 in ``seg[key][t - seg_first]`` (``[n, rows, ...]`` views)
-        self.seg: dict[NestedKey, np.ndarray] | None = None
-        self.seg_first = self.seg_end = 0
-        self._seg_views: list[dict[NestedKey, np.ndarray] | None] = []
         self.resize(max(2, capacity), 0, 0)
 
     def resize(self, capacity: int, first: int, end: int) -> None:
-        """Hold ``capacity`` rows in the ring, keeping steps ``first`` to ``end - 1`` there."""
-        old, old_capacity, seg = self.cols, self.capacity, self.seg
+        """Hold ``capacity`` rows, keeping steps ``first`` to ``end - 1`` (each at its row of the new ring)."""
+        old, old_capacity = self.cols, self.capacity
         self.cols = self.layout.allocate((capacity, self.rows), steps=True)
         self.capacity = capacity
         self._views = [None] * capacity
         for t in range(first, end):
-            if seg is None or not self.seg_first <= t < self.seg_end:
-                src, dst = t % old_capacity, t % capacity
-                for k, v in self.cols.items():
-                    v[dst] = old[k][src]
-
-    def lend(self, first: int, end: int, segment: dict[NestedKey, np.ndarray], written: int) -> None:
-        """Write steps ``first`` to ``end - 1`` into ``segment`` (``[end - first, rows, ...]`` views of every
-        column) from now on, the others into the ring, moving those written already (up to ``written - 1``: a
-        step written ahead, the root entries of the next) to where they now belong."""
-        held = [(t, self.row(t)) for t in range(first, written)]
-        self.seg, self.seg_first, self.seg_end = segment, first, end
-        self._seg_views = [None] * (end - first)
-        for t, src in held:
-            dst = self.row(t)
-            if dst is not src:
-                for k, v in dst.items():
-                    v[...] = src[k]
+            src, dst = t % old_capacity, t % capacity
+            for k, v in self.cols.items():
+                v[dst] = old[k][src]
 
     def ensure(self, t: int) -> None:
         """A growing storage makes room for step ``t`` (and the root entries of step ``t + 1``)."""
@@ -199,38 +177,19 @@ class Steps:
 
     def row(self, t: int) -> dict[NestedKey, np.ndarray]:
         """Views of step ``t``'s row of every column (``[rows, *shape]`` each)."""
-        if self.seg is not None and self.seg_first <= t < self.seg_end:
-            i = t - self.seg_first
-            views = self._seg_views[i]
-            if views is None:
-                views = self._seg_views[i] = {k: v[i] for k, v in self.seg.items()}
-            return views
         r = t % self.capacity
         views = self._views[r]
         if views is None:
             views = self._views[r] = {k: v[r] for k, v in self.cols.items()}
         return views
 
-    def runs(self, first: int, end: int, keys: Sequence[NestedKey] | None = None
-             ) -> list[tuple[dict[NestedKey, np.ndarray], int]]:
-        """Steps ``first`` to ``end - 1`` as runs of consecutive rows, in order: ``(columns, n)`` pairs, each
-        column a ``[n, rows, ...]`` view (of ``keys``, default all); a run ends where the ring wraps around and
-        at the segment's ends."""
-        out = []
-        t = first
-        seg, a, z = self.seg, self.seg_first, self.seg_end
-        while t < end:
-            if seg is not None and a <= t < z:
-                n = min(end, z) - t
-                cols, r = seg, t - a
-            else:
-                stop = min(end, a) if seg is not None and t < a else end
-                r = t % self.capacity
-                n = min(stop - t, self.capacity - r)
-                cols = self.cols
-            out.append(({k: cols[k][r:r + n] for k in (cols if keys is None else keys)}, n))
-            t += n
-        return out
+    def spans(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Steps ``first`` to ``end - 1`` as at most two runs of consecutive rows: ``(row, row_end)`` pairs."""
+        if end <= first:
+            return []
+        a, c = first % self.capacity, self.capacity
+        n = end - first
+        return [(a, a + n)] if a + n <= c else [(a, c), (0, a + n - c)]
 
     def copy_out(self, first: int, end: int, out: dict[NestedKey, np.ndarray], *, env_major: bool,
                  offset: int = 0) -> None:
@@ -238,15 +197,17 @@ class Steps:
         ``env_major``, to ``out[k][env, offset + i]`` (``[envs, T, ...]`` views); else flat in time order,
         env by env within a step, from row ``offset``."""
         i = 0
-        keys = [k for k in out if k in self.cols]
-        for cols, n in self.runs(first, end, keys):
-            for k in keys:
-                dst, src = out[k], cols[k]
+        for a, b in self.spans(first, end):
+            n = b - a
+            for k, dst in out.items():
+                src = self.cols.get(k)
+                if src is None:
+                    continue
                 if env_major:
-                    dst[:, offset + i:offset + i + n] = src.swapaxes(0, 1)
+                    dst[:, offset + i:offset + i + n] = src[a:b].swapaxes(0, 1)
                 else:
                     r0 = offset + i * self.rows
-                    dst[r0:r0 + n * self.rows] = src.reshape(n * self.rows, *src.shape[2:])
+                    dst[r0:r0 + n * self.rows] = src[a:b].reshape(n * self.rows, *src.shape[2:])
             i += n
 
 

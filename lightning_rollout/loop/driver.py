@@ -681,9 +681,8 @@ class MultiEnvLoop:
             self._new_trajectory(i)
 
     # -- requests and replies ------------------------------------------------------------------------
-    def _grant(self, w: int, end: int, into: dict[NestedKey, np.ndarray] | None = None) -> None:
-        """Let worker ``w`` hand out its steps up to ``end``, holding it active until it answers; ``into``: the
-        batch's rows its steps from ``consumed`` on are written to (see :class:`~.messages.Grant`)."""
+    def _grant(self, w: int, end: int) -> None:
+        """Let worker ``w`` hand out its steps up to ``end``, holding it active until it answers."""
         worker = self._workers[w]
         capacity = max(worker.steps.capacity, end + 2 - self._consumed[w])  # the steps and the next root entries
         if w in self._idle:
@@ -691,7 +690,7 @@ class MultiEnvLoop:
         self._outstanding[w] += 1
         self._granted[w] = max(self._granted[w], end)
         worker.set_held(True)
-        message = Grant(end, self._consumed[w], self._taken[w], capacity, into)
+        message = Grant(end, self._consumed[w], self._taken[w], capacity)
         if self._deferred is not None:  # a burst: every worker is held before any is woken
             self._deferred.append((w, message))
         else:
@@ -798,15 +797,12 @@ class MultiEnvLoop:
                 self._taken[w] = r0 + k
         return filled
 
-    def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int, *,
-                     in_place: bool = False) -> int:
-        """Hand out worker ``w``'s next ``steps_`` published steps (whole ones) as ``out[filled:]``, flat: copied,
-        unless a grant wrote them there (``in_place``)."""
+    def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int) -> int:
+        """Copy worker ``w``'s next ``steps_`` published steps (whole ones) into ``out[filled:]``, flat."""
         g, steps = self.envs_per_thread, self._workers[w].steps
         t = self._consumed[w]
-        if not in_place:
-            rows = {k: v for k, v in out.items() if k != _ENV_ID and k != _TRAJ}
-            steps.copy_out(t, t + steps_, rows, env_major=False, offset=filled)
+        rows = {k: v for k, v in out.items() if k != _ENV_ID and k != _TRAJ}
+        steps.copy_out(t, t + steps_, rows, env_major=False, offset=filled)
         end = filled + steps_ * g
         out[_ENV_ID][filled:end] = np.tile(self._env_ids[w], steps_)
         self._consumed[w] = t + steps_
@@ -900,18 +896,16 @@ class MultiEnvLoop:
         try:
             # 1. steps published and not handed out yet (a step copied in part, an interrupted call's)
             filled = self._take_published(out, filled, n, processor)
-            # 2. one env thread: its whole rounds in one grant, written into the batch's rows (lent to the grant) in
-            # time order (the order the steps below would deliver them in), with no hand-off per step
+            # 2. one env thread: its whole rounds in one grant, copied out in time order (the order the steps below
+            # would deliver them in), with no hand-off per step
             if W == 1 and n - filled >= g:
                 if interrupter is not None and interrupter.should_stop():
                     return self._finish_flat(out, filled)  # stopped first: nothing is asked, nothing is lost
                 T = (n - filled) // g
-                rows = {key: v[filled:filled + T * g].reshape(T, g, *v.shape[1:]) for key, v in out.items()
-                        if key != _ENV_ID and key != _TRAJ}
-                done, error, lent = self._run_grants(self._consumed[0] + T, interrupter, [rows])
+                done, error = self._run_grants(self._consumed[0] + T, interrupter)
                 k = min(done, T)
                 first = filled
-                filled = self._take_rounds(out, filled, 0, k, in_place=lent[0])
+                filled = self._take_rounds(out, filled, 0, k)
                 self._after_take(out, range(first, filled), processor)
                 if error is not None:
                     raise error
@@ -972,25 +966,19 @@ class MultiEnvLoop:
         if len(rows):
             self._count(out, rows, processor)
 
-    def _run_grants(self, end: int | list[int], interrupter: Interrupter | None,
-                    into: Sequence[dict[NestedKey, np.ndarray]]) -> tuple[int, CollectionError | None, list[bool]]:
-        """Grant every worker its steps up to ``end`` (one end, or one a worker), each written into its rows of
-        the batch (``into[w]``: ``[end - consumed, rows, ...]`` views), and wait until each published them, or
-        until the interrupter fires: then the grants are cut (each worker stops after its current step) and every
-        answer is awaited. Returns the steps every worker published past what was handed out, the error that cut
-        the call (the loop is then closed; each worker's settled steps count), and whether each worker's steps
-        are in the batch's rows already (not a worker granted nothing, whose steps were written before, nor a
-        free-running one, whose steps stay in its ring)."""
+    def _run_grants(self, end: int | list[int], interrupter: Interrupter | None) -> tuple[int, CollectionError | None]:
+        """Grant every worker its steps up to ``end`` (one end, or one a worker) and wait until each published
+        them, or until the interrupter fires: then the grants are cut (each worker stops after its current step)
+        and every answer is awaited. Returns the steps every worker published past what was handed out, and the
+        error that cut the call (the loop is then closed; each worker's settled steps count)."""
         W = len(self._workers)
         ends = [end] * W if isinstance(end, int) else end
         interrupted = False
-        lent = [False] * W
         try:
             self._deferred = []
             for w in range(W):
                 if self._published[w] < ends[w]:
-                    lent[w] = not self._workers[w].free
-                    self._grant(w, ends[w], into[w] if lent[w] else None)
+                    self._grant(w, ends[w])
             self._send_deferred()
             while any(self._outstanding):
                 msg = self._wait(None if interrupted else interrupter)
@@ -1003,13 +991,13 @@ class MultiEnvLoop:
         except CollectionError as exc:
             self.close()  # workers stopped (a hung one only ever writes steps it has not published)
             self._keep_settled()
-            return self._common_steps(), exc, lent
+            return self._common_steps(), exc
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
         finally:
             self._cut.clear()
-        return self._common_steps(), None, lent
+        return self._common_steps(), None
 
     def _refresh_idle(self) -> None:
         """Queue up workers with no grant outstanding and nothing left to hand out (after the idle ones already
@@ -1049,27 +1037,22 @@ class MultiEnvLoop:
         if interrupter is not None and interrupter.should_stop():
             T = 0  # stopped before the call: nothing is asked, nothing is lost
         out = self._batches.allocate((self.num_envs, T))
-        g = self.envs_per_thread
-        into = [{k: v[w * g:(w + 1) * g].swapaxes(0, 1) for k, v in out.items() if k != _ENV_ID and k != _TRAJ}
-                for w in range(len(self._workers))]
-        done, error, lent = self._run_grants([c + T for c in self._consumed], interrupter, into)
-        result = self._finish_env_time(out, min(done, T), processor, lent)
+        done, error = self._run_grants([c + T for c in self._consumed], interrupter)
+        result = self._finish_env_time(out, min(done, T), processor)
         if error is not None:
             self._fail(error, result)
         return result
 
-    def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None,
-                         in_place: Sequence[bool]) -> TensorDict:
-        """Hand out every worker's next ``T`` steps as ``out`` (``[num_envs, >= T]``), env-major: copied, unless a
-        grant wrote them there (``in_place[w]``); ids, events."""
+    def _finish_env_time(self, out: dict[NestedKey, np.ndarray], T: int, processor: EventProcessor | None
+                         ) -> TensorDict:
+        """Copy every worker's next ``T`` steps into ``out`` (``[num_envs, >= T]``), env-major; ids, events."""
         g = self.envs_per_thread
         cols = {k: v[:, :T] for k, v in out.items()}
         steps_cols = {k: v for k, v in cols.items() if k != _ENV_ID and k != _TRAJ}
         for w, worker in enumerate(self._workers):
-            if not in_place[w]:
-                rows = slice(w * g, (w + 1) * g)
-                worker.steps.copy_out(self._consumed[w], self._consumed[w] + T,
-                                      {k: v[rows] for k, v in steps_cols.items()}, env_major=True)
+            rows = slice(w * g, (w + 1) * g)
+            worker.steps.copy_out(self._consumed[w], self._consumed[w] + T, {k: v[rows] for k, v in steps_cols.items()},
+                                  env_major=True)
             self._consumed[w] += T
         cols[_ENV_ID][...] = self._env_id_column
         done = cols[_TERMINATED] | cols[_TRUNCATED]

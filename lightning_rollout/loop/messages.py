@@ -3,8 +3,7 @@
 Requests go driver -> worker on the worker's own ``SimpleQueue`` (``Worker.requests``); replies go
 worker -> driver on the loop's one shared ``SimpleQueue`` (``MultiEnvLoop._ready``). Only these small,
 immutable records cross threads; transitions stay in the worker's storage
-(:class:`~lightning_rollout.loop.buffers.Steps`), or in the rows of the batch the driver lent a grant
-(:class:`Grant` ``into``); the driver copies out the steps it hands out that are not in place.
+(:class:`~lightning_rollout.loop.buffers.Steps`), from which the driver copies the steps it hands out.
 Each is a typed ``NamedTuple``: immutable like a frozen dataclass, at a tuple's cost, on the path every
 step takes. Steps are numbered per worker from 0; a request says how far the driver has copied them
 out (``consumed`` steps, and ``taken`` rows of the next one), so the worker knows which rows it may write
@@ -52,8 +51,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..specs import NestedKey
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from .buffers import Steps
 
 __all__ = ["STOP", "EpisodeReady", "EpisodeRequest", "Grant", "Published", "Reply", "Request", "ResetDone",
@@ -68,14 +65,12 @@ class Grant(NamedTuple):
     answer :class:`Published` once they are settled in the storage, or when the driver cuts the grant short
     (the loop's ``cut`` flag: the worker stops after its current step). The driver has copied out steps
     ``0`` to ``consumed - 1`` and ``taken`` rows of step ``consumed``; the storage must hold ``capacity``
-    steps. ``into``: the rows of the batch the grant's steps go to (``[end - consumed, rows, ...]`` views of
-    every column; ``Steps.lend``), or ``None``: the storage's ring."""
+    steps."""
 
     end: int
     consumed: int
     taken: int
     capacity: int
-    into: dict[NestedKey, np.ndarray] | None = None
 
 
 class EpisodeRequest(NamedTuple):

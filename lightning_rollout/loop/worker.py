@@ -8,10 +8,7 @@ env). Steps are numbered per worker from 0. Row ``t`` holds step ``t``: the root
 policy and the env read, the policy's outputs, the env's ``"next"`` entries and the loop's
 bookkeeping. When step ``t`` ends, the root entries of step ``t + 1`` are written into row
 ``t + 1`` (copied from step ``t``'s ``"next"`` entries, as TorchRL's ``step_mdp`` carries them,
-or a reset's for an env that was done): the next step reads its inputs where they lie. A grant
-may lend the worker its rows of the batch the driver collects (``Grant.into``): the grant's
-steps are written there (:meth:`~lightning_rollout.loop.buffers.Steps.lend`), the others into
-the storage's ring.
+or a reset's for an env that was done): the next step reads its inputs where they lie.
 
 One step driver. The driver gives a worker a :class:`~.messages.Grant`: it may take the worker's
 steps up to ``end``. :meth:`Worker._advance` writes steps until they reach a target, and
@@ -43,16 +40,13 @@ read, the policy's outputs and version, the env's ``"next"`` entries, its reward
 Everything that follows from those (TorchRL's ``done``, ``is_init``, ``step_count`` and
 ``episode_reward`` of a gymnasium env, the episode's return and length so far, the counters) is
 written by :meth:`Worker._settle_rows` once for a run of steps, vectorised over time: before
-steps are published, where the ring wraps around and where a lent segment ends. ``published``
-counts settled steps handed to the driver; a driver that gives up on a hung worker settles its
-steps itself (:meth:`Worker.settle`, under ``_settle_lock``, which
+steps are published, and where the storage wraps around. ``published`` counts settled steps handed to the driver; a driver that gives up on a
+hung worker settles its steps itself (:meth:`Worker.settle`, under ``_settle_lock``, which
 orders it with the worker's own settling).
 
 The storage's rows are the driver's to read once published and until it says (in its next
-request) it handed them out; the worker writes a row again only after that, and holds a
-request's ``capacity`` rows, so a grant never waits for the driver. A lent segment's rows are
-the batch's: once they are handed out, the worker writes only the segment's later rows (steps
-of a grant cut short), never the ones handed out, until its next grant moves it on. A worker reads of its loop
+request) it copied them out; the worker writes a row again only after that, and holds a
+request's ``capacity`` rows, so a grant never waits for the driver. A worker reads of its loop
 only a :class:`WorkerContext`, fixed once the loop is built; the driver holds a worker active
 with :meth:`Worker.set_held` and starts it with :meth:`Worker.start`.
 """
@@ -264,12 +258,6 @@ class Worker:
         self.thread.start()
 
     @property
-    def free(self) -> bool:
-        """Its envs run free (``parallel_steps="free"``): its steps stay in its storage's ring, never in a batch's
-        rows lent by a grant."""
-        return self._free
-
-    @property
     def held(self) -> bool:
         """Whether the driver holds this worker active (a grant sent, its answer not yet decided on)."""
         return self._held
@@ -380,8 +368,6 @@ class Worker:
         t = self._ring.t
         if grant.capacity > self.steps.capacity:
             self.steps.resize(grant.capacity, grant.consumed, t + 1)
-        if grant.into is not None:
-            self.steps.lend(grant.consumed, grant.end, grant.into, t + 1)
         self.granted = max(self.granted, grant.end)
         if self.pending_error is not None:  # a reset failed after the step written ahead: it is kept, then raised
             self.published = max(self.published, min(t, self.granted))
@@ -421,8 +407,8 @@ class Worker:
                             break
                     else:
                         self._reset_done(done, store.row(t + 1))
-                    if run.t % store.capacity == 0 or run.t == store.seg_end:  # settled in runs of consecutive
-                        self._settle_steps(run)  # rows: where the ring wraps around, where the segment ends
+                    if run.t % store.capacity == 0:  # the storage wraps around: settle in runs of consecutive rows
+                        self._settle_steps(run)
                     if self.pending_error is not None:
                         break
                     if granted and cut.is_set():
@@ -642,9 +628,9 @@ class Worker:
 
     def _settle_locked(self, run: _Run) -> None:
         store = run.store
-        for cols, n in store.runs(run.t0, run.t, self._settle_keys):
-            self._settle_rows(cols, run.sel, n)
-            run.t0 += n
+        for a, b in store.spans(run.t0, run.t):
+            self._settle_rows({k: store.cols[k][a:b] for k in self._settle_keys}, run.sel, b - a)
+            run.t0 += b - a
 
     def settle(self) -> None:
         """Settle the steps written so far and publish them (without a reply): a driver that gave up on this
