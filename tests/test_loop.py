@@ -621,8 +621,8 @@ class _CutAt(MockEnv):
 
 @pytest.mark.parametrize("first", ["run_env_steps", "run_steps"])
 def test_steps_left_by_a_call_cut_short_reach_the_next_calls_whatever_their_size(first, within):
-    """A call cut short leaves the step its thread wrote ahead, and the root entries of the step after, in the rows
-    of the batch it was collecting; the next calls, of one step an env, deliver them in order."""
+    """A call cut short keeps the step its thread wrote ahead, and the root entries of the step after, in the
+    thread's storage; the next calls, of one step an env, deliver them in order."""
     interrupter, loop_of = Interrupter(), {}
     factories = [lambda: _CutAt(0, interrupter, 2, loop_of), lambda: MockEnv(1)]
     with MultiEnvLoop(factories, CountingPolicy(), envs_per_thread=2, lookahead=True) as loop:
