@@ -60,13 +60,17 @@ Protocol (the seed's ``AsyncPolicy``, with its defects fixed):
   timeout, ``flush_in_caller`` is off (a caller cannot time out its own call),
   and :meth:`AutobatchPolicy.probe` runs the probe in a helper thread it waits for.
 
-Locks: ``_cond`` (a :class:`threading.Condition`) guards the queue, the agent
-counts and the update list; ``_weights_lock`` guards the policy's parameters
-(held by whichever thread runs a forward pass or applies an update, and by
-:meth:`state` and :meth:`set_version`, which poll it and raise the policy's
-failure rather than wait for a pass stuck past ``policy_timeout``). Order: a thread holding ``_cond`` may try-acquire
+Locks: ``_lock`` (an ``RLock``, with ``_cond``, the :class:`threading.Condition`
+on it, to wait and notify) guards the queue, the agent counts and the update list;
+``_weights_lock`` guards the policy's parameters (held by whichever thread runs a
+forward pass or applies an update, and by :meth:`state` and :meth:`set_version`,
+which poll it and raise the policy's failure rather than wait for a pass stuck past
+``policy_timeout``). Order: a thread holding ``_lock`` may try-acquire
 ``_weights_lock`` (never blocking); no thread holding ``_weights_lock`` takes
-``_cond``. Both belong to this class alone.
+``_lock``. Both belong to this class alone. ``_lock`` is entered as ``with
+self._lock`` (a C lock's ``__enter__``, which Ctrl-C cannot split), never as ``with
+self._cond``: a ``KeyboardInterrupt`` in the main thread just after the Condition's
+Python ``__enter__`` acquired the lock would leave it held by nobody's ``with``.
 """
 
 from __future__ import annotations
@@ -168,7 +172,7 @@ class Agent:
         self._error: BaseException | None = None
         # True while this agent's own thread runs the forward pass of its request (caller-runs flush):
         # the answer is then stored without ``_done`` (no Event.set / wait for a thread that is already
-        # awake). Written by the owning thread only (False in submit, True in _enqueue under _cond when
+        # awake). Written by the owning thread only (False in submit, True in _enqueue under _lock when
         # it takes its own request), so it is False whenever another thread answers and reads it.
         self._inline = False
 
@@ -285,7 +289,7 @@ class Agent:
             if failure is None and since and policy.policy_timeout is not None:
                 elapsed = time.perf_counter() - since
                 if elapsed > policy.policy_timeout:
-                    with policy._cond:  # one client marks the hang; the others read the same failure
+                    with policy._lock:  # one client marks the hang; the others read the same failure
                         if policy._failure is None and policy._busy_since == since:
                             thread = policy._thread
                             name = thread.name if thread is not None else "?"
@@ -413,7 +417,10 @@ class AutobatchPolicy:
                                               and self._rng_state is None else None)
         self._version = 0
         self._plain_state: Any = None  # state of a callable without state_dict
-        self._cond = threading.Condition()
+        # entered as ``with self._lock``, never ``with self._cond`` (see the module docs): a loop's driver, in the
+        # main thread, parks and unparks agents, and a lock left held by Ctrl-C would block every env thread
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._weights_lock = threading.Lock()
         self._pending: list[_Request] = []
         self._pending_rows = 0
@@ -519,7 +526,7 @@ class AutobatchPolicy:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         agent = Agent(self, rows, env_ids)
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise CollectionError("cannot register on a closed AutobatchPolicy")
             self._active_rows += rows
@@ -530,7 +537,7 @@ class AutobatchPolicy:
     def _set_active(self, agent: Agent, active: bool, close: bool = False) -> None:
         # The check is made under the lock: park/unpark/close may race (a loop's driver
         # holds an agent active while its env thread parks or closes it).
-        with self._cond:
+        with self._lock:
             if agent._closed:
                 return
             if close:
@@ -542,14 +549,14 @@ class AutobatchPolicy:
                 self._cond.notify()
 
     def _resize(self, agent: Agent, rows: int) -> None:
-        with self._cond:
+        with self._lock:
             if agent._active and not agent._closed:
                 self._active_rows += rows - agent.rows
             agent.rows = rows
             self._cond.notify()
 
     def _enqueue(self, request: _Request) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise CollectionError("the AutobatchPolicy is closed")
             if not self._flushes_alone(request.rows):
@@ -564,7 +571,7 @@ class AutobatchPolicy:
             self._weights_lock.release()
 
     def _flushes_alone(self, rows: int) -> bool:
-        """Whether a request of ``rows`` rows is flushed by itself in its caller's thread (``_cond`` held).
+        """Whether a request of ``rows`` rows is flushed by itself in its caller's thread (``_lock`` held).
 
         Caller-runs flush: a request that is a whole flushable batch by itself (one thread serves every
         active env, e.g. envs_per_thread == num_envs) runs its forward pass in its own thread, saving the
@@ -589,7 +596,7 @@ class AutobatchPolicy:
         Raises:
             PolicyError: the forward pass failed (naming the agent's envs).
         """
-        with self._cond:
+        with self._lock:
             if self._closed or not self._flushes_alone(agent.rows):
                 return None
         try:
@@ -624,7 +631,7 @@ class AutobatchPolicy:
                 outputs = call_bounded(probe, self.policy_timeout, name=f"lightning_rollout-{self.name}-probe",
                                        what=f"while probing the policy with {rows} observation(s) at construction")
             except _CallTimedOut as error:  # the stuck thread holds the weights: the policy is failed
-                with self._cond:
+                with self._lock:
                     self._failure = self._failure or error
                 raise
         except PolicyError:
@@ -677,7 +684,7 @@ class AutobatchPolicy:
               and isinstance(state, Mapping) and not isinstance(state, TensorDictBase)):
             state = _ModuleState(state, _non_persistent_buffers(buffers_from))
         done = threading.Event()
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
             if self._holders:  # pinned: applied when the span ends
@@ -749,7 +756,7 @@ class AutobatchPolicy:
         Threading: entered and left by the same thread (a loop's driver).
         """
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             self._holders.append(me)
             while (self._updates or self._applying) and not self._closed and self._failure is None:
                 since = self._busy_since
@@ -760,7 +767,7 @@ class AutobatchPolicy:
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._holders.remove(me)
                 if not self._holders and self._held:
                     held, self._held = self._held, []
@@ -818,7 +825,7 @@ class AutobatchPolicy:
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if timeout is None:
             raise ValueError("timeout must be a finite number of seconds >= 0, got None")
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -839,7 +846,7 @@ class AutobatchPolicy:
 
     # -- the inference thread --------------------------------------------------------
     def _threshold(self) -> int:
-        """Queued rows that make a flush ready (``_cond`` held): every active row, at most ``autobatch_size``."""
+        """Queued rows that make a flush ready (``_lock`` held): every active row, at most ``autobatch_size``."""
         return self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
 
     def _ready(self, now: float) -> bool:
@@ -850,7 +857,7 @@ class AutobatchPolicy:
         return self.max_wait is not None and now - self._pending[0].t0 >= self.max_wait
 
     def _take_batch(self) -> list[_Request]:
-        """Dequeue the next batch (``_cond`` held): the oldest requests, up to ``autobatch_size`` rows
+        """Dequeue the next batch (``_lock`` held): the oldest requests, up to ``autobatch_size`` rows
         (at least one request; a request is never split)."""
         if self.autobatch_size is None or self._pending_rows <= self.autobatch_size:
             batch, self._pending, self._pending_rows = self._pending, [], 0
@@ -876,12 +883,12 @@ class AutobatchPolicy:
         """
         torch.set_num_threads(self._torch_threads)  # the constructing thread's setting, not torch's default
         torch.set_grad_enabled(False)  # this thread only runs forward passes and weight updates (see _compute)
-        cond = self._cond
+        lock, cond = self._lock, self._cond
         batches: list[list[_Request]] = []  # taken from the queue, not answered yet
         updates: list[tuple[Any, threading.Event]] = []  # taken, not applied yet
         while True:
             try:
-                with cond:
+                with lock:
                     if self._applying:  # the updates taken last round are applied: a waiting hold may start
                         self._applying = False
                         cond.notify_all()
@@ -933,7 +940,7 @@ class AutobatchPolicy:
                                     f"({type(exc).__name__}: {exc}); this and every later request to this policy "
                                     "fail: close it and build a new one")
                 error.__cause__ = exc
-                with cond:
+                with lock:
                     if self._failure is None:
                         self._failure = error
                     self._applying = False

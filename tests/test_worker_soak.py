@@ -82,6 +82,7 @@ def _assert_flat(samples: list[dict[str, int]], left: list[str]) -> None:
     first = after[0]  # the first cycle makes what a process makes once (multiprocessing's fd-sharing listener)
     for i, s in enumerate(after, 1):
         assert s["fds"] <= start["fds"] + 8, f"cycle {i}: {s['fds']} fds open, {start['fds']} at the start: {samples}"
+        assert s["fds"] <= first["fds"], f"cycle {i}: {s['fds']} fds open, {first['fds']} after the first: {samples}"
         assert s["processes"] == 0, f"cycle {i}: {s['processes']} child processes left running"
         assert s["shm"] == 0, f"cycle {i}: {s['shm']} /dev/shm entries left"
         assert s["rollout_threads"] == 0, f"cycle {i}: {s['rollout_threads']} lightning_rollout threads left"
@@ -92,8 +93,9 @@ def _assert_flat(samples: list[dict[str, int]], left: list[str]) -> None:
 
 
 @pytest.mark.timeout(1800)
-def test_twenty_create_iterate_shutdown_cycles_with_a_worker_process_release_everything_at_once(tmp_path):
-    _assert_flat(*_soak(tmp_path, 20))
+def test_eight_create_iterate_shutdown_cycles_with_a_worker_process_release_everything_at_once(tmp_path):
+    # every cycle after the first holds what the first held: a leak of one fd a cycle shows at the second
+    _assert_flat(*_soak(tmp_path, 8))
 
 
 @pytest.mark.slow

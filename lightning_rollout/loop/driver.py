@@ -48,6 +48,8 @@ Waits and shutdown
 Every blocking wait polls a stop flag (and the driver's :class:`Interrupter`)
 every 50 ms. :meth:`MultiEnvLoop.close` sets the flag, wakes every worker,
 closes the policy it created and joins every thread within ``join_timeout``.
+A close cut short (a second Ctrl-C during its joins) is finished by the next
+:meth:`~MultiEnvLoop.close`: each of its steps can be made again.
 An exception in a worker (env ``reset``/``step``, a bad observation, the policy)
 is sent to the driver, which shuts everything down and raises it as
 :class:`~lightning_rollout.errors.EnvError` / :class:`~lightning_rollout.errors.PolicyError`
@@ -306,7 +308,8 @@ class MultiEnvLoop:
         self._driver_lock = threading.Lock()  # held by the thread inside a run_* / reset_envs call (see _driver_call)
         self._driver_thread: threading.Thread | None = None
         self._cut = threading.Event()  # set by the driver: workers end their grant after the current step
-        self._closed = False
+        self._closed = False  # close() was called: no collection call starts
+        self._shut = False  # close() ran to its end: a later call has nothing left to do
         self._ready: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.frames = 0
         self.episodes = 0
@@ -1145,8 +1148,9 @@ class MultiEnvLoop:
 
     # -- shutdown ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop and join every thread (each within ``join_timeout``); idempotent, any thread."""
-        if self._closed:
+        """Stop and join every thread (each within ``join_timeout``); idempotent, any thread. A call cut short
+        by an exception (Ctrl-C during a join) leaves the rest to the next call."""
+        if self._shut:
             return
         self._closed = True
         self._stop.set()
@@ -1176,6 +1180,7 @@ class MultiEnvLoop:
             pool.close(self.join_timeout)
         if hasattr(self, "_batches"):
             self._batches.clear()
+        self._shut = True
         if stuck:
             warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
                           f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",
