@@ -1153,7 +1153,8 @@ class MultiEnvLoop:
         if self._shut:
             return
         self._closed = True
-        self._stop.set()
+        if not self._stop.is_set():  # set once: a set() cut short by Ctrl-C may have left the Event's lock held
+            self._stop.set()
         for worker in self._workers if hasattr(self, "_workers") else ():
             worker.requests.put(STOP)
         if self._owns_policy:
