@@ -12,7 +12,7 @@ model instead of the env, so that checkpoints carry it, evaluation reads it froz
 logged returns are the env's own:
 
 * observations: running mean and variance over every observation collected, clipped at 10,
-  applied by the actor and the critic (`RunningNorm`, updated by the learner once a batch);
+  applied by the actor and the critic (`RunningNorm`, updated by the learner after its epochs on a batch);
 * rewards: divided by the running standard deviation of the discounted return (gamma 0.98),
   clipped at 10, before GAE (`ReturnScaler`).
 
@@ -184,8 +184,7 @@ class PPO(pl.LightningModule):
         done = batch["next", "done"].squeeze(-1)
         batch["next", "reward"] = self.reward_scale(batch["next", "reward"].squeeze(-1), done).unsqueeze(-1)
         with torch.no_grad():
-            self.advantage(batch)  # with the normaliser as it acted: "advantage" and "value_target"
-        self.obs_norm.update(batch["observation"].reshape(-1, batch["observation"].shape[-1]))
+            self.advantage(batch)  # "advantage" and "value_target"
         data = batch.reshape(-1)
         for _ in range(cfg.epochs):
             for idx in torch.randperm(data.numel()).split(cfg.minibatch_size):
@@ -196,6 +195,10 @@ class PPO(pl.LightningModule):
                 nn.utils.clip_grad_norm_(self.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 self.updates_done += 1
+        # The normaliser moves only now. The epochs above must see the observations normalised as the actor saw
+        # them when it acted (as SB3's buffer stores them): with the statistics moved first, the probability ratio
+        # starts away from 1 and the clip zeroes the gradient of up to 95% of the first batches' samples.
+        self.obs_norm.update(data["observation"])
         return losses.detach()
 
     def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:

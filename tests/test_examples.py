@@ -122,6 +122,30 @@ def test_ppo_mujoco_reward_scaling_is_stable_baselines3s_step_by_step_return_rec
         assert np.allclose(scaled.numpy(), np.clip(reward / std, -10, 10), rtol=1e-3)
 
 
+def test_ppo_mujoco_first_minibatch_sees_the_observations_normalised_as_the_actor_saw_them() -> None:
+    """The PPO ratio starts at exactly 1: the learner's first minibatch reads each observation through the
+    normaliser as it was when the actor acted, so ``kl_approx`` is 0. The normaliser moves after the epochs,
+    so the next batch is acted, and learned from, with the new statistics."""
+    import torch
+    from tensordict import TensorDict
+
+    ppo_mujoco = _ppo_mujoco()
+    torch.manual_seed(0)
+    cfg = ppo_mujoco.Config(steps_per_env=32, minibatch_size=32, epochs=1, hidden=16)
+    model = ppo_mujoco.PPO(3, 2, cfg)
+    obs = torch.randn(33, 3) * 3.0 + 5.0  # far from the normaliser's initial mean 0 and variance 1
+    with torch.no_grad():
+        batch = model.actor(TensorDict({"observation": obs[:-1]}, [32]))
+    batch["next"] = TensorDict({"observation": obs[1:], "reward": torch.randn(32, 1),
+                                "done": torch.zeros(32, 1, dtype=torch.bool),
+                                "terminated": torch.zeros(32, 1, dtype=torch.bool)}, [32])
+    first_kl: list[float] = []
+    model.loss.register_forward_hook(lambda module, args, out: first_kl.append(out["kl_approx"].item()))
+    model.learn(batch, torch.optim.Adam(model.parameters(), lr=cfg.lr))
+    assert first_kl and abs(first_kl[0]) < 1e-6
+    assert torch.allclose(model.obs_norm.mean, obs[:-1].mean(0), atol=1e-2)  # moved after the update
+
+
 def test_ppo_mujoco_example_trains_on_halfcheetah_and_evaluates(tmp_path: Path) -> None:
     pytest.importorskip("mujoco", reason="the MuJoCo example needs gymnasium[mujoco] (the bench-real extra)")
     result = run_example("ppo_mujoco.py", "--frames", "2048", "--steps-per-env", "512", "--epochs", "1",
