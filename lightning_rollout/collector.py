@@ -50,10 +50,10 @@ from torchrl.envs.utils import ExplorationType
 from ._checks import check_device, check_int, check_seconds
 from ._batched import is_batched, split_batched_env, splittable
 from .envs import EnvFactory, InfoKeys, resolve_env_factory
-from .errors import CollectionError, PolicyError
+from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import LayoutChoice, apply_choice, is_auto, resolve_layout
+from .loop.auto import LayoutChoice, apply_choice, is_auto, one_env_threads_warning, resolve_layout
 
 __all__ = ["ThreadedCollector"]
 
@@ -379,8 +379,9 @@ class ThreadedCollector(BaseCollector):
             ``replay_buffer``.
 
     Warns:
-        LayoutWarning: ``num_workers`` worker processes driven by several env threads, likely to run
-            well below the ``"auto"`` layout; the message says why and what to pass.
+        LayoutWarning: a layout likely to run well below the ``"auto"`` layout, with why and what to pass:
+            ``num_workers`` worker processes driven by several env threads, or ``envs_per_thread=1`` with
+            several envs (one thread an env).
     """
 
     def __init__(
@@ -459,7 +460,8 @@ class ThreadedCollector(BaseCollector):
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
-        if is_batched(create_env_fn) and not splittable(create_env_fn):  # one natively batched env: one env thread
+        native = is_batched(create_env_fn) and not splittable(create_env_fn)
+        if native:  # one natively batched env: one env thread
             envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
             num_workers = 1 if is_auto(num_workers) else num_workers
         _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
@@ -490,6 +492,9 @@ class ThreadedCollector(BaseCollector):
             step_timeout=step_timeout, name=name)
         num_workers, envs_per_thread, parallel_steps = apply_choice(
             self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
+        slow = None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread)
+        if slow is not None:
+            warnings.warn(LayoutWarning(f"{name}: {slow}"), stacklevel=2)
         if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:

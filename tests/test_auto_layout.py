@@ -175,6 +175,31 @@ def test_every_alternative_a_warning_offers_is_not_warned_about_itself(cores):
                         num_envs, ept, workers, message)
 
 
+def test_a_collector_given_one_env_a_thread_warns_with_what_to_pass_and_runs_it_as_given():
+    import warnings
+
+    from lightning_rollout import LayoutWarning
+
+    with pytest.warns(LayoutWarning, match="envs_per_thread=1 runs 4 env threads of one env each") as record:
+        collector = ThreadedCollector(CountEnv, zero_policy, num_envs=4, envs_per_thread=1, num_workers=1,
+                                      frames_per_batch=8, total_frames=8)
+    assert "envs_per_thread='auto'" in str(record[0].message) and "envs_per_thread=4" in str(record[0].message)
+    assert record[0].filename == __file__  # it points at the line that built the collector
+    try:
+        assert (collector.loop.envs_per_thread, collector.loop.num_workers) == (1, 1)
+        assert next(iter(collector)).numel() == 8
+    finally:
+        collector.shutdown()
+    with warnings.catch_warnings():  # blocks of several envs, one env, the loop's default: no warning
+        warnings.simplefilter("error", LayoutWarning)
+        for num_envs, ept in ((4, 2), (1, 1)):
+            ThreadedCollector(CountEnv, zero_policy, num_envs=num_envs, envs_per_thread=ept, num_workers=1,
+                              frames_per_batch=4, total_frames=4).shutdown()
+        from lightning_rollout import MultiEnvLoop
+
+        MultiEnvLoop(CountEnv, zero_policy, num_envs=4).close()
+
+
 def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():
     from lightning_rollout import LayoutWarning, MultiEnvLoop
 
