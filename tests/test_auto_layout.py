@@ -183,8 +183,9 @@ def test_a_collector_given_one_env_a_thread_warns_with_what_to_pass_and_runs_it_
     with pytest.warns(LayoutWarning, match="envs_per_thread=1 runs 4 env threads of one env each") as record:
         collector = ThreadedCollector(CountEnv, zero_policy, num_envs=4, envs_per_thread=1, num_workers=1,
                                       frames_per_batch=8, total_frames=8)
-    assert "envs_per_thread='auto'" in str(record[0].message) and "envs_per_thread=4" in str(record[0].message)
-    assert record[0].filename == __file__  # it points at the line that built the collector
+    warned = next(w for w in record if issubclass(w.category, LayoutWarning))
+    assert "envs_per_thread='auto'" in str(warned.message) and "envs_per_thread=4" in str(warned.message)
+    assert warned.filename == __file__  # it points at the line that built the collector
     try:
         assert (collector.loop.envs_per_thread, collector.loop.num_workers) == (1, 1)
         assert next(iter(collector)).numel() == 8
