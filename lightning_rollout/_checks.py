@@ -1,15 +1,36 @@
-"""Argument checks shared by the public constructors; every message says what to pass instead."""
+"""Argument checks shared by the public constructors; every message says what to pass instead.
+
+And :func:`warn_user`, which points a warning about the user's arguments at the user's own line."""
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["check_device", "check_int", "check_seconds"]
+__all__ = ["check_device", "check_int", "check_seconds", "warn_user"]
+
+# the packages whose frames a warning skips: this one, and Lightning's, which calls ours from Trainer.fit
+_INTERNAL_PACKAGES = frozenset({"lightning_rollout", "lightning", "pytorch_lightning", "lightning_fabric"})
+
+
+def warn_user(message: str | Warning, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first caller outside this package and Lightning.
+
+    The warning then names the user's line however deep it was raised: their ``ThreadedCollector(...)``,
+    or their ``trainer.fit(...)`` when a ``RolloutDataModule`` built the collector inside Lightning's hooks
+    (as ``pandas`` finds its warnings' stack level). Where every frame is internal (a thread of this
+    package), the outermost one is named.
+    """
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:

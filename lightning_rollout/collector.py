@@ -32,7 +32,6 @@ import contextlib
 import copy
 import math
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -47,7 +46,7 @@ from torchrl.collectors.utils import split_trajectories
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
-from ._checks import check_device, check_int, check_seconds
+from ._checks import check_device, check_int, check_seconds, warn_user
 from ._batched import is_batched, split_batched_env, splittable
 from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
@@ -210,18 +209,18 @@ def _frame_budget(*, frames_per_batch: Any, total_frames: Any, init_random_frame
         max_frames_per_traj = None
     steps = -(-frames_per_batch // num_envs)
     if steps * num_envs != frames_per_batch and layout == "env_time":
-        warnings.warn(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
-                      f"({num_envs}); each batch will have {steps * num_envs} frames", stacklevel=3)
+        warn_user(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
+                      f"({num_envs}); each batch will have {steps * num_envs} frames")
         frames_per_batch = steps * num_envs
     if total_frames > 0 and total_frames % frames_per_batch:
-        warnings.warn(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
+        warn_user(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
                       f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
-                      "frames will be collected", stacklevel=3)
+                      "frames will be collected")
         total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
     if init_random_frames and init_random_frames % frames_per_batch:
-        warnings.warn(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
+        warn_user(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
                       f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
-                      "random frames will be collected", stacklevel=3)
+                      "random frames will be collected")
     return int(frames_per_batch), int(total_frames), int(init_random_frames), max_frames_per_traj
 
 
@@ -494,7 +493,7 @@ class ThreadedCollector(BaseCollector):
             self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
         slow = None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread)
         if slow is not None:
-            warnings.warn(LayoutWarning(f"{name}: {slow}"), stacklevel=2)
+            warn_user(LayoutWarning(f"{name}: {slow}"))
         if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
             envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
         if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:

@@ -201,6 +201,21 @@ def test_a_collector_given_one_env_a_thread_warns_with_what_to_pass_and_runs_it_
         MultiEnvLoop(CountEnv, zero_policy, num_envs=4).close()
 
 
+def test_a_datamodule_given_one_env_a_thread_warns_at_the_users_fit_line_not_inside_lightning():
+    import sys
+
+    from lightning_helpers import Agent, make_trainer
+    from lightning_rollout import LayoutWarning, RolloutDataModule
+
+    dm = RolloutDataModule("CartPole-v1", num_envs=4, envs_per_thread=1, num_workers=1, frames_per_batch=8)
+    trainer = make_trainer(max_steps=1)
+    with pytest.warns(LayoutWarning, match="envs_per_thread=1 runs 4 env threads") as record:
+        fit_line = sys._getframe().f_lineno + 1
+        trainer.fit(Agent(), datamodule=dm)  # the collector is built inside Lightning's hooks
+    warned = next(w for w in record if issubclass(w.category, LayoutWarning))
+    assert (warned.filename, warned.lineno) == (__file__, fit_line)
+
+
 def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():
     from lightning_rollout import LayoutWarning, MultiEnvLoop
 

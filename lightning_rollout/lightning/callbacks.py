@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -54,6 +53,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMPr
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from tensordict import TensorDictBase
 
+from .._checks import warn_user
 from ..events import EpisodeEnd, TimeStep
 from .video import VideoRecorder, VideoRecording, as_video_recording
 
@@ -474,9 +474,9 @@ def _summary_writers(trainer: pl.Trainer) -> list[Any]:
             if isinstance(experiment, SummaryWriter):
                 writers.append(experiment)
             else:
-                warnings.warn(f"record_video: the TensorBoard logger writes with {type(experiment).__name__}, not "
-                              "torch.utils.tensorboard.SummaryWriter; its video summary is skipped (the MP4 is written)",
-                              RuntimeWarning, stacklevel=2)
+                warn_user(f"record_video: the TensorBoard logger writes with {type(experiment).__name__}, not "
+                          "torch.utils.tensorboard.SummaryWriter; its video summary is skipped (the MP4 is written)",
+                          RuntimeWarning)
     return writers
 
 

@@ -48,7 +48,6 @@ import signal
 import threading
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -59,6 +58,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
+from .._checks import check_int, warn_user
 from ..collector import ThreadedCollector
 from ..envs import EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
@@ -80,12 +80,6 @@ __all__ = ["RolloutDataModule"]
 
 _RANK_SEED_STRIDE = 100_003  # seeds of rank r start at seed + r * stride: disjoint across ranks
 _EVAL_SEED_OFFSET = 1_000_000_007
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ``>= minimum``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _Dispatcher(EventProcessor):
@@ -210,11 +204,11 @@ def _warn_about_checkpoint_names(trainer: pl.Trainer) -> None:
             continue
         names = [name for name in re.findall(r"\{([^:}]+)", checkpoint.filename) if "/" in name]
         if names:
-            warnings.warn(
+            warn_user(
                 f"ModelCheckpoint(filename={checkpoint.filename!r}) writes the metric name {names[0]!r} into "
                 "each file name, and its '/' makes a folder per checkpoint; pass auto_insert_metric_name=False "
                 "and name the figure yourself, e.g. filename='epoch={epoch}-step={step}-reward="
-                f"{{{names[0]}:.1f}}'", UserWarning, stacklevel=2)
+                f"{{{names[0]}:.1f}}'")
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -313,8 +307,8 @@ class RolloutDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.env_factory = resolve_env_factory(env)
-        _check_int("num_envs", num_envs, 1)
-        _check_int("frames_per_batch", frames_per_batch, 1)
+        check_int("num_envs", num_envs, 1)
+        check_int("frames_per_batch", frames_per_batch, 1)
         if layout == "env_time" and frames_per_batch % num_envs:
             raise ValueError(f"frames_per_batch ({frames_per_batch}) must be a multiple of num_envs ({num_envs}) "
                              "with layout='env_time'")
@@ -328,24 +322,24 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("policy must be the name of the LightningModule attribute holding the actor, "
                              "or a callable taking the module and returning the actor")
         if batches_per_epoch is not None:
-            _check_int("batches_per_epoch", batches_per_epoch, 1)
-        _check_int("eval_episodes", eval_episodes, 0)
+            check_int("batches_per_epoch", batches_per_epoch, 1)
+        check_int("eval_episodes", eval_episodes, 0)
         if eval_every_n_frames is not None:
-            _check_int("eval_every_n_frames", eval_every_n_frames, 1)
+            check_int("eval_every_n_frames", eval_every_n_frames, 1)
         if eval_every_n_steps is not None:
-            _check_int("eval_every_n_steps", eval_every_n_steps, 1)
-            warnings.warn("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
-                          "frames between evaluations depend on the optimizer steps per batch. Use "
-                          "eval_every_n_frames= (frames per rank) or Trainer(val_check_interval=) (batches).",
-                          FutureWarning, stacklevel=2)
+            check_int("eval_every_n_steps", eval_every_n_steps, 1)
+            warn_user("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
+                      "frames between evaluations depend on the optimizer steps per batch. Use "
+                      "eval_every_n_frames= (frames per rank) or Trainer(val_check_interval=) (batches).",
+                      FutureWarning)
         if eval_every_n_frames is not None and eval_every_n_steps is not None:
             raise ValueError("pass eval_every_n_frames or the deprecated eval_every_n_steps, not both")
         if eval_episodes == 0 and (eval_every_n_frames is not None or eval_every_n_steps is not None):
             raise ValueError("eval_episodes=0 turns evaluation off; drop eval_every_n_frames / eval_every_n_steps "
                              "or ask for at least one episode")
         if eval_num_envs is not None:
-            _check_int("eval_num_envs", eval_num_envs, 1)
-        _check_int("seed", seed, 0)
+            check_int("eval_num_envs", eval_num_envs, 1)
+        check_int("seed", seed, 0)
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
         self.total_frames = total_frames
@@ -354,7 +348,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.on_policy = on_policy
         for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
             if value != "auto":
-                _check_int(name, value, 1)
+                check_int(name, value, 1)
         if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
             raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         self.reraise_interrupt = bool(reraise_interrupt)

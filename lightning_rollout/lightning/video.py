@@ -30,7 +30,6 @@ import importlib.util
 import io
 import os
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from .._checks import warn_user
 from ..envs import GymMaker
 
 __all__ = ["VideoRecording"]
@@ -255,7 +255,7 @@ class VideoRecorder:
             message = f"record_video: writing an evaluation clip failed: {type(error).__name__}: {error}"
             if raise_errors:
                 raise RuntimeError(message) from error
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn_user(message, RuntimeWarning)
 
 
 class _RecordingFactory:

@@ -65,7 +65,6 @@ import queue
 import random
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
@@ -75,7 +74,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.utils import ExplorationType
 
-from .._checks import check_device, check_int, check_seconds
+from .._checks import check_device, check_int, check_seconds, warn_user
 from .._exit import abandon, close_at_exit
 from ..envs import BatchedTorchRLEnv, EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
@@ -280,7 +279,7 @@ class MultiEnvLoop:
                              "processes (num_workers > 1) step theirs one after the other: pass one or the other")
         slow = layout_warning(num_envs, envs_per_thread, num_workers)
         if slow is not None:
-            warnings.warn(LayoutWarning(f"{name}: {slow}"), stacklevel=2)
+            warn_user(LayoutWarning(f"{name}: {slow}"))
         self.parallel_steps: bool = bool(parallel_steps)
         self.free_steps: bool = parallel_steps == "free"  # envs of a block run free within a grant
         self.num_envs = num_envs
@@ -1183,9 +1182,8 @@ class MultiEnvLoop:
             self._batches.clear()
         self._shut = True
         if stuck:
-            warnings.warn(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
-                          f"join_timeout={self.join_timeout} s); they are daemons and are abandoned",
-                          RuntimeWarning, stacklevel=2)
+            warn_user(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
+                      f"join_timeout={self.join_timeout} s); they are daemons and are abandoned", RuntimeWarning)
 
     def __enter__(self) -> MultiEnvLoop:
         return self
