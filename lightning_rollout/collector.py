@@ -379,8 +379,9 @@ class ThreadedCollector(BaseCollector):
 
     Warns:
         LayoutWarning: a layout likely to run well below the ``"auto"`` layout, with why and what to pass:
-            ``num_workers`` worker processes driven by several env threads, or ``envs_per_thread=1`` with
-            several envs (one thread an env).
+            ``num_workers`` worker processes driven by several env threads, ``envs_per_thread=1`` with
+            several envs (one thread an env), or ``num_workers=1`` with ``envs_per_thread="auto"`` for an env
+            whose measure says that worker processes would pay (setting both knobs skips the measure).
     """
 
     def __init__(
@@ -491,7 +492,8 @@ class ThreadedCollector(BaseCollector):
             step_timeout=step_timeout, name=name)
         num_workers, envs_per_thread, parallel_steps = apply_choice(
             self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
-        slow = None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread)
+        slow = (self.layout_choice.warning if self.layout_choice is not None else None) or (
+            None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread))
         if slow is not None:
             warn_user(LayoutWarning(f"{name}: {slow}"))
         if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:

@@ -115,6 +115,27 @@ def test_a_gil_holding_env_in_a_daemonic_process_gets_threads_and_the_reason_say
     assert "daemonic process" in choice.reason and "holds the GIL" in choice.reason
 
 
+def test_num_workers_kept_at_one_for_an_env_that_processes_would_speed_up_is_warned_about_with_what_to_pass(
+        monkeypatch):
+    from lightning_rollout import LayoutWarning
+
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    kept = auto.auto_layout(HOLDS, 4, num_workers=1, envs_per_thread="auto")
+    assert (kept.num_workers, kept.envs_per_thread) == (1, 1)  # as asked: threads of this process
+    assert kept.warning is not None and "num_workers='auto' would step them in 2 processes" in kept.warning
+    assert "holds the GIL" in kept.warning  # the measured reason, from the "auto" rule
+    assert auto.auto_layout(HOLDS, 4, num_workers="auto", envs_per_thread="auto").warning is None  # chosen
+    assert auto.auto_layout(CountEnv, 4, num_workers=1, envs_per_thread="auto").warning is None  # cheap: 1 anyway
+    unpicklable = auto.auto_layout(lambda: _SpinEnv(2e-3), 4, num_workers=1, envs_per_thread="auto")
+    assert unpicklable.warning is None  # "auto" could not have used processes either
+
+    with pytest.warns(LayoutWarning, match="num_workers=1 keeps every env in this process") as record:
+        collector = ThreadedCollector(HOLDS, zero_policy, num_envs=4, num_workers=1, frames_per_batch=8)
+    collector.shutdown()
+    warned = next(w for w in record if issubclass(w.category, LayoutWarning))
+    assert warned.filename == __file__  # the user's line
+
+
 def test_a_cheap_env_is_timed_without_a_gil_probe():
     timing = auto.measure_env(CountEnv)
     assert timing.step_s < 100e-6 and timing.gil_release != timing.gil_release  # NaN: not measured
