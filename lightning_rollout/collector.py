@@ -248,6 +248,45 @@ def _acting_policy(policy: Any, *, on_policy: bool, policy_device: Any, compile_
     return acting, torch.device(policy_device) if policy_device is not None else own_device
 
 
+def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
+            parallel_steps: bool | str, native: bool, whole_blocks: bool, frames_per_batch: int, total_frames: int,
+            max_frames_per_traj: int | None, step_timeout: float | None, name: str
+            ) -> tuple[LayoutChoice | None, int, int, bool | str]:
+    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` for the loop: the knobs checked, the
+    ``"auto"`` ones resolved (one env thread and this process for ``native``, one natively batched env; else the
+    measure of :mod:`lightning_rollout.loop.auto`), and a layout likely to run well below ``"auto"`` warned about
+    (:class:`~lightning_rollout.LayoutWarning`). ``whole_blocks`` (``layout="flat"``, on-policy): a chosen
+    ``envs_per_thread`` becomes a divisor of ``frames_per_batch``, so that no batch mixes policy versions.
+
+    Raises:
+        ValueError: a knob that is neither ``"auto"`` nor an int ``>= 1``; ``whole_blocks`` with a given
+            ``envs_per_thread`` that does not divide ``frames_per_batch``.
+    """
+    for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
+        if not is_auto(value):
+            check_int(knob, value, 1)
+    if native:
+        envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
+        num_workers = 1 if is_auto(num_workers) else num_workers
+    chosen_ept = is_auto(envs_per_thread)
+    choice = resolve_layout(factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
+                            max_episode_steps=max_frames_per_traj,
+                            expected_frames=total_frames if total_frames > 0 else None, step_timeout=step_timeout,
+                            name=name)
+    num_workers, envs_per_thread, parallel_steps = apply_choice(
+        choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
+    slow = (choice.warning if choice is not None else None) or (
+        None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread))
+    if slow is not None:
+        warn_user(LayoutWarning(f"{name}: {slow}"))
+    if chosen_ept and whole_blocks and frames_per_batch % envs_per_thread:
+        envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
+    if whole_blocks and frames_per_batch % envs_per_thread:
+        raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
+                         f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
+    return choice, int(num_workers), int(envs_per_thread), parallel_steps
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
@@ -460,10 +499,7 @@ class ThreadedCollector(BaseCollector):
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
         num_envs = len(factories)
-        native = is_batched(create_env_fn) and not splittable(create_env_fn)
-        if native:  # one natively batched env: one env thread
-            envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
-            num_workers = 1 if is_auto(num_workers) else num_workers
+        native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
         _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
                        devices={"device": device, "storing_device": storing_device, "policy_device": policy_device,
                                 "env_device": env_device},
@@ -482,25 +518,11 @@ class ThreadedCollector(BaseCollector):
         self.trajs_per_write = trajs_per_write
         self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
         step_timeout = check_seconds("step_timeout", step_timeout, allow_zero=False)  # before the auto measure uses it
-        for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
-            if not is_auto(value):
-                check_int(knob, value, 1)
-        chosen_ept = is_auto(envs_per_thread)
-        self.layout_choice: LayoutChoice | None = resolve_layout(
+        self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(
             factories[0], num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
-            max_episode_steps=max_frames_per_traj, expected_frames=total_frames if total_frames > 0 else None,
+            parallel_steps=parallel_steps, native=native, whole_blocks=layout == "flat" and on_policy,
+            frames_per_batch=frames_per_batch, total_frames=total_frames, max_frames_per_traj=max_frames_per_traj,
             step_timeout=step_timeout, name=name)
-        num_workers, envs_per_thread, parallel_steps = apply_choice(
-            self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
-        slow = (self.layout_choice.warning if self.layout_choice is not None else None) or (
-            None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread))
-        if slow is not None:
-            warn_user(LayoutWarning(f"{name}: {slow}"))
-        if chosen_ept and layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
-            envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
-        if layout == "flat" and on_policy and frames_per_batch % envs_per_thread:
-            raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
-                             f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
         interrupter = _interrupter(interruptor)
 
         self.num_envs = num_envs
