@@ -1076,7 +1076,7 @@ class ThreadedCollector(BaseCollector):
         with self._iteration_claim():  # refused at once while another thread iterates: nothing changed yet
             if self._shut:
                 raise CollectionError("load_state_dict: the collector is shut down; load the state into a new one")
-            if self._loop._driver_lock.locked():
+            if self._loop.collecting:
                 raise CollectionError("load_state_dict: called while this collector is collecting a batch (from an "
                                       "event processor or policy?); call it between batches")
             if has_weights:

@@ -19,12 +19,14 @@ itself** (threads joined). The subprocess here catches it and exits with code **
 from __future__ import annotations
 
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,9 +125,14 @@ MODES = ["run_steps", "run_env_steps"]
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("parallel_steps", [False, True, "free"], ids=["sequential", "parallel_steps", "free"])
 def test_env_raises_at_random_step(mode, lookahead, parallel_steps):
+    """``exc.partial`` keeps the steps made before the fault: ``run_steps`` every step of env ``bad``;
+    ``run_env_steps`` the steps every env completed (``None`` when the scheduler had not yet run one env's
+    thread: its own thread per env, ``autobatch_size=2`` lets the others go on without it)."""
     rng = random.Random(f"{mode}{lookahead}")
     num_envs, bad, k = 3, rng.randrange(3), rng.randrange(1, 30)
-    factories = [lambda i=i: MockEnv(i, length_fn=lambda e, kk: LONG, raise_on_step=k if i == bad else None)
+    envs: list[MockEnv] = []
+    factories = [lambda i=i: envs.append(MockEnv(i, length_fn=lambda e, kk: LONG,
+                                                 raise_on_step=k if i == bad else None)) or envs[-1]
                  for i in range(num_envs)]
     layout = dict(envs_per_thread=3, parallel_steps=parallel_steps) if parallel_steps else dict(autobatch_size=2)
     exc = bounded(lambda: _collect(mode, factories, lookahead=lookahead, **layout), BOUND)
@@ -133,12 +140,18 @@ def test_env_raises_at_random_step(mode, lookahead, parallel_steps):
     assert (exc.env_id, exc.step, exc.phase) == (bad, k, "step")
     assert f"env {bad}" in str(exc) and f"step {k}" in str(exc) and "exploded" in str(exc)
     assert isinstance(exc.__cause__, RuntimeError)  # the original traceback is kept
-    assert exc.partial is not None
+    completed = min(e.num_steps for e in envs)
     if mode == "run_steps":  # every step env `bad` made before the fault was delivered
+        assert exc.partial is not None
         check_prefix(exc.partial, bad, k)
     elif parallel_steps:  # one block (free-running envs: the others caught up) delivers `bad`'s k complete steps
-        assert exc.partial.shape == (num_envs, k)
-    check_stream(exc.partial)
+        assert exc.partial is not None and exc.partial.shape == (num_envs, k)
+    elif completed == 0:
+        assert exc.partial is None
+    else:  # a rectangle: every step each env completed, its steps ahead included
+        assert exc.partial is not None and exc.partial.shape == (num_envs, completed)
+    if exc.partial is not None:
+        check_stream(exc.partial)
     assert_no_rollout_threads()
 
 
@@ -323,6 +336,39 @@ def test_policy_fault_on_kth_call_many_envs(kind, words, mode):
         assert exc.partial is not None and exc.partial.shape == (4, min(completed))
     if exc.partial is not None:
         check_stream(exc.partial)
+    assert_no_rollout_threads()
+
+
+class _UnreadRequests:
+    """A worker's request queue whose messages the worker never gets, as if its thread had not woken yet."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def put(self, message: object) -> None:
+        self.sent.append(message)
+
+    def get(self, timeout: float | None = None) -> object:
+        threading.Event().wait(timeout)  # the worker's poll interval; it then checks the loop's stop flag
+        raise queue.Empty
+
+
+def test_a_failure_keeps_the_step_a_worker_took_ahead_of_a_grant_it_had_not_read_yet():
+    """Double batching: each env thread takes its next step before the driver's grant for it arrives. When a
+    failure elsewhere closes the loop before a thread has read its grant, the step it took ahead was still
+    granted and settled: ``exc.partial`` keeps it (it was dropped when the failure won that race)."""
+    loop = MultiEnvLoop(mock_envs(2), FaultyPolicy(3, "raise"), num_envs=2, autobatch_size=1)
+    first = loop._workers[0]
+    deadline = time.monotonic() + BOUND
+    while first._ring.t0 < 1 and time.monotonic() < deadline:  # its step ahead, taken at start, settled
+        threading.Event().wait(0.001)
+    assert first._ring.t0 == 1
+    first.requests = _UnreadRequests()  # env 0 makes no further policy call: the 3rd call is env 1's 2nd step
+    with pytest.raises(PolicyError, match="policy exploded") as info:
+        bounded(lambda: loop.run_env_steps(4), BOUND)
+    assert first.requests.sent  # the grant was sent, never read
+    assert info.value.partial is not None and info.value.partial.batch_size == (2, 1)
+    check_stream(info.value.partial)
     assert_no_rollout_threads()
 
 
@@ -627,6 +673,43 @@ def test_ctrl_c_inside_a_lock_entry_of_the_driver_leaves_no_thread_blocked(monke
     bounded(loop.close, BOUND, "close")
     assert not [w for w in recwarn if "stuck" in str(w.message)], [str(w.message) for w in recwarn]
     assert_no_rollout_threads()
+
+
+def test_ctrl_c_while_a_collection_call_claims_the_loop_leaves_no_claim_behind(monkeypatch):
+    """A collection call claims the loop (one driver at a time). A ``KeyboardInterrupt`` landing inside the
+    claim, or inside the call, must leave the loop unclaimed: the next call runs instead of being refused as
+    'already collecting'."""
+    loop = MultiEnvLoop(mock_envs(2), CountingPolicy(), num_envs=2)
+    me, real = threading.current_thread(), threading.current_thread
+    fired: list[bool] = []
+
+    def interrupt_the_claim_once() -> threading.Thread:
+        thread = real()
+        if thread is me and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt  # inside the claim: the lock is held, the claim half made
+        return thread
+
+    try:
+        monkeypatch.setattr(threading, "current_thread", interrupt_the_claim_once)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_steps(4)
+        monkeypatch.undo()
+        assert fired and not loop.collecting
+        assert loop.run_steps(4).numel() == 4
+
+        def interrupted(*args: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(loop, "_run_grants", interrupted)  # inside the call, past the claim
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_env_steps(2)
+        monkeypatch.undo()
+        assert not loop.collecting
+        assert loop.run_env_steps(2).numel() == 4
+    finally:
+        monkeypatch.undo()
+        loop.close()
 
 
 def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next_close(monkeypatch):

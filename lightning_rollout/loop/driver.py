@@ -50,6 +50,9 @@ every 50 ms. :meth:`MultiEnvLoop.close` sets the flag, wakes every worker,
 closes the policy it created and joins every thread within ``join_timeout``.
 A close cut short (a second Ctrl-C during its joins) is finished by the next
 :meth:`~MultiEnvLoop.close`: each of its steps can be made again.
+One collection call runs at a time: it claims the loop (:attr:`MultiEnvLoop.collecting`)
+under a lock only the claim takes, so a call from a second thread, or from inside the
+call (an event processor), is refused at once; a Ctrl-C anywhere leaves no claim behind.
 An exception in a worker (env ``reset``/``step``, a bad observation, the policy)
 is sent to the driver, which shuts everything down and raises it as
 :class:`~lightning_rollout.errors.EnvError` / :class:`~lightning_rollout.errors.PolicyError`
@@ -104,23 +107,31 @@ def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def wrapper(self: MultiEnvLoop, *args: Any, **kwargs: Any) -> Any:
-        if not self._driver_lock.acquire(blocking=False):
-            owner = self._driver_thread
-            raise CollectionError(
-                f"{method.__name__}: the loop {self.name!r} is already collecting in thread "
-                f"{owner.name if owner is not None else '?'!r} (or this is a call from inside its own collection, "
-                "e.g. an event processor); a loop has one driver: call it from one thread at a time")
-        self._driver_thread = threading.current_thread()
+        claimed = False
         try:
+            # The claim is _driver_thread, set under a C lock that a ``with`` enters and leaves whatever is
+            # raised, and ``claimed`` is stored right after it with no signal check between the two stores:
+            # a Ctrl-C at any point leaves neither the lock held nor the claim behind.
+            with self._driver_lock:
+                owner = self._driver_thread
+                if owner is not None:
+                    raise CollectionError(
+                        f"{method.__name__}: the loop {self.name!r} is already collecting in thread {owner.name!r} "
+                        "(or this is a call from inside its own collection, e.g. an event processor); a loop has "
+                        "one driver: call it from one thread at a time")
+                self._driver_thread = threading.current_thread()
+                claimed = True
             if self.lookahead:
                 return method(self, *args, **kwargs)
             with self.policy.updates_held():  # on-policy: an update made during the call applies after it
                 return method(self, *args, **kwargs)
         finally:
-            if hasattr(self, "_workers"):
-                self._release_all_holds()
-            self._driver_thread = None
-            self._driver_lock.release()
+            if claimed:
+                try:
+                    if hasattr(self, "_workers"):
+                        self._release_all_holds()
+                finally:
+                    self._driver_thread = None
 
     return wrapper
 
@@ -304,8 +315,8 @@ class MultiEnvLoop:
         self._cur_traj = np.arange(traj_id_start, traj_id_start + num_envs, dtype=np.int64)
         self._next_traj = traj_id_start + num_envs
         self._stop = threading.Event()
-        self._driver_lock = threading.Lock()  # held by the thread inside a run_* / reset_envs call (see _driver_call)
-        self._driver_thread: threading.Thread | None = None
+        self._driver_lock = threading.Lock()  # guards the claim of _driver_thread (see _driver_call)
+        self._driver_thread: threading.Thread | None = None  # the thread inside a run_* / reset_envs call
         self._cut = threading.Event()  # set by the driver: workers end their grant after the current step
         self._closed = False  # close() was called: no collection call starts
         self._shut = False  # close() ran to its end: a later call has nothing left to do
@@ -539,6 +550,11 @@ class MultiEnvLoop:
         return next(iter(self._action_columns.values()))
 
     @property
+    def collecting(self) -> bool:
+        """Whether a collection call (``run_*``, ``reset_envs``) is running, in any thread."""
+        return self._driver_thread is not None
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` was called (or a worker failure closed the loop)."""
         return self._closed
@@ -770,11 +786,12 @@ class MultiEnvLoop:
         raise exc
 
     def _keep_settled(self) -> None:
-        """After a failure (the loop closed): every worker's settled, granted steps count as published, a hung
-        worker's settled by this thread (``Worker.settle``)."""
+        """After a failure (the loop closed): every worker's settled, granted steps count as published, those of
+        a worker still answering a grant settled by this thread (``Worker.settle``: a hung one, or one that
+        the failure stopped before it read its grant)."""
         for w, worker in enumerate(self._workers):
             if self._outstanding[w]:
-                worker.settle()
+                worker.settle(self._granted[w])
             self._published[w] = max(self._published[w], worker.published)
 
     # -- copying steps out ---------------------------------------------------------------------------

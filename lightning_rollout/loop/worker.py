@@ -632,13 +632,15 @@ class Worker:
             self._settle_rows({k: store.cols[k][a:b] for k in self._settle_keys}, run.sel, b - a)
             run.t0 += b - a
 
-    def settle(self) -> None:
-        """Settle the steps written so far and publish them (without a reply): a driver that gave up on this
-        worker (a hung env) calls it to keep the worker's complete steps. Thread-safe."""
+    def settle(self, granted: int) -> None:
+        """Settle the steps written so far and publish them up to ``granted``, the driver's last grant (which
+        this worker may not have read yet: a step it took ahead counts once granted), without a reply. A
+        driver whose call failed (the loop closed, or this worker's env hung) calls it to keep the worker's
+        complete steps. Thread-safe."""
         with self._settle_lock:
             ring = self._ring
             self._settle_locked(ring)
-            self.published = max(self.published, min(ring.t0, self.granted))
+            self.published = max(self.published, min(ring.t0, max(self.granted, granted)))
 
     # -- episodes, resets ------------------------------------------------------------------------------
     def _cut_episode(self, j: int) -> bool:
