@@ -756,19 +756,20 @@ class AutobatchPolicy:
         Threading: entered and left by the same thread (a loop's driver).
         """
         me = threading.get_ident()
-        with self._lock:
-            self._holders.append(me)
-            while (self._updates or self._applying) and not self._closed and self._failure is None:
-                since = self._busy_since
-                if (since and self.policy_timeout is not None
-                        and time.perf_counter() - since > self.policy_timeout):
-                    break  # a stuck pass: the block's own requests report it
-                self._cond.wait(_POLL_S)
-        try:
+        try:  # entered before the hold is: a Ctrl-C anywhere after the append (even the wait) ends it below
+            with self._lock:
+                self._holders.append(me)
+                while (self._updates or self._applying) and not self._closed and self._failure is None:
+                    since = self._busy_since
+                    if (since and self.policy_timeout is not None
+                            and time.perf_counter() - since > self.policy_timeout):
+                        break  # a stuck pass: the block's own requests report it
+                    self._cond.wait(_POLL_S)
             yield
         finally:
             with self._lock:
-                self._holders.remove(me)
+                if me in self._holders:  # always, unless a Ctrl-C landed before the append itself ran
+                    self._holders.remove(me)
                 if not self._holders and self._held:
                     held, self._held = self._held, []
                     if self._closed:
