@@ -357,3 +357,31 @@ def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factor
     assert (choice.num_workers, choice.envs_per_thread) == (3, 4) and "2 worker processes" in choice.reason
     short = auto.auto_layout(count_envs(4)[0], 4, num_workers="auto", envs_per_thread="auto", expected_frames=1000)
     assert short.num_workers == 1 and "too few" in short.reason
+
+
+def test_a_close_cut_short_by_ctrl_c_during_the_joins_of_worker_processes_is_finished_by_the_next_close(
+        monkeypatch):
+    """A second Ctrl-C while :meth:`close` waits for the worker processes to end cuts it short; the next
+    ``close()`` of the loop ends every worker process and releases their pipes."""
+    loop = MultiEnvLoop(count_envs(4), zero_policy, num_workers=2, envs_per_thread=4, lookahead=False)
+    assert loop.run_env_steps(3)["next", "observation"].shape == (4, 3, 3)
+    pool = loop._pool
+    processes, remote = list(pool.processes), list(pool._remote)
+    pids = {p.pid for p in processes}
+    real_join = type(processes[0]).join
+    calls: list[float | None] = []
+
+    def join_interrupted_once(self, timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the second Ctrl-C, while close() joins the first worker process
+        return real_join(self, timeout)
+
+    monkeypatch.setattr(type(processes[0]), "join", join_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        loop.close()
+    monkeypatch.undo()
+    assert pool.processes  # cut short: the pool is not closed yet
+    loop.close()
+    assert not pool.processes and all(block.conn.closed for block in remote)
+    assert not pids & _children()

@@ -1046,16 +1046,18 @@ class WorkerProcesses:
         ``timeout`` s in all, then terminated and killed; a child still starting or building its envs
         (construction given up: an error elsewhere, Ctrl-C) cannot read the request before it is done, so
         it is terminated at once.
+
+        A close cut short (a second Ctrl-C during its joins) is finished by the next call: each of its
+        steps can be made again.
         """
         if self._closed:
             return
-        self._closed = True
         for block in self.blocks:
             if isinstance(block, LocalEnvs):
                 block.close()
         listening = {id(p): all(part.ready for part in self._remote if part.process is p) for p in self.processes}
         for block in self._remote:
-            if listening[id(block.process)] and block.process.is_alive():
+            if listening.get(id(block.process)) and block.process.is_alive():  # (not one closed by a close cut short)
                 _send(block.conn, CloseEnvs())
         for process in self.processes:
             if not listening[id(process)] and process.is_alive():
@@ -1071,9 +1073,11 @@ class WorkerProcesses:
                 process.join(1.0)
         for block in self._remote:
             block.release()
-        for process in self.processes:
+        while self.processes:
+            process = self.processes.pop()  # a closed Process cannot be joined again
             try:
                 process.close()  # its sentinel's file descriptor
             except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
                 pass
         self.blocks, self._remote, self.processes, self.groups = [], [], [], []
+        self._closed = True
