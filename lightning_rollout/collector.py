@@ -52,7 +52,8 @@ from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import LayoutChoice, apply_choice, is_auto, one_env_threads_warning, resolve_layout
+from .loop.auto import (LayoutChoice, apply_choice, is_auto, layout_warning, one_env_threads_warning,
+                        resolve_layout)
 
 __all__ = ["ThreadedCollector"]
 
@@ -255,7 +256,7 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
     """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` for the loop: the knobs checked, the
     ``"auto"`` ones resolved (one env thread and this process for ``native``, one natively batched env; else the
     measure of :mod:`lightning_rollout.loop.auto`), and a layout likely to run well below ``"auto"`` warned about
-    (:class:`~lightning_rollout.LayoutWarning`). ``whole_blocks`` (``layout="flat"``, on-policy): a chosen
+    (:class:`~lightning_rollout.LayoutWarning`, once: not here when the loop will warn about it). ``whole_blocks`` (``layout="flat"``, on-policy): a chosen
     ``envs_per_thread`` becomes a divisor of ``frames_per_batch``, so that no batch mixes policy versions.
 
     Raises:
@@ -276,7 +277,8 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
     num_workers, envs_per_thread, parallel_steps = apply_choice(
         choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
     slow = (choice.warning if choice is not None else None) or (
-        None if chosen_ept or native else one_env_threads_warning(num_envs, envs_per_thread))
+        None if chosen_ept or native or layout_warning(num_envs, int(envs_per_thread), int(num_workers)) is not None
+        else one_env_threads_warning(num_envs, envs_per_thread))  # (the loop's own warning says it then)
     if slow is not None:
         warn_user(LayoutWarning(f"{name}: {slow}"))
     if chosen_ept and whole_blocks and frames_per_batch % envs_per_thread:

@@ -237,6 +237,23 @@ def test_a_datamodule_given_one_env_a_thread_warns_at_the_users_fit_line_not_ins
     assert (warned.filename, warned.lineno) == (__file__, fit_line)
 
 
+def test_a_collector_given_a_layout_two_rules_warn_about_gets_one_warning_with_what_to_pass(monkeypatch):
+    """One env a thread over worker processes: the loop's warning (several blocks a process) says what to pass;
+    the collector does not add its own one-env-a-thread warning on top."""
+    import warnings
+
+    from lightning_rollout import LayoutWarning
+
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        collector = ThreadedCollector(functools.partial(CountEnv), zero_policy, num_envs=4, envs_per_thread=1,
+                                      num_workers=2, frames_per_batch=8, total_frames=8)
+    collector.shutdown()
+    layout = [str(w.message) for w in record if issubclass(w.category, LayoutWarning)]
+    assert len(layout) == 1 and "4 env threads over 2 worker processes" in layout[0], layout
+
+
 def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():
     from lightning_rollout import LayoutWarning, MultiEnvLoop
 
