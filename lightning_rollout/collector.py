@@ -211,17 +211,17 @@ def _frame_budget(*, frames_per_batch: Any, total_frames: Any, init_random_frame
     steps = -(-frames_per_batch // num_envs)
     if steps * num_envs != frames_per_batch and layout == "env_time":
         warn_user(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
-                      f"({num_envs}); each batch will have {steps * num_envs} frames")
+                  f"({num_envs}); each batch will have {steps * num_envs} frames")
         frames_per_batch = steps * num_envs
     if total_frames > 0 and total_frames % frames_per_batch:
         warn_user(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
-                      f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
-                      "frames will be collected")
+                  f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
+                  "frames will be collected")
         total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
     if init_random_frames and init_random_frames % frames_per_batch:
         warn_user(f"init_random_frames ({init_random_frames}) is not exactly a multiple of frames_per_batch "
-                      f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
-                      "random frames will be collected")
+                  f"({frames_per_batch}); {-(-init_random_frames // frames_per_batch) * frames_per_batch} "
+                  "random frames will be collected")
     return int(frames_per_batch), int(total_frames), int(init_random_frames), max_frames_per_traj
 
 
@@ -256,8 +256,9 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
     """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` for the loop: the knobs checked, the
     ``"auto"`` ones resolved (one env thread and this process for ``native``, one natively batched env; else the
     measure of :mod:`lightning_rollout.loop.auto`), and a layout likely to run well below ``"auto"`` warned about
-    (:class:`~lightning_rollout.LayoutWarning`, once: not here when the loop will warn about it). ``whole_blocks`` (``layout="flat"``, on-policy): a chosen
-    ``envs_per_thread`` becomes a divisor of ``frames_per_batch``, so that no batch mixes policy versions.
+    (:class:`~lightning_rollout.LayoutWarning`, once: not here when the loop will warn about it). ``whole_blocks``
+    (``layout="flat"``, on-policy): a chosen ``envs_per_thread`` becomes a divisor of ``frames_per_batch``, so
+    that no batch mixes policy versions.
 
     Raises:
         ValueError: a knob that is neither ``"auto"`` nor an int ``>= 1``; ``whole_blocks`` with a given
