@@ -301,8 +301,33 @@ def test_staged_step_of_a_cut_episode_is_delivered_truncated():
         if loop.lookahead:
             # the step that was staged before run_episodes: episode 0's third step, cut there
             assert flat(after, "observation")[0].tolist() == [0, 0, 2]
+            # what the step ended with, not the root of the episode after it
+            assert flat(after, ("next", "observation"))[0].tolist() == [0, 0, 3]
             assert after.get(("next", "truncated")).all() and not after.get(("next", "terminated")).any()
             assert after.get(("next", "done")).all()
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_reset_between_calls_keeps_the_observation_the_last_step_ended_with(lookahead):
+    # The env's next step starts from the reset's root; the step before it (delivered, or staged ahead and
+    # delivered cut) still ends with the observation the env returned, not the reset's.
+    with MultiEnvLoop(mock_envs(2, length_fn=lambda e, ep: 50), CountingPolicy(), autobatch_size=2,
+                      lookahead=lookahead) as loop:
+        first = loop.run_env_steps(2)
+        assert first.get(("next", "observation"))[:, -1, 2].tolist() == [2, 2]
+        loop.reset_envs([1])
+        after = loop.run_env_steps(2)
+        obs, nxt = after.get("observation"), after.get(("next", "observation"))
+        if lookahead:  # env 1's staged step, cut: it ends where the env was, then the new episode starts
+            assert obs[1, 0].tolist() == [1, 0, 2] and nxt[1, 0].tolist() == [1, 0, 3]
+            assert after.get(("next", "truncated"))[1, 0].all()
+            assert obs[1, 1].tolist() == [1, 1, 0]
+        else:
+            assert obs[1, 0].tolist() == [1, 1, 0] and nxt[1, 0].tolist() == [1, 1, 1]
+        assert obs[0].tolist() == [[0, 0, 2], [0, 0, 3]] and nxt[0].tolist() == [[0, 0, 3], [0, 0, 4]]
+        # every step's root is the "next" of the step before it, within an episode
+        done = after.get(("next", "done")).squeeze(-1)
+        assert torch.equal(obs[:, 1:][~done[:, :-1]], nxt[:, :-1][~done[:, :-1]])
 
 
 # -- data layout ---------------------------------------------------------------------------------------

@@ -6,10 +6,15 @@ outputs, and of the loop's own bookkeeping. An env thread writes its group's ste
 group, one row per env), and the driver copies the steps it hands out from there into a
 batch, once. A step's row holds everything TorchRL's collector puts in a transition:
 
-* the root entries the policy and the env read (written when the step before ended: copied
+* the root entries the policy and the env read (written when the step before ended: carried
   from that step's ``"next"`` entries, or a reset's for an env that was done);
 * the policy's outputs and ``policy_version``;
-* the env's ``"next"`` entries;
+* the env's ``"next"`` entries, except its observations: step ``t``'s ``("next", key)`` of an
+  observation is the root ``key`` of row ``t + 1``, written there once by the env (as
+  TorchRL's ``step_mdp`` carries it). An env reset after step ``t`` (done, or reset by
+  the driver) overwrites its root in row ``t + 1``: its final observations are kept
+  first in a small side table (:meth:`Steps.keep_final`), as gymnasium keeps
+  ``final_obs``, and the copy out of the storage reads them from there;
 * the loop's private bookkeeping under ``"_loop"``: the step's reward (summed over reward
   leaves), terminated, truncated, and the episode's return and length so far (events and
   counts read them; a batch handed to a user leaves them out).
@@ -62,8 +67,14 @@ class Layout:
             TorchRL's ``step_mdp(keep_other=True)`` keeps it).
         done_keys: done flags; all-false at the root (an env is reset as soon as it is done), so
             they are no root columns: zeros are added when a batch is built.
-        advance: ``(root key, column)`` pairs: where each carried entry comes from after a step.
-        env_next: entries the env adapter returns under ``"next"`` and the loop stores as they are.
+        advance: ``(root key, column)`` pairs: where each carried entry comes from after a step (the
+            shared observations aside: they need no copy).
+        env_next: entries the env adapter returns under ``"next"`` and the loop stores.
+        shared: the env's observations (those the policy does not write under ``"next"`` as well): step
+            ``t``'s ``("next", key)`` is stored as the root ``key`` of row ``t + 1`` (no ``"next"`` column);
+            ``shared_next`` maps each ``("next", key)`` to ``key``.
+        next_columns: ``(key, column)`` for each of ``env_next``: the step column it is written to (its
+            ``"next"`` one, or for a shared observation the root column, one row later).
         step_specs: the columns of a step's row (what an env thread writes).
         specs: the columns of a batch: ``step_specs`` and the driver's trajectory and env ids.
     """
@@ -82,21 +93,24 @@ class Layout:
         self.carried = {**env_root, **fed_back, **kept}
         self.policy_carried = [*fed_back, *kept]  # zeroed at each reset (the env does not provide them)
         self.done_keys = list(keys.done)
-        self.advance = ([(k, next_key(k)) for k in keys.observation] + [(k, next_key(k)) for k in fed_back]
-                        + [(k, k) for k in kept])
         skip = set(_GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
         self.env_next = [k for k in keys.next if k not in skip]
-        self.env_next_pairs = [(k, next_key(k)) for k in self.env_next]
+        self.shared = [k for k in keys.observation if k in self.env_next and next_key(k) not in outputs]
+        self.shared_next = {next_key(k): k for k in self.shared}
+        self.next_columns = [(k, k if k in self.shared else next_key(k)) for k in self.env_next]
+        self.advance = ([(k, next_key(k)) for k in keys.observation if k not in self.shared]
+                        + [(k, next_key(k)) for k in fed_back] + [(k, k) for k in kept])
         self.checked_next = {k: keys.observation[k] for k in self.env_next if k in keys.observation}
         self.checked_root = {k: v for k, v in keys.root.items() if not (loop_keys and k in _GYM_LOOP_KEYS)}
         self.root_inputs = [*self.carried, *self.done_keys]  # what a policy may read
         scalar_i, scalar_f, flag = ArraySpec((), np.dtype(np.int64)), ArraySpec((), np.dtype(np.float64)), \
             ArraySpec((), np.dtype(bool))
-        self.step_specs: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
-        self.step_specs.update({next_key(k): v for k, v in keys.next.items()})
-        self.step_specs.update({_VERSION: scalar_i, _REWARD: scalar_f, _TERMINATED: flag, _TRUNCATED: flag,
-                                _RETURN: scalar_f, _LENGTH: scalar_i})
-        self.specs: dict[NestedKey, ArraySpec] = {**self.step_specs, _TRAJ: scalar_i, _ENV_ID: scalar_i}
+        row: dict[NestedKey, ArraySpec] = {**self.carried, **outputs}
+        row.update({next_key(k): v for k, v in keys.next.items()})
+        row.update({_VERSION: scalar_i, _REWARD: scalar_f, _TERMINATED: flag, _TRUNCATED: flag,
+                    _RETURN: scalar_f, _LENGTH: scalar_i})
+        self.step_specs = {k: v for k, v in row.items() if k not in self.shared_next}
+        self.specs: dict[NestedKey, ArraySpec] = {**row, _TRAJ: scalar_i, _ENV_ID: scalar_i}
 
     def allocate(self, rows: int | tuple[int, ...], *, steps: bool = False) -> dict[NestedKey, np.ndarray]:
         """Fresh (uninitialised) columns with leading dims ``rows``: a batch's, or with ``steps`` a step row's."""
@@ -139,9 +153,14 @@ class Steps:
     ``grow=True``, every one of them (an episode's: the capacity doubles when a step needs a row past it).
     A row's views are made once per physical row and reused (:meth:`row`).
 
-    Threading: the env thread that owns the group writes rows; the driver reads rows the thread published
-    (see :mod:`lightning_rollout.loop.worker`); :meth:`resize` replaces the arrays and runs in the owning
-    thread while the driver reads nothing.
+    Step ``t``'s shared observations (:attr:`Layout.shared`) are row ``t + 1``'s root entries, or, for an
+    env given a new root there (a reset), its entry in :attr:`final` (:meth:`keep_final`).
+
+    Threading: the env thread that owns the group writes rows and :attr:`final`; the driver reads the rows
+    and final observations of steps the thread published (see :mod:`lightning_rollout.loop.worker`), which
+    the thread writes again only once the driver says it copied them out. :meth:`resize` replaces the
+    arrays and runs in the owning thread while the driver reads nothing. :attr:`final` is read with
+    ``dict.get`` only (no iteration across threads).
 
     Args:
         layout: the columns.
@@ -156,6 +175,9 @@ class Steps:
         self.grow = grow
         self.capacity = 0
         self.cols: dict[NestedKey, np.ndarray] = {}
+        # step -> {column: {("next", key): value}}: the shared observations a step ended with, for the envs
+        # whose root in the row after it a reset replaced
+        self.final: dict[int, dict[int, dict[NestedKey, np.ndarray]]] = {}
         self._views: list[dict[NestedKey, np.ndarray] | None] = []
         self.resize(max(2, capacity), 0, 0)
 
@@ -191,24 +213,78 @@ class Steps:
         n = end - first
         return [(a, a + n)] if a + n <= c else [(a, c), (0, a + n - c)]
 
+    def keep_final(self, t: int, cols: Sequence[int]) -> None:
+        """Keep the shared observations step ``t`` ended with for columns ``cols``, whose root entries in row
+        ``t + 1`` are about to be replaced (a reset); the first kept value of a column stays."""
+        if not self.layout.shared:
+            return
+        nxt = self.row(t + 1)
+        kept = self.final.setdefault(t, {})
+        for c in cols:
+            if c not in kept:
+                kept[c] = {nk: nxt[k][c].copy() for nk, k in self.layout.shared_next.items()}
+
+    def drop_final(self, before: int) -> None:
+        """Forget the final observations of steps before ``before`` (copied out)."""
+        if self.final:
+            for t in [t for t in list(self.final) if t < before]:
+                del self.final[t]
+
+    def _copy(self, src: np.ndarray, first: int, end: int, dst: np.ndarray, env_major: bool, offset: int) -> None:
+        """Rows ``first`` to ``end - 1`` of ``src`` (a column) into ``dst``, as :meth:`copy_out` places them."""
+        i = 0
+        for a, b in self.spans(first, end):
+            n = b - a
+            if env_major:
+                dst[:, offset + i:offset + i + n] = src[a:b].swapaxes(0, 1)
+            else:
+                r0 = offset + i * self.rows
+                dst[r0:r0 + n * self.rows] = src[a:b].reshape(n * self.rows, *src.shape[2:])
+            i += n
+
     def copy_out(self, first: int, end: int, out: dict[NestedKey, np.ndarray], *, env_major: bool,
                  offset: int = 0) -> None:
         """Copy steps ``first`` to ``end - 1`` into the batch columns ``out`` (keys of ``out`` only): with
         ``env_major``, to ``out[k][env, offset + i]`` (``[envs, T, ...]`` views); else flat in time order,
         env by env within a step, from row ``offset``."""
-        i = 0
-        for a, b in self.spans(first, end):
-            n = b - a
-            for k, dst in out.items():
-                src = self.cols.get(k)
-                if src is None:
-                    continue
-                if env_major:
-                    dst[:, offset + i:offset + i + n] = src[a:b].swapaxes(0, 1)
-                else:
-                    r0 = offset + i * self.rows
-                    dst[r0:r0 + n * self.rows] = src[a:b].reshape(n * self.rows, *src.shape[2:])
-            i += n
+        shared_next = self.layout.shared_next
+        for k, dst in out.items():
+            root = shared_next.get(k)
+            if root is not None:  # step t's ("next", key) is row t + 1's root key
+                self._copy(self.cols[root], first + 1, end + 1, dst, env_major, offset)
+            elif (src := self.cols.get(k)) is not None:
+                self._copy(src, first, end, dst, env_major, offset)
+        if self.final:  # envs reset after a step: their final observations
+            for t in range(first, end):
+                kept = self.final.get(t)
+                for c, values in (kept or {}).copy().items():
+                    at = (c, offset + t - first) if env_major else offset + (t - first) * self.rows + c
+                    for nk, value in values.items():
+                        if nk in out:
+                            out[nk][at] = value
+
+    def copy_rows(self, t: int, r0: int, r1: int, out: dict[NestedKey, np.ndarray], at: int) -> None:
+        """Copy rows ``r0`` to ``r1 - 1`` of step ``t`` into ``out[at:]`` (keys of ``out`` only)."""
+        row, shared_next, n = self.row(t), self.layout.shared_next, r1 - r0
+        for k, dst in out.items():
+            root = shared_next.get(k)
+            src = self.row(t + 1)[root] if root is not None else row.get(k)
+            if src is not None:
+                dst[at:at + n] = src[r0:r1]
+        kept = self.final.get(t) if self.final else None
+        for c, values in (kept or {}).copy().items():
+            if r0 <= c < r1:
+                for nk, value in values.items():
+                    if nk in out:
+                        out[nk][at + c - r0] = value
+
+    def episode(self, length: int) -> dict[NestedKey, np.ndarray]:
+        """Steps ``0`` to ``length - 1`` of a one-env storage that no reset wrote into after its first step (an
+        episode's): ``[length, ...]`` columns in the batch's key order (views, the shared observations' "next"
+        entries copied, so that no two entries share memory)."""
+        shared_next = self.layout.shared_next
+        return {k: self.cols[shared_next[k]][1:length + 1, 0].copy() if k in shared_next else self.cols[k][:length, 0]
+                for k in self.layout.specs if k in self.cols or k in shared_next}
 
 
 def _max_refcount(columns: dict[NestedKey, np.ndarray]) -> int:

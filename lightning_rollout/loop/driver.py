@@ -803,11 +803,7 @@ class MultiEnvLoop:
         while filled < n and self._consumed[w] < self._published[w]:
             t, r0 = self._consumed[w], self._taken[w]
             k = min(g - r0, n - filled)
-            row = steps.row(t)
-            for key, dst in out.items():
-                src = row.get(key)
-                if src is not None:
-                    dst[filled:filled + k] = src[r0:r0 + k]
+            steps.copy_rows(t, r0, r0 + k, out, filled)
             out[_ENV_ID][filled:filled + k] = env_ids[r0:r0 + k]
             filled += k
             if r0 + k == g:
@@ -1136,7 +1132,7 @@ class MultiEnvLoop:
                 if not isinstance(msg, EpisodeReady):
                     continue
                 env_id, length = msg.env_id, msg.length
-                trajectory = {key: v[:length, 0] for key, v in msg.steps.cols.items()}
+                trajectory = msg.steps.episode(length)
                 trajectory[_ENV_ID] = np.full(length, env_id, dtype=np.int64)
                 trajectory[_TRAJ] = np.full(length, self._next_traj, dtype=np.int64)
                 self._next_traj += 1

@@ -6,9 +6,13 @@ thread or its helper threads, or in worker processes), their running counters, a
 its steps are written to (:class:`~lightning_rollout.loop.buffers.Steps`, time-major, one row per
 env). Steps are numbered per worker from 0. Row ``t`` holds step ``t``: the root entries the
 policy and the env read, the policy's outputs, the env's ``"next"`` entries and the loop's
-bookkeeping. When step ``t`` ends, the root entries of step ``t + 1`` are written into row
-``t + 1`` (copied from step ``t``'s ``"next"`` entries, as TorchRL's ``step_mdp`` carries them,
-or a reset's for an env that was done): the next step reads its inputs where they lie.
+bookkeeping. The env writes its observations into row ``t + 1``'s root entries, which are both
+step ``t``'s ``"next"`` observations and step ``t + 1``'s inputs (as TorchRL's ``step_mdp``
+carries them); a reset after step ``t`` writes its own there, the final ones kept first
+(:meth:`~lightning_rollout.loop.buffers.Steps.keep_final`, whose side table the worker prunes as
+the driver reports steps copied out). The other carried entries (what a policy writes under
+``"next"``, or at the root besides its action) are copied from row ``t`` into row ``t + 1`` when
+step ``t`` ends. The next step reads its inputs where they lie.
 
 One step driver. The driver gives a worker a :class:`~.messages.Grant`: it may take the worker's
 steps up to ``end``. :meth:`Worker._advance` writes steps until they reach a target, and
@@ -235,7 +239,7 @@ class Worker:
         self._pre = layout.allocate(self.rows, steps=True) if self._free else {}
         self._post = layout.allocate(self.rows, steps=True) if self._free else {}
         self._post_keys = [k for k in layout.step_specs if k in self._settle_keys or k in
-                           {nk for _, nk in layout.env_next_pairs}]
+                           {c for k, c in layout.next_columns if c != k}]  # (not the shared observations)
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.agent: Agent = ctx.policy.register(self.rows, env_ids=tuple(env_ids))
@@ -294,10 +298,9 @@ class Worker:
         # torch.no_grad()); set once for the thread, not around every call.
         torch.set_grad_enabled(False)
         try:
-            first = self.steps.row(0)
             for j in self._all:
                 seed = None if self._seed is None else self._seed + self.env_ids[j]
-                self._reset_env(j, seed, first, j)
+                self._reset_env(j, seed, self.steps, 0, j)
             while True:
                 if self.pending_error is None:  # (a failed reset after a done step: no step until it is raised)
                     t = self._ring.t
@@ -321,7 +324,7 @@ class Worker:
                         j = self.env_ids.index(env_id)
                         if not self._cut_episode(j):
                             fresh.append(env_id)
-                        self._reset_env(j, seed, self.steps.row(self._ring.t), j)
+                        self._reset_env(j, seed, self.steps, self._ring.t, j)
                     ctx.ready.put(ResetDone(self.index, tuple(fresh)))
                 else:
                     assert isinstance(request, EpisodeRequest)
@@ -358,6 +361,7 @@ class Worker:
     def _delivered(self, consumed: int, taken: int) -> None:
         """The driver copied out steps ``0`` to ``consumed - 1`` and ``taken`` rows of step ``consumed``."""
         self._consumed, self._taken = consumed, taken
+        self.steps.drop_final(consumed)
 
     def _grant(self, grant: Grant) -> None:
         """Take a grant: hold its capacity (keeping the steps the driver has not copied out, and the next root
@@ -406,7 +410,7 @@ class Worker:
                         if done[0]:
                             break
                     else:
-                        self._reset_done(done, store.row(t + 1))
+                        self._reset_done(done, store, t)
                     if run.t % store.capacity == 0:  # the storage wraps around: settle in runs of consecutive rows
                         self._settle_steps(run)
                     if self.pending_error is not None:
@@ -428,16 +432,17 @@ class Worker:
 
     def _step(self, run: _Run, t: int) -> np.ndarray:
         """Step ``t`` of ``run``'s envs (all at step ``t`` of its storage): act, step the envs, write the root
-        entries of step ``t + 1``. Returns the done flags (those envs are not reset yet)."""
+        entries of step ``t + 1`` (the env's observations are written there by the env itself). Returns the
+        done flags (those envs are not reset yet)."""
         ctx, store, envs, sel = self.ctx, run.store, run.envs, run.sel
-        row = store.row(t)
+        row, nxt = store.row(t), store.row(t + 1)
         self._act(row, envs)
         block = self.envs
         try:
             block.begin({k: row[k] for k in ctx.env_inputs}, envs)
             block.ended(ctx.stop, every=True)
-            failure = block.finish(envs, {k: row[nk] for k, nk in ctx.layout.env_next_pairs}, row[_REWARD],
-                                   row[_TERMINATED], row[_TRUNCATED])[1]
+            failure = block.finish(envs, {k: (nxt if c == k else row)[c] for k, c in ctx.layout.next_columns},
+                                   row[_REWARD], row[_TERMINATED], row[_TRUNCATED])[1]
         except EnvFailure as exc:
             failure = exc
         if failure is not None:
@@ -469,8 +474,9 @@ class Worker:
         self._reward_sum[sel] = np.where(done, 0.0, reward_sum)
         return done
 
-    def _reset_done(self, done: np.ndarray, nxt: dict[NestedKey, np.ndarray]) -> None:
-        """Reset the block's envs whose last step was done (their root entries into ``nxt``, the next step's row).
+    def _reset_done(self, done: np.ndarray, store: Steps, t: int) -> None:
+        """Reset the block's envs whose step ``t`` was done (their root entries into row ``t + 1`` of ``store``,
+        their final observations kept first).
 
         A reset that fails after a done step does not lose that step: the error is kept in
         ``pending_error`` and raised once the step is published."""
@@ -484,13 +490,16 @@ class Worker:
             error.__cause__ = failure.cause
             self.pending_error = error
             return
+        store.keep_final(t, envs)
+        nxt = store.row(t + 1)
         for j, root in zip(envs, roots):
             self._write_root(root, nxt, j)
 
-    def _reset_env(self, j: int, seed: int | None, row: dict[NestedKey, np.ndarray], col: int, *,
-                   counters: bool = True) -> None:
-        """Reset env ``j``, writing its root entries into column ``col`` of ``row`` (the step that starts its
-        episode). ``counters``: zero its counters too (a reset outside a run; within one, settling does)."""
+    def _reset_env(self, j: int, seed: int | None, store: Steps, t: int, col: int, *, counters: bool = True
+                   ) -> None:
+        """Reset env ``j``, writing its root entries into column ``col`` of row ``t`` of ``store`` (the step that
+        starts its episode; the observations step ``t - 1`` ended with are kept first). ``counters``: zero its
+        counters too (a reset outside a run; within one, settling does)."""
         ctx = self.ctx
         # the construction's reset, if still valid (the loop keeps each env's until its thread starts it)
         first = self._first_roots.pop(self.env_ids[j], None) if self._first_roots else None
@@ -502,7 +511,9 @@ class Worker:
                 root = self.envs.reset(j, seed, ctx.stop)
             except EnvFailure as failure:
                 raise self._failure_error(failure) from failure.cause
-        self._write_root(root, row, col)
+        if t > 0:
+            store.keep_final(t - 1, (col,))
+        self._write_root(root, store.row(t), col)
         if counters:
             self.step_count[j] = 0
             self.episode_reward[j] = 0.0
@@ -668,13 +679,13 @@ class Worker:
         run = _Run(Steps(ctx.layout, 1, 64, grow=True), (j,), [j], episode=True)
         self.agent.set_rows(1)
         try:
-            self._reset_env(j, None, run.store.row(0), 0)
+            self._reset_env(j, None, run.store, 0, 0)
             self._advance(run, sys.maxsize)
         finally:
             self.agent.set_rows(self.rows)
         # Without an undelivered step to end it, the driver starts a new trajectory for the env's next steps.
         ctx.ready.put(EpisodeReady(self.index, request.request_index, request.env_id, run.store, run.t, fresh))
-        self._reset_env(j, None, self.steps.row(self._ring.t), j)
+        self._reset_env(j, None, self.steps, self._ring.t, j)
 
     # -- free-running blocks -------------------------------------------------------------------------
     def _run_free(self, target: int) -> bool:
@@ -719,7 +730,7 @@ class Worker:
                         self._set_activity(on_envs=False)
                 flying[ended] = False
                 m = len(ended)
-                written, failure = envs.finish(ended, {k: post[nk][:m] for k, nk in layout.env_next_pairs},
+                written, failure = envs.finish(ended, {k: post[c][:m] for k, c in layout.next_columns},
                                                post[_REWARD][:m], post[_TERMINATED][:m], post[_TRUNCATED][:m])
                 if failure is not None:  # that env stops here; the others catch up to it
                     self._fail_free(self._failure_error(failure), failure.cause)
@@ -733,6 +744,8 @@ class Worker:
                     for k in self._post_keys:
                         cols[k][rows, idx] = post[k][:m]
                     nxt = (t[idx] + 1) % store.capacity
+                    for k in layout.shared:
+                        cols[k][nxt, idx] = post[k][:m]
                     for k, src in self._advance_pairs:
                         cols[k][nxt, idx] = post[src][:m] if src in post and src in self._post_keys \
                             else cols[src][rows, idx]
@@ -744,7 +757,7 @@ class Worker:
                     for i in np.flatnonzero(done):
                         j = written[i]
                         try:
-                            self._reset_env(j, None, store.row(int(t[j])), j, counters=False)
+                            self._reset_env(j, None, store, int(t[j]), j, counters=False)
                         except EnvError as exc:  # its done step is kept: the others catch up to it
                             self._fail_free(exc, exc.__cause__)
                             end = min(end, int(t[j]))
