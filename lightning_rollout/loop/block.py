@@ -783,7 +783,7 @@ class EnvBlock:
             return None
         # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
         # row-wise isnan on every step, which is only needed to name the env.
-        total = np.add.reduce(obs_out[:n], axis=None)  # ndarray.sum without its Python wrapper
+        total = obs_out[:n].sum()
         if total == total:  # not NaN
             return None
         bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)

@@ -256,12 +256,8 @@ class Steps:
                 self._copy(src, first, end, dst, env_major, offset)
         if self.final:  # envs reset after a step: their final observations
             for t in range(first, end):
-                kept = self.final.get(t)
-                for c, values in (kept or {}).copy().items():
-                    at = (c, offset + t - first) if env_major else offset + (t - first) * self.rows + c
-                    for nk, value in values.items():
-                        if nk in out:
-                            out[nk][at] = value
+                for c, nk, value in self._finals(t, out):
+                    out[nk][(c, offset + t - first) if env_major else offset + (t - first) * self.rows + c] = value
 
     def copy_rows(self, t: int, r0: int, r1: int, out: dict[NestedKey, np.ndarray], at: int) -> None:
         """Copy rows ``r0`` to ``r1 - 1`` of step ``t`` into ``out[at:]`` (keys of ``out`` only)."""
@@ -271,12 +267,18 @@ class Steps:
             src = self.row(t + 1)[root] if root is not None else row.get(k)
             if src is not None:
                 dst[at:at + n] = src[r0:r1]
-        kept = self.final.get(t) if self.final else None
-        for c, values in (kept or {}).copy().items():
-            if r0 <= c < r1:
-                for nk, value in values.items():
-                    if nk in out:
-                        out[nk][at + c - r0] = value
+        if self.final:
+            for c, nk, value in self._finals(t, out):
+                if r0 <= c < r1:
+                    out[nk][at + c - r0] = value
+
+    def _finals(self, t: int, out: dict[NestedKey, np.ndarray]) -> list[tuple[int, NestedKey, np.ndarray]]:
+        """``(column, "next" key, value)`` of each final observation kept for step ``t`` whose key is in ``out``.
+        Read with ``dict.get`` and a copy of the step's entry: the worker may keep another meanwhile."""
+        kept = self.final.get(t)
+        if not kept:
+            return []
+        return [(c, nk, value) for c, values in kept.copy().items() for nk, value in values.items() if nk in out]
 
     def episode(self, length: int) -> dict[NestedKey, np.ndarray]:
         """Steps ``0`` to ``length - 1`` of a one-env storage that no reset wrote into after its first step (an
@@ -366,7 +368,7 @@ def check_entries(values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec
         if v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
             return f"entry {k!r} has dtype {v.dtype}, expected {spec.dtype}"
         if v.dtype.kind == "f":
-            total = np.add.reduce(v, axis=None)  # one sum finds any NaN (inf - inf too, which isnan then clears)
+            total = v.sum()  # one sum finds any NaN (inf - inf too, which isnan then clears)
             if total != total and np.isnan(v).any():
                 return f"entry {k!r} contains NaN"
     return None

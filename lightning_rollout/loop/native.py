@@ -113,7 +113,7 @@ class NativeBlock:
             elif v.dtype != spec.dtype and not np.can_cast(v.dtype, spec.dtype, "same_kind"):
                 problem = f"entry {k!r} has dtype {v.dtype}, expected {spec.dtype}"
             elif v.dtype.kind == "f":
-                total = np.add.reduce(v, axis=None)
+                total = v.sum()
                 if total != total:
                     bad = np.isnan(v.reshape(self.rows, -1)).any(axis=1)
                     if bad.any():
