@@ -5,7 +5,8 @@
 Each round runs ``python -m benchmarks`` once in a checkout of ``--before`` (a temporary ``git worktree``)
 and once in this tree, alternating which goes first, so drift of a noisy machine hits both sides alike.
 Every run measures itself with its own harness; the table gives, per contender, the median steps/s of
-each side over the rounds and their ratio (after / before). Nothing here asserts a speed.
+each side over the rounds, their ratio (after / before), and the range of one round's ratio, which shows how
+far the machine moved the figure between rounds. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,33 @@ def _run(root: Path, args: list[str], out: Path) -> dict[str, dict[str, float]]:
     data = json.loads((out / "results.json").read_text())
     return {s["name"]: {name: statistics.median(r["steps_per_s"]) for name, r in s["results"].items()
                         if r.get("steps_per_s")} for s in data["scenarios"]}
+
+
+def ab_table(runs: dict[str, list[dict[str, dict[str, float]]]], scenarios: list[str], *, before: str
+             ) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """The before/after table of ``runs`` (``{"before": [round, ...], "after": [...]}``, each round
+    ``{scenario: {contender: steps/s}}``): per contender the median of each side over the rounds, their ratio,
+    and the lowest and highest ratio of one round's pair (how far this machine moved the figure between
+    rounds). Contenders the before revision lacks are left out. Returns ``(table, markdown rows)``."""
+    rounds = len(runs["after"])
+    table: dict[str, dict[str, float]] = {}
+    rows = [f"## Before ({before}) / after (working tree), {rounds} interleaved rounds, medians", "",
+            "| scenario | contender | before (steps/s) | after (steps/s) | after / before | one round's pair |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for scenario in scenarios:
+        for name in sorted(runs["after"][0].get(scenario, {})):
+            pairs = [(old[scenario][name], new[scenario][name]) for old, new in zip(runs["before"], runs["after"])
+                     if name in old.get(scenario, {}) and name in new.get(scenario, {})]
+            if not pairs:  # a contender the before revision does not have
+                continue
+            b = statistics.median(p[0] for p in pairs)
+            a = statistics.median(p[1] for p in pairs)
+            each = [new / old for old, new in pairs]
+            table[f"{scenario} / {name}"] = {"before": b, "after": a, "ratio": a / b, "round_min": min(each),
+                                             "round_max": max(each)}
+            rows.append(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x | "
+                        f"{min(each):.2f}x-{max(each):.2f}x |")
+    return table, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,19 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {i + 1}/{args.rounds}: {side} done", file=sys.stderr)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
-    table = {}
-    rows = [f"## Before ({args.before}) / after (working tree), {args.rounds} interleaved rounds, medians", "",
-            "| scenario | contender | before (steps/s) | after (steps/s) | after / before |",
-            "| --- | --- | --- | --- | --- |"]
-    for scenario in args.scenario:
-        for name in sorted(runs["after"][0].get(scenario, {})):
-            before_runs = [r[scenario][name] for r in runs["before"] if name in r.get(scenario, {})]
-            if not before_runs:  # a contender the before revision does not have
-                continue
-            b = statistics.median(before_runs)
-            a = statistics.median(r[scenario][name] for r in runs["after"])
-            table[f"{scenario} / {name}"] = {"before": b, "after": a, "ratio": a / b}
-            rows.append(f"| {scenario} | {name} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
+    table, rows = ab_table(runs, args.scenario, before=args.before)
     print("\n".join(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -210,3 +210,21 @@ def test_helper_thread_contender_counts_every_step_it_started_and_none_runs_betw
         session.close()
     assert set(shapes) == {(4, 3)}
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+
+
+def test_ab_table_gives_each_sides_median_their_ratio_and_the_spread_of_one_rounds_ratio():
+    from benchmarks.ab import ab_table
+
+    def round_(old: float, new_: float | None) -> dict:
+        return {"cheap": {"ours": old, **({"new only": new_} if new_ is not None else {})}}
+
+    runs = {"before": [round_(100.0, None), round_(200.0, None), round_(150.0, None)],
+            "after": [round_(110.0, 5.0), round_(180.0, 6.0), round_(150.0, 7.0)]}
+    table, rows = ab_table(runs, ["cheap"], before="abc123")
+    assert list(table) == ["cheap / ours"]  # a contender the before revision lacks is left out
+    row = table["cheap / ours"]
+    assert (row["before"], row["after"]) == (150.0, 150.0)  # medians of each side over the rounds
+    assert row["ratio"] == pytest.approx(1.0)
+    assert (row["round_min"], row["round_max"]) == pytest.approx((0.9, 1.1))  # 180 / 200 and 110 / 100
+    assert rows[0] == "## Before (abc123) / after (working tree), 3 interleaved rounds, medians"
+    assert rows[-1] == "| cheap | ours | 150 | 150 | 1.00x | 0.90x-1.10x |"
