@@ -6,7 +6,8 @@ Each round runs ``python -m benchmarks`` once in a checkout of ``--before`` (a t
 and once in this tree, alternating which goes first, so drift of a noisy machine hits both sides alike.
 Every run measures itself with its own harness; the table gives, per contender, the median steps/s of
 each side over the rounds, their ratio (after / before), and the range of one round's ratio, which shows how
-far the machine moved the figure between rounds. Nothing here asserts a speed.
+far the machine moved the figure between rounds. A scenario the revision does not define is left out, with a
+line on stderr. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def _run(root: Path, args: list[str], out: Path) -> dict[str, dict[str, float]]:
     data = json.loads((out / "results.json").read_text())
     return {s["name"]: {name: statistics.median(r["steps_per_s"]) for name, r in s["results"].items()
                         if r.get("steps_per_s")} for s in data["scenarios"]}
+
+
+def scenario_names(root: Path) -> set[str] | None:
+    """The scenarios the benchmark suite of the tree at ``root`` defines (a revision may predate some), or
+    ``None`` when that tree does not say (no ``benchmarks.scenarios.SCENARIOS``)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    code = "from benchmarks.scenarios import SCENARIOS; print(' '.join(SCENARIOS))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    return set(out.stdout.split()) if out.returncode == 0 else None
 
 
 def ab_table(runs: dict[str, list[dict[str, dict[str, float]]]], scenarios: list[str], *, before: str
@@ -69,15 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/ab", help="folder for ab.json and table.md")
     args = parser.parse_args(argv)
-    bench_args = [a for s in args.scenario for a in ("--scenario", s)]
-    bench_args += [a for c in args.contender for a in ("--contender", c)]
-    bench_args += ["--frames-scale", args.frames_scale]
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="lr-ab-") as tmp:
         before = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            known = scenario_names(before)
+            scenarios = [s for s in args.scenario if known is None or s in known]
+            for name in sorted(set(args.scenario) - set(scenarios)):
+                print(f"{name}: not a scenario at {args.before}; left out", file=sys.stderr)
+            if not scenarios:
+                raise SystemExit(f"none of the scenarios exists at {args.before}")
+            bench_args = [a for s in scenarios for a in ("--scenario", s)]
+            bench_args += [a for c in args.contender for a in ("--contender", c)]
+            bench_args += ["--frames-scale", args.frames_scale]
             for i in range(args.rounds):
                 order = [("before", before), ("after", ROOT)]
                 for side, root in (order if i % 2 == 0 else order[::-1]):
@@ -85,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {i + 1}/{args.rounds}: {side} done", file=sys.stderr)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, check=False)
-    table, rows = ab_table(runs, args.scenario, before=args.before)
+    table, rows = ab_table(runs, scenarios, before=args.before)
     print("\n".join(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

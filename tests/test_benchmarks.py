@@ -228,3 +228,13 @@ def test_ab_table_gives_each_sides_median_their_ratio_and_the_spread_of_one_roun
     assert (row["round_min"], row["round_max"]) == pytest.approx((0.9, 1.1))  # 180 / 200 and 110 / 100
     assert rows[0] == "## Before (abc123) / after (working tree), 3 interleaved rounds, medians"
     assert rows[-1] == "| cheap | ours | 150 | 150 | 1.00x | 0.90x-1.10x |"
+
+
+def test_ab_reads_the_scenarios_a_tree_defines_and_none_for_a_tree_without_the_suite(tmp_path):
+    from pathlib import Path
+
+    from benchmarks.ab import scenario_names
+    from benchmarks.scenarios import SCENARIOS
+
+    assert scenario_names(Path(ROOT)) == set(SCENARIOS)
+    assert scenario_names(tmp_path) is None  # e.g. a revision older than benchmarks/scenarios.py
