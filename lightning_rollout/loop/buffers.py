@@ -226,9 +226,8 @@ class Steps:
 
     def drop_final(self, before: int) -> None:
         """Forget the final observations of steps before ``before`` (copied out)."""
-        if self.final:
-            for t in [t for t in list(self.final) if t < before]:
-                del self.final[t]
+        for t in [t for t in self.final if t < before]:  # (this thread alone writes the table)
+            del self.final[t]
 
     def _copy(self, src: np.ndarray, first: int, end: int, dst: np.ndarray, env_major: bool, offset: int) -> None:
         """Rows ``first`` to ``end - 1`` of ``src`` (a column) into ``dst``, as :meth:`copy_out` places them."""

@@ -238,8 +238,8 @@ class Worker:
         self._free = ctx.free_steps and block.parallel
         self._pre = layout.allocate(self.rows, steps=True) if self._free else {}
         self._post = layout.allocate(self.rows, steps=True) if self._free else {}
-        self._post_keys = [k for k in layout.step_specs if k in self._settle_keys or k in
-                           {c for k, c in layout.next_columns if c != k}]  # (not the shared observations)
+        env_next_cols = {c for k, c in layout.next_columns if c != k}  # the env's "next" columns (not the shared obs)
+        self._post_keys = [k for k in layout.step_specs if k in self._settle_keys or k in env_next_cols]
         self._settle_lock = threading.Lock()  # orders this thread's settling with a driver's (settle())
         self.requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.agent: Agent = ctx.policy.register(self.rows, env_ids=tuple(env_ids))
