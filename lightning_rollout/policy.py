@@ -83,7 +83,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,17 +101,15 @@ __all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "a
 NestedKey = str | tuple[str, ...]
 _POLL_S = 0.05  # how often a blocked wait re-checks its stop flag
 _SAME_WEIGHTS = object()  # update() was handed the acting policy itself
+_NO_CONTEXT = contextlib.nullcontext()
 
 
-class _ModuleState:
+class _ModuleState(NamedTuple):
     """The weights of a module handed to :meth:`AutobatchPolicy.update`: its ``state_dict`` and its
     non-persistent buffers (``{qualified name: tensor}``), which no ``state_dict`` holds."""
 
-    __slots__ = ("state_dict", "buffers")
-
-    def __init__(self, state_dict: Mapping[str, Any], buffers: dict[str, torch.Tensor]) -> None:
-        self.state_dict = state_dict
-        self.buffers = buffers
+    state_dict: Mapping[str, Any]
+    buffers: dict[str, torch.Tensor]
 
 
 class PolicyAnswer:
@@ -205,7 +204,11 @@ class Agent:
     # -- requests -------------------------------------------------------------------
     def submit(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
                exploration_type: ExplorationType | None = None) -> None:
-        """Queue one request of ``self.rows`` observations; answer with :meth:`result`.
+        """Send one request of ``self.rows`` observations; answer with :meth:`result`.
+
+        A request that is a whole flush by itself (the caller-runs flush, :meth:`AutobatchPolicy._flushes_alone`:
+        nothing else queued, no weight update waiting) is answered here, in this thread; any other is queued for
+        the inference thread.
 
         Args:
             obs: ``{key: array of shape [rows, *obs_shape]}`` for each input key.
@@ -216,21 +219,19 @@ class Agent:
             CollectionError: the policy was closed.
         """
         mode = _mode(deterministic, exploration_type)
-        if self._done.is_set():
-            self._done.clear()
-        self._answer = None
-        self._error = None
-        self._inline = False
-        self._policy._enqueue(_Request(self, dict(obs), self.rows, mode))
+        self._done.clear()
+        self._answer, self._error = None, None
+        try:
+            self._answer = self._policy._call_alone(self, obs, mode)
+        except PolicyError as error:
+            self._error = error
+        self._inline = self._answer is not None or self._error is not None
+        if not self._inline:
+            self._policy._enqueue(_Request(self, dict(obs), self.rows, mode))
 
     def act(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
             exploration_type: ExplorationType | None = None, stop: threading.Event | None = None) -> PolicyAnswer:
         """:meth:`submit` then :meth:`result`: the answer to one request of ``self.rows`` observations.
-
-        A request that would be flushed by itself in this thread anyway (the caller-runs flush: nothing
-        else queued, no weight update waiting, the request a whole flush by itself) is answered without
-        being queued: no request is handed between threads and no answer is stored to be read back.
-        Otherwise it is queued as :meth:`submit` does.
 
         Args:
             obs, deterministic, exploration_type: as for :meth:`submit`.
@@ -239,11 +240,7 @@ class Agent:
         Raises:
             PolicyError, CollectionError, _Stopped: as :meth:`submit` and :meth:`result`.
         """
-        mode = _mode(deterministic, exploration_type)
-        answer = self._policy._call_alone(self, obs, mode)
-        if answer is not None:
-            return answer
-        self.submit(obs, exploration_type=mode)
+        self.submit(obs, deterministic=deterministic, exploration_type=exploration_type)
         return self.result(stop)
 
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
@@ -304,15 +301,12 @@ class Agent:
                                 abandon(thread)
                         failure = policy._failure
             if failure is not None and not done.is_set():
-                error = PolicyError(failure.reason, env_ids=failure.env_ids or self.env_ids)
-                error.__cause__ = failure.__cause__
-                raise error
+                raise _copy(failure, failure.env_ids or self.env_ids)
 
     def _resolve(self, answer: PolicyAnswer | None, error: BaseException | None) -> None:
         self._answer = answer
         self._error = error
-        if not self._inline:
-            self._done.set()
+        self._done.set()
 
 
 class AutobatchPolicy:
@@ -381,7 +375,6 @@ class AutobatchPolicy:
         # A forward pass run by a submitting thread could not be timed out by it: with a policy_timeout,
         # every pass runs on the inference thread, watched by the clients that wait for it.
         self.flush_in_caller = bool(flush_in_caller) and policy_timeout is None
-        self.is_tensordict_module = isinstance(self.policy, TensorDictModuleBase)
         self._direct = _direct_module(self.policy)  # an exact TensorDictModule's inner module, called on tensors
         # Its positional inputs and its outputs, read once (the flush path runs for every step of every env).
         self._direct_in: list[NestedKey] = list(self.policy.in_keys) if self._direct is not None else []
@@ -404,17 +397,13 @@ class AutobatchPolicy:
         self._rng_state: torch.Tensor | None = None
         # The contexts of a forward pass, built once and reused: passes run one at a time (under
         # _weights_lock), and each context keeps its previous state on itself only from enter to exit.
-        # A pass runs without autograd: under ``_no_grad`` in a thread that has it on (the probe), as it is
-        # in the loops' env threads and the inference thread, which turn it off once (``_compute``).
+        # A pass runs without autograd: under ``_no_grad`` in a thread that has it on (the probe, a user's thread
+        # calling Agent.act), as it is in the loops' env threads and the inference thread, which turn it off once.
         self._no_grad = torch.no_grad()
         self._modes: dict[ExplorationType, set_exploration_type] = {}
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
             self._rng_state = generator.get_state()
-        # The one input of an exact TensorDictModule on the CPU, unseeded: a batch of one request is then passed
-        # to it as it is (see _compute).
-        self._direct_one: NestedKey | None = (self._direct_in[0] if len(self._direct_in) == 1 and self._on_cpu
-                                              and self._rng_state is None else None)
         self._version = 0
         self._plain_state: Any = None  # state of a callable without state_dict
         # entered as ``with self._lock``, never ``with self._cond`` (see the module docs): a loop's driver, in the
@@ -559,16 +548,9 @@ class AutobatchPolicy:
         with self._lock:
             if self._closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            if not self._flushes_alone(request.rows):
-                self._pending.append(request)
-                self._pending_rows += request.rows
-                self._cond.notify()
-                return
-            request.agent._inline = True  # the batch is this request alone: answered in this thread
-        try:
-            self._forward([request])
-        finally:
-            self._weights_lock.release()
+            self._pending.append(request)
+            self._pending_rows += request.rows
+            self._cond.notify()
 
     def _flushes_alone(self, rows: int) -> bool:
         """Whether a request of ``rows`` rows is flushed by itself in its caller's thread (``_lock`` held).
@@ -589,9 +571,8 @@ class AutobatchPolicy:
 
     def _call_alone(self, agent: Agent, obs: Mapping[NestedKey, np.ndarray], mode: ExplorationType
                     ) -> PolicyAnswer | None:
-        """:meth:`Agent.act`'s request answered in this thread without queueing it, when :meth:`_enqueue`
-        would flush it by itself in this thread anyway (:meth:`_flushes_alone`); ``None`` otherwise (it
-        is queued).
+        """:meth:`Agent.submit`'s request answered in this thread without queueing it, when it is a whole flush
+        by itself (:meth:`_flushes_alone`); ``None`` otherwise (the caller queues it).
 
         Raises:
             PolicyError: the forward pass failed (naming the agent's envs).
@@ -623,17 +604,16 @@ class AutobatchPolicy:
         request = _Request(Agent(self, rows, ()), dict(obs), rows, ExplorationType.RANDOM)
 
         def probe() -> dict[NestedKey, np.ndarray]:
-            with self._weights_lock:
+            with self._weights_lock, self._no_grad:
                 return self._run_policy([request], rows)
 
         try:
-            try:
-                outputs = call_bounded(probe, self.policy_timeout, name=f"lightning_rollout-{self.name}-probe",
-                                       what=f"while probing the policy with {rows} observation(s) at construction")
-            except _CallTimedOut as error:  # the stuck thread holds the weights: the policy is failed
-                with self._lock:
-                    self._failure = self._failure or error
-                raise
+            outputs = call_bounded(probe, self.policy_timeout, name=f"lightning_rollout-{self.name}-probe",
+                                   what=f"while probing the policy with {rows} observation(s) at construction")
+        except _CallTimedOut as error:  # the stuck thread holds the weights: the policy is failed
+            with self._lock:
+                self._failure = self._failure or error
+            raise
         except PolicyError:
             raise
         except Exception as exc:
@@ -853,7 +833,7 @@ class AutobatchPolicy:
     def _ready(self, now: float) -> bool:
         if not self._pending:
             return False
-        if self._pending_rows >= self._threshold() or self._updates:
+        if self._pending_rows >= self._threshold():
             return True
         return self.max_wait is not None and now - self._pending[0].t0 >= self.max_wait
 
@@ -899,8 +879,7 @@ class AutobatchPolicy:
                         if self._failure is not None:  # failed: answer everything with the failure, serve nothing
                             failed, self._pending, self._pending_rows = self._pending, [], 0
                             failed_updates, self._updates = self._updates, []
-                            _fail_requests(failed, self._failure)
-                            _fail_updates(failed_updates, self._failure)
+                            _fail_all(failed, failed_updates, self._failure)
                             cond.wait(_POLL_S * 4)
                             continue
                         if self._updates:  # everything queued before an update is answered with the old weights
@@ -947,8 +926,8 @@ class AutobatchPolicy:
                     self._applying = False
                     self.flush_in_caller = False  # later requests reach this thread, which fails them
                     cond.notify_all()
-                _fail_requests([r for batch in batches for r in batch if not r.agent._done.is_set()], self._failure)
-                _fail_updates(updates, self._failure)
+                _fail_all([r for batch in batches for r in batch if not r.agent._done.is_set()], updates,
+                          self._failure)
                 batches, updates = [], []
 
     def _flush_locked(self, batch: list[_Request]) -> None:
@@ -979,23 +958,16 @@ class AutobatchPolicy:
 
     def _compute(self, batch: list[_Request]) -> tuple[dict[NestedKey, np.ndarray], int]:
         """One forward pass for ``batch`` (``_weights_lock`` held): its outputs and the weights' version. Every
-        forward pass takes this route, from the inference thread or from a client's own.
-
-        A batch of one request to an exact ``TensorDictModule`` of one input on the CPU, unseeded, in a thread
-        with autograd off (an env thread), called in its rows' shape, passes the request's array to the inner
-        module straight away (:meth:`_call_one`: the path of every step of a loop with one env thread); any
-        other batch is stacked and called as the policy's kind asks (:meth:`_run_policy`).
+        forward pass but the probe's takes this route, from the inference thread or from a client's own.
 
         Raises:
             PolicyError: the pass failed; it names the batch's envs, the original exception chained.
         """
         rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         try:
-            if torch.is_grad_enabled():  # a thread of the caller's (the probe): no graph of the pass either
+            if torch.is_grad_enabled():  # a user's thread (Agent.act): no graph of the pass either
                 with self._no_grad:
                     outputs = self._run_policy(batch, rows)
-            elif len(batch) == 1 and self._direct_one is not None and self._call_shape(rows) == (rows,):
-                outputs = self._call_one(batch[0])
             else:  # the loops' env threads and the inference thread run with autograd off
                 outputs = self._run_policy(batch, rows)
         except BaseException as exc:  # whatever the policy raised, as a PolicyError naming the envs
@@ -1011,56 +983,38 @@ class AutobatchPolicy:
             explore = self._modes[mode] = set_exploration_type(mode)
         return explore
 
-    def _call_one(self, request: _Request) -> dict[NestedKey, np.ndarray]:
-        """The inner module of an exact one-input ``TensorDictModule`` on a copy of the request's array (see
-        :meth:`_compute`): no batch, stacked dict or TensorDict built."""
-        with self._explore(request.mode):
-            result = self._direct(_own_tensor(request.obs[self._direct_one]))  # type: ignore[misc,index]
-        return self._direct_outputs(result, request.rows)
-
     def _run_policy(self, batch: list[_Request], rows: int) -> dict[NestedKey, np.ndarray]:
-        explore = self._explore(batch[0].mode)
-        direct = self._direct
         if len(batch) > 1:  # rows in env order, whatever the arrival order: a flush is reproducible
             batch.sort(key=_first_env)
         # A tensor module gets only the entries it reads; a TensorDict policy every entry of the requests.
-        keys = (self._direct_in if direct is not None
+        keys = (self._direct_in if self._direct is not None
                 else self.input_keys if self.input_keys is not None else list(batch[0].obs))
         # The policy gets its own copy of the entries (a request's arrays are views of the loops' storage): one
         # written in place cannot change a stored observation. Several requests are concatenated, and a move to
         # another device copies, anyway; one request on the CPU is copied (measured: < 1 us for CartPole rows).
         if len(batch) > 1:
             stacked = {k: torch.from_numpy(np.concatenate([r.obs[k] for r in batch])) for k in keys}
-        elif self._on_cpu:
-            stacked = {k: _own_tensor(batch[0].obs[k]) for k in keys}
         else:
-            stacked = {k: _as_tensor(batch[0].obs[k]) for k in keys}
+            tensor = _own_tensor if self._on_cpu else _as_tensor
+            stacked = {k: tensor(batch[0].obs[k]) for k in keys}
         if not self._on_cpu:
             stacked = {k: v.to(self.device, non_blocking=True) for k, v in stacked.items()}
-        call = self._call_direct if direct is not None else self._call_tensordict
-        if self._rng_state is None:
-            with explore:
-                outputs = call(stacked, rows)
-        else:  # a seeded policy draws from its own stream
-            with explore, self._swapped_rng():
-                outputs = call(stacked, rows)
+        shape = self._call_shape(rows)  # one env: its unbatched row, as TorchRL calls it
+        if shape != (rows,):
+            stacked = {k: v.reshape((*shape, *v.shape[1:])) for k, v in stacked.items()}
+        with self._explore(batch[0].mode), (self._swapped_rng() if self._rng_state is not None else _NO_CONTEXT):
+            if self._direct is not None:
+                outputs = self._direct_outputs(self._direct(*[stacked[k] for k in keys]))
+            else:
+                outputs = self._call_tensordict(stacked, shape)
+        if shape != (rows,):
+            outputs = {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
         _check_rows(outputs, rows)
         return outputs
 
-    def _call_direct(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
-        """An exact ``TensorDictModule``'s inner module on the stacked tensors of its ``in_keys``: its outputs."""
-        shape = self._call_shape(rows)  # one env: its unbatched row, as TorchRL calls it
-        if shape == (rows,):
-            result = self._direct(*[stacked[k] for k in self._direct_in])  # type: ignore[misc]
-            return self._direct_outputs(result, rows, check=False)  # _run_policy checks the rows
-        result = self._direct(*[stacked[k].reshape(*shape, *stacked[k].shape[1:])
-                                for k in self._direct_in])  # type: ignore[misc]
-        outputs = self._direct_outputs(result, rows, check=False)
-        return {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
-
-    def _direct_outputs(self, result: Any, rows: int, *, check: bool = True) -> dict[NestedKey, np.ndarray]:
-        """What the inner module returned, as numpy outputs by ``out_keys`` (with ``check``: each of ``rows``
-        rows). Raises :class:`PolicyError` for anything but one tensor per output key."""
+    def _direct_outputs(self, result: Any) -> dict[NestedKey, np.ndarray]:
+        """What the inner module returned, as numpy outputs by ``out_keys``. Raises :class:`PolicyError` for
+        anything but one tensor per output key."""
         out_keys = self._direct_out
         if type(result) is torch.Tensor and len(out_keys) == 1:  # one output: the common case
             outputs = {out_keys[0]: _to_numpy(result, out_keys[0])}
@@ -1080,20 +1034,12 @@ class AutobatchPolicy:
                 raise PolicyError(f"the policy returned a tuple of {len(result)} for out_keys {out_keys}: "
                                   "return one tensor per output key (or list every output in out_keys)")
             outputs = {k: _to_numpy(v, k) for k, v in zip(out_keys, result)}
-        if check:
-            _check_rows(outputs, rows)
         return outputs
 
-    def _call_tensordict(self, stacked: dict[NestedKey, torch.Tensor], rows: int) -> dict[NestedKey, np.ndarray]:
-        """A TensorDict policy on a TensorDict of the stacked entries: the entries it wrote."""
-        shape = self._call_shape(rows)  # one env: its unbatched row, as TorchRL calls it
-        if shape == (rows,):
-            td = TensorDict(stacked, batch_size=[rows], device=self.device)
-        elif not shape:
-            td = TensorDict({k: v[0] for k, v in stacked.items()}, batch_size=[], device=self.device)
-        else:
-            td = TensorDict({k: v.reshape(*shape, *v.shape[1:]) for k, v in stacked.items()}, batch_size=shape,
-                            device=self.device)
+    def _call_tensordict(self, stacked: dict[NestedKey, torch.Tensor], shape: tuple[int, ...]
+                         ) -> dict[NestedKey, np.ndarray]:
+        """A TensorDict policy on a TensorDict of the stacked entries (batch dims ``shape``): the entries it wrote."""
+        td = TensorDict(stacked, batch_size=shape, device=self.device)
         for prefix, dims in self.sub_batch.items():
             if prefix in td.keys(True):
                 td.get(prefix).batch_size = torch.Size([*shape, *dims])
@@ -1107,10 +1053,7 @@ class AutobatchPolicy:
         if not isinstance(out, TensorDictBase):
             raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
                               "a TensorDict (wrap a tensor function in a TensorDictModule)")
-        outputs = self._outputs(out, given)
-        if shape == (rows,):
-            return outputs
-        return {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
+        return self._outputs(out, given)
 
     @contextlib.contextmanager
     def _swapped_rng(self) -> Iterator[None]:
@@ -1219,7 +1162,8 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         if action_spec is not None and isinstance(policy, torch.nn.Module):
             from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
 
-            set_exploration_modules_spec_from_env(policy, _SpecView(None, list(action_keys), action_spec))
+            spec = action_spec[action_keys[0]] if len(action_keys) == 1 else action_spec
+            set_exploration_modules_spec_from_env(policy, SimpleNamespace(action_spec=spec, action_spec_unbatched=spec))
         return policy
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
@@ -1333,18 +1277,6 @@ class BatchedRandomPolicy(TensorDictModuleBase):
         return tensordict.update(random_sample(self.action_spec, tensordict.batch_size))
 
 
-class _SpecView:
-    """What TorchRL's ``_make_compatible_policy`` reads of an env: its specs and action keys."""
-
-    def __init__(self, observation_spec: Any, action_keys: list[NestedKey], action_spec: Any = None) -> None:
-        self.observation_spec = observation_spec
-        self.action_keys = action_keys
-        if action_spec is not None:
-            self.full_action_spec = action_spec
-            self.action_spec = action_spec[action_keys[0]] if len(action_keys) == 1 else action_spec
-            self.action_spec_unbatched = self.action_spec
-
-
 def _mode(deterministic: bool, exploration_type: ExplorationType | None) -> ExplorationType:
     """A request's exploration mode: ``exploration_type`` when given, else from ``deterministic``."""
     if exploration_type is not None:
@@ -1378,22 +1310,21 @@ def _first_env(request: _Request) -> int:
     return ids[0] if ids else -1
 
 
-def _fail_requests(requests: list[_Request], failure: PolicyError) -> None:
-    """Answer ``requests`` with a copy of ``failure`` (a failed policy); each names its own envs when the
-    failure names none."""
+def _copy(failure: PolicyError, env_ids: tuple[int, ...]) -> PolicyError:
+    """A copy of a failed policy's ``failure`` naming ``env_ids``, with its cause."""
+    error = PolicyError(failure.reason, env_ids=env_ids)
+    error.__cause__ = failure.__cause__
+    return error
+
+
+def _fail_all(requests: list[_Request], updates: list[tuple[Any, threading.Event]], failure: PolicyError) -> None:
+    """Answer ``requests`` and fail the weight ``updates`` waiting in :meth:`AutobatchPolicy.update` with a copy
+    of ``failure`` (a failed policy); a request's copy names its own envs when the failure names none."""
     for request in requests:
-        error = PolicyError(failure.reason, env_ids=failure.env_ids or request.agent.env_ids)
-        error.__cause__ = failure.__cause__
-        request.agent._resolve(None, error)
-
-
-def _fail_updates(updates: list[tuple[Any, threading.Event]], failure: PolicyError) -> None:
-    """Fail weight updates waiting in :meth:`AutobatchPolicy.update` with ``failure``."""
+        request.agent._resolve(None, _copy(failure, failure.env_ids or request.agent.env_ids))
     for _, done in updates:
         if not done.is_set():
-            error = PolicyError(failure.reason, env_ids=failure.env_ids)
-            error.__cause__ = failure.__cause__
-            done.error = error  # type: ignore[attr-defined]
+            done.error = _copy(failure, failure.env_ids)  # type: ignore[attr-defined]
             done.set()
 
 

@@ -353,3 +353,31 @@ def test_float64_observations_and_info_round_trip_exactly(layout, num_workers, d
     assert any(b["next", "done"].any() for b in batches)
     observed = torch.cat([s.reshape(-1, 3) for s in seen])
     assert observed.dtype == torch.float64 and torch.equal(observed - observed.round(), torch.full_like(observed, EPS))
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_scalar_discrete_observation_reaches_an_exact_tensordict_module_in_its_row_shape(num_envs):
+    """Taxi's observation is one integer (``Discrete(500)``, shape ``[]``): a one-env collector calls the
+    policy on the unbatched row (a 0-d tensor), as TorchRL's ``Collector`` does; the batch holds it."""
+    from tensordict.nn import TensorDictModule
+
+    seen: list[torch.Size] = []
+
+    def policy(obs: torch.Tensor) -> torch.Tensor:
+        seen.append(obs.shape)
+        return torch.zeros(obs.shape, dtype=torch.int64)  # action 0 ("south") for every row
+
+    module = TensorDictModule(policy, in_keys=["observation"], out_keys=["action"])
+    collector = ThreadedCollector(lambda: gym.make("Taxi-v4"), module, num_envs=num_envs, frames_per_batch=4 * num_envs,
+                                  total_frames=4 * num_envs, seed=0)
+    try:
+        batch = next(iter(collector))
+    finally:
+        collector.shutdown()
+    expected = torch.Size([]) if num_envs == 1 else torch.Size([num_envs])
+    assert seen and set(seen) == {expected}
+    assert batch.batch_size == ((4,) if num_envs == 1 else (num_envs, 4))
+    assert batch["observation"].dtype == torch.int64 and (batch["action"] == 0).all()
+    reference = gym.make("Taxi-v4")
+    obs, _ = reference.reset(seed=0)
+    assert batch["observation"].reshape(-1)[0].item() == obs

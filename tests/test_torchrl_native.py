@@ -188,6 +188,23 @@ def test_exploration_modules_keep_their_private_state_out_of_batches():
     assert batch["action"].sum(-1).eq(1).all() and batch["action"][..., 0].any() and batch["action"][..., 1].any()
 
 
+def test_exploration_module_without_a_spec_gets_the_envs_action_spec_as_torchrl_collector_gives_it():
+    """``AdditiveGaussianModule(spec=None)``: TorchRL's collector hands it the env's action spec; so does ours
+    (a gymnasium env's, through the adapter), and its noise then stays within Pendulum's bounds."""
+    from torchrl.modules import AdditiveGaussianModule
+
+    actor = TensorDictModule(lambda o: torch.full((*o.shape[:-1], 1), 1.9), in_keys=["observation"],
+                             out_keys=["action"])
+    noisy = TensorDictSequential(actor, AdditiveGaussianModule(spec=None, sigma_init=5.0, sigma_end=5.0))
+    batch = collect("Pendulum-v1", noisy, 64, num_envs=2, seed=0)
+    theirs = TensorDictSequential(actor, AdditiveGaussianModule(spec=None))
+    torchrl_collect(GymEnv("Pendulum-v1"), theirs, 8)
+    spec, their_spec = noisy.module[1].spec, theirs.module[1].spec
+    assert spec == their_spec and torch.equal(spec["action"].space.high, torch.tensor([2.0]))
+    action = batch["action"]
+    assert action.shape == (2, 32, 1) and (action.abs() <= 2.0).all() and not (action == 1.9).all()
+
+
 def test_policy_returning_a_tuple_for_one_key_names_the_problem():
     with pytest.raises(PolicyError, match="returned a tuple|one tensor per output"):
         ThreadedCollector("CartPole-v1", TensorDictModule(lambda o: (o, o), in_keys=["observation"],
