@@ -84,12 +84,14 @@ def check_device(name: str, device: Any) -> torch.device | None:
     return resolved
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """An int (numpy ints included, bools not) ``>= minimum``.
+def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    """An int (numpy ints included, bools not) ``>= minimum`` (or ``None`` when ``optional``).
 
     Raises:
         ValueError: naming ``name``, the minimum and what was given.
     """
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:

@@ -52,7 +52,7 @@ from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import (LayoutChoice, apply_choice, is_auto, layout_warning, one_env_threads_warning,
+from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, layout_warning, one_env_threads_warning,
                         resolve_layout)
 
 __all__ = ["ThreadedCollector"]
@@ -172,8 +172,7 @@ def _check_torchrl_options(*, backend: Any, backend_options: Any, num_collectors
 def _check_options(*, worker_idx: Any, auto_register_policy_transforms: Any, devices: Mapping[str, Any], layout: Any,
                    reset_when_done: bool, split_trajs: Any, replay_buffer: Any, trajs_per_batch: Any) -> None:
     """Refuse, with what to change, the options :class:`ThreadedCollector` checks before it builds anything."""
-    if worker_idx is not None:
-        check_int("worker_idx", worker_idx, 0)
+    check_int("worker_idx", worker_idx, 0, optional=True)
     if auto_register_policy_transforms not in (None, True, False):
         raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
                          f"{auto_register_policy_transforms!r}")
@@ -186,8 +185,7 @@ def _check_options(*, worker_idx: Any, auto_register_policy_transforms: Any, dev
                          "(use torchrl's Collector to keep stepping done envs)")
     if split_trajs and replay_buffer is not None:
         raise ValueError("split_trajs=True pads trajectories; it cannot be combined with replay_buffer")
-    if trajs_per_batch is not None:
-        check_int("trajs_per_batch", trajs_per_batch, 1)
+    check_int("trajs_per_batch", trajs_per_batch, 1, optional=True)
 
 
 def _frame_budget(*, frames_per_batch: Any, total_frames: Any, init_random_frames: Any, max_frames_per_traj: Any,
@@ -196,7 +194,7 @@ def _frame_budget(*, frames_per_batch: Any, total_frames: Any, init_random_frame
     collector rounds them: whole time steps of every env a batch (``env_time``), whole batches in all (``-1``:
     endless), each rounding with a warning; ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
     check_int("frames_per_batch", frames_per_batch, 1)
-    if total_frames is None or (_is_number(total_frames) and math.isinf(total_frames)):
+    if total_frames is None or (isinstance(total_frames, (float, np.floating)) and math.isinf(total_frames)):
         total_frames = -1
     if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
             total_frames < 1 and total_frames != -1):
@@ -264,9 +262,7 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
         ValueError: a knob that is neither ``"auto"`` nor an int ``>= 1``; ``whole_blocks`` with a given
             ``envs_per_thread`` that does not divide ``frames_per_batch``.
     """
-    for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
-        if not is_auto(value):
-            check_int(knob, value, 1)
+    check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
     if native:
         envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
         num_workers = 1 if is_auto(num_workers) else num_workers
@@ -288,10 +284,6 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
         raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                          f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
     return choice, int(num_workers), int(envs_per_thread), parallel_steps
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 class ThreadedCollector(BaseCollector):
@@ -500,9 +492,9 @@ class ThreadedCollector(BaseCollector):
             weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes)
         if create_env_kwargs:
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
-        factories, self.env_batch_size = self._factories(create_env_fn, num_envs)
-        num_envs = len(factories)
         native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
+        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
+        num_envs = len(factories)
         _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
                        devices={"device": device, "storing_device": storing_device, "policy_device": policy_device,
                                 "env_device": env_device},
@@ -575,12 +567,11 @@ class ThreadedCollector(BaseCollector):
         self._iterating = False
 
         self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
-        acting, self.policy_device = _acting_policy(policy, on_policy=on_policy, policy_device=policy_device or device,
-                                                    compile_policy=compile_policy)
-        self._acting_policy = acting
+        self._acting_policy, self.policy_device = _acting_policy(
+            policy, on_policy=on_policy, policy_device=policy_device or device, compile_policy=compile_policy)
         try:
             self._loop = MultiEnvLoop(
-                factories, acting, envs_per_thread=envs_per_thread, num_workers=num_workers,
+                factories, self._acting_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
                 parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                 max_wait=max_wait, device=self.policy_device, exploration_type=exploration_type,
                 lookahead=not on_policy, max_episode_steps=max_frames_per_traj, seed=seed,
@@ -601,21 +592,21 @@ class ThreadedCollector(BaseCollector):
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _factories(create_env_fn: Any, num_envs: int | None) -> tuple[list[EnvFactory], torch.Size | None]:
+    def _factories(create_env_fn: Any, num_envs: int | None,
+                   native: bool) -> tuple[list[EnvFactory], torch.Size | None]:
         """The factory of each env, and the batch dims of a batched env given as an instance (else ``None``)."""
-        if is_batched(create_env_fn) and not splittable(create_env_fn):  # stepped natively, in one call a batch
-            env = create_env_fn
-            batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
-            if num_envs not in (None, batch.numel()):
-                raise ValueError(f"num_envs={num_envs} but the batched env holds {batch.numel()} envs "
-                                 f"(batch_size={tuple(batch)}); leave num_envs out")
-            return [lambda: env] * batch.numel(), batch
         if is_batched(create_env_fn):
-            split = split_batched_env(create_env_fn)  # closes it: the collector owned it, as TorchRL's does
-            if num_envs not in (None, len(split.factories)):
-                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(split.factories)} envs "
-                                 f"(batch_size={tuple(split.batch_size)}); leave num_envs out")
-            return split.factories, split.batch_size
+            if native:  # stepped natively, in one call a batch
+                env = create_env_fn
+                batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
+                factories: list[EnvFactory] = [lambda: env] * batch.numel()
+            else:  # split_batched_env closes it: the collector owned it, as TorchRL's does
+                split = split_batched_env(create_env_fn)
+                factories, batch = split.factories, split.batch_size
+            if num_envs not in (None, len(factories)):
+                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(factories)} envs "
+                                 f"(batch_size={tuple(batch)}); leave num_envs out")
+            return factories, batch
         if isinstance(create_env_fn, (EnvBase, gym.Env)):
             if num_envs not in (None, 1):
                 raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
@@ -777,9 +768,7 @@ class ThreadedCollector(BaseCollector):
             batch = split_trajectories(batch, prefix="collector")
         if self.postproc is not None:
             batch = self.postproc(batch)
-        private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
-        if private:
-            batch = batch.exclude(*private, inplace=True)
+        batch = _drop_private(batch, inplace=True)
         if self.post_collect_hook is not None:
             self.post_collect_hook(batch)
         return batch
@@ -833,9 +822,7 @@ class ThreadedCollector(BaseCollector):
         else:
             shape, names = [self.frames_per_batch], None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
-        batch = self._place(self._export(layout.to_tensordict(columns, shape, names=names)))
-        private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
-        return batch.exclude(*private) if private else batch
+        return _drop_private(self._place(self._export(layout.to_tensordict(columns, shape, names=names))))
 
     def _truncate_last(self, batch: TensorDictBase) -> None:
         """``set_truncated``: the last step of each env in the batch (of each trajectory, in the flat
@@ -945,9 +932,7 @@ class ThreadedCollector(BaseCollector):
             return
         self._shut = True
         self._stop_background(timeout)
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            loop.close()
+        self._loop.close()
         self._autobatch.close()
         error, self._background_error = self._background_error, None
         if error is not None and raise_on_error:
@@ -1084,11 +1069,9 @@ class ThreadedCollector(BaseCollector):
                                       "event processor or policy?); call it between batches")
             if has_weights:
                 self._check_weights(weights)
+                self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
             seed = fields["seed"]
-            reseed = self._loop._started and seed >= 0
-            if has_weights:
-                self._autobatch.update(weights)  # checked above: only an env or policy fault can fail it now
-            if reseed:
+            if self._loop._started and seed >= 0:
                 self._loop.reset_envs(seeds=[seed + fields["frames"] + i for i in range(self.num_envs)])
             self._frames = fields["frames"]
             self._iter = fields["batches"] - 1
@@ -1107,10 +1090,9 @@ class ThreadedCollector(BaseCollector):
         Raises:
             ValueError: a missing or unexpected key, or a shape that differs, named.
         """
-        target = getattr(self._autobatch.weights, "state_dict", None)
-        if not isinstance(self._autobatch.weights, torch.nn.Module) or target is None:
+        if not isinstance(self._autobatch.weights, torch.nn.Module):
             return  # a plain callable keeps whatever it is given
-        current = target()
+        current = self._autobatch.weights.state_dict()
         unexpected, absent = sorted(set(weights) - set(current)), sorted(set(current) - set(weights))
         if unexpected or absent:
             raise ValueError(f"ThreadedCollector state: the policy rejected the new weights (missing keys {absent}, "
@@ -1127,6 +1109,12 @@ class ThreadedCollector(BaseCollector):
 
 def _parts(key: Any) -> tuple[str, ...]:
     return key if isinstance(key, tuple) else (key,)
+
+
+def _drop_private(batch: TensorDictBase, inplace: bool = False) -> TensorDictBase:
+    """``batch`` without its ``"_"``-prefixed entries (at any depth)."""
+    private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
+    return batch.exclude(*private, inplace=inplace) if private else batch
 
 
 def _param_device(policy: Any) -> torch.device:

@@ -44,11 +44,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.data import Composite, TensorSpec
+from torchrl.data import Composite, TensorSpec, Unbounded
 from torchrl.envs import EnvBase
 
-from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, leaves, random_sample,
-                    reserved_key_problem)
+from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, columns_of, leaves,
+                    random_sample, reserved_key_problem)
 
 __all__ = ["ActionError", "ArraySpec", "BatchedTorchRLEnv", "EnvAdapter", "EnvFactory", "EnvpoolEnv", "GymAdapter",
            "GymMaker", "InfoKeys", "TorchRLAdapter", "make_adapter", "resolve_env_factory"]
@@ -59,7 +59,6 @@ EnvFactory = Callable[[], "gym.Env | EnvBase"]
 InfoKeys = Sequence[NestedKey] | Mapping[NestedKey, TensorSpec]
 
 _FLAG = ArraySpec((1,), np.dtype(bool))
-_COUNT = ArraySpec((1,), np.dtype(np.int64))
 _RETURN = ArraySpec((1,), np.dtype(np.float32))
 #: Root names a gymnasium env's observation (or info) entries may not have: TorchRL's and the loop's own.
 _GYM_RESERVED = {**TORCHRL_ROOT_KEYS, **LOOP_ROOT_KEYS}
@@ -169,8 +168,6 @@ def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
 def _infer_info_spec(key: NestedKey, value: Any) -> TensorSpec:
     """An ``Unbounded`` spec of ``value``'s shape and dtype, as TorchRL's ``default_info_dict_reader`` infers
     it (a Python float is float32, an int int64, a bool bool, a numpy value keeps its dtype)."""
-    from torchrl.data import Unbounded
-
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -243,9 +240,9 @@ class GymAdapter:
             raise ValueError(problem)
         self._obs_paths = {k if isinstance(k, tuple) else (k,) for k in spaces}
         self.observation_spec = Composite({k: _gym_spec(s, categorical=True) for k, s in spaces.items()})
-        self.observation_spec["is_init"] = _bool_spec()
-        self.observation_spec["step_count"] = _count_spec()
-        self.observation_spec["episode_reward"] = _return_spec()
+        self.observation_spec["is_init"] = Unbounded((1,), dtype=torch.bool)
+        self.observation_spec["step_count"] = Unbounded((1,), dtype=torch.int64)
+        self.observation_spec["episode_reward"] = Unbounded((1,), dtype=torch.float32)
         self._info = self._info_columns(env, info_keys)
         for k, (spec, _) in self._info.items():
             self.observation_spec[k] = spec
@@ -255,8 +252,6 @@ class GymAdapter:
                              "MultiDiscrete")
         self.action_space = action_space
         self.action_spec = Composite(action=_gym_spec(action_space, categorical=False))
-        from .specs import columns_of
-
         observation = columns_of(self.observation_spec, where="observation space")
         self.keys = EnvKeys(
             observation=observation, state={}, reward={"reward": _RETURN},
@@ -465,24 +460,6 @@ def _is_envpool(env: Any) -> bool:
     return any(cls.__module__.startswith("envpool") for cls in type(env).__mro__)
 
 
-def _bool_spec() -> Any:
-    from torchrl.data import Unbounded
-
-    return Unbounded((1,), dtype=torch.bool)
-
-
-def _count_spec() -> Any:
-    from torchrl.data import Unbounded
-
-    return Unbounded((1,), dtype=torch.int64)
-
-
-def _return_spec() -> Any:
-    from torchrl.data import Unbounded
-
-    return Unbounded((1,), dtype=torch.float32)
-
-
 # -- torchrl --------------------------------------------------------------------------------------
 class _TorchRLEnv:
     """What both TorchRL adapters share: one env's keys, from one row of the env's specs, and the done
@@ -528,9 +505,14 @@ class _TorchRLEnv:
         self._truncated_keys = trunc
         return env
 
-    def _sample(self, spec: Composite, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        sample = random_sample(spec)
+    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
+        """A random valid action of one env (the specs' first row)."""
+        sample = random_sample(self.action_spec)
         return {k: sample.get(k).numpy().astype(c.dtype, copy=False).reshape(c.shape) for k, c in columns.items()}
+
+    def close(self) -> None:
+        if not self.env.is_closed:
+            self.env.close()
 
 
 class TorchRLAdapter(_TorchRLEnv):
@@ -554,7 +536,6 @@ class TorchRLAdapter(_TorchRLEnv):
             raise ValueError(f"TorchRLAdapter steps one env, got batch_size={tuple(env.batch_size)} (a batched env "
                              "is a BatchedTorchRLEnv)")
         self.env = self._describe(env, max_episode_steps)
-        self._input_keys = [*self._root_keys, *self.keys.action]
 
     def reset(self, seed: int | None = None) -> dict[NestedKey, Any]:
         if seed is not None:
@@ -576,13 +557,6 @@ class TorchRLAdapter(_TorchRLEnv):
         if self._root_done and not (terminated or truncated) and bool(out["done"].any()):
             terminated = True
         return out, reward, terminated, truncated
-
-    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        return self._sample(self.env.full_action_spec, columns)
-
-    def close(self) -> None:
-        if not self.env.is_closed:
-            self.env.close()
 
 
 class BatchedTorchRLEnv(_TorchRLEnv):
@@ -659,14 +633,6 @@ class BatchedTorchRLEnv(_TorchRLEnv):
         if self._root_done:
             terminated |= out["done"].reshape(per_env).any(1) & ~(terminated | truncated)
         return out, reward, terminated, truncated
-
-    def random_action(self, columns: Mapping[NestedKey, ArraySpec]) -> dict[NestedKey, np.ndarray]:
-        """A random valid action of one env (the specs' first row)."""
-        return self._sample(self.action_spec, columns)
-
-    def close(self) -> None:
-        if not self.env.is_closed:
-            self.env.close()
 
 
 # -- factories ------------------------------------------------------------------------------------------

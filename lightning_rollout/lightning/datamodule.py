@@ -63,6 +63,7 @@ from ..collector import ThreadedCollector
 from ..envs import EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
+from ..loop.auto import check_knobs
 from .callbacks import (
     EpisodeStatsLogger,
     EvalRound,
@@ -91,25 +92,19 @@ class _Dispatcher(EventProcessor):
         self.step_callbacks = [c for c in self.callbacks if overrides(c, "on_rollout_step")]
         self.wants_timesteps = bool(self.step_callbacks)
 
+    def call(self, hook: str, *args: Any, callbacks: list[RolloutCallback] | None = None) -> None:
+        """``callback.<hook>(trainer, module, *args)`` for each of ``callbacks`` (default: every RolloutCallback)."""
+        for c in self.callbacks if callbacks is None else callbacks:
+            getattr(c, hook)(self.trainer, self.trainer.lightning_module, *args)
+
     def on_timestep(self, step: TimeStep) -> None:
-        for c in self.step_callbacks:
-            c.on_rollout_step(self.trainer, self.trainer.lightning_module, step)
+        self.call("on_rollout_step", step, callbacks=self.step_callbacks)
 
     def on_episode_end(self, episode: EpisodeEnd) -> None:
-        for c in self.callbacks:
-            c.on_episode_end(self.trainer, self.trainer.lightning_module, episode)
+        self.call("on_episode_end", episode)
 
     def on_eval_episode_end(self, episode: EpisodeEnd) -> None:
-        for c in self.callbacks:
-            c.on_eval_episode_end(self.trainer, self.trainer.lightning_module, episode)
-
-    def on_eval_start(self) -> None:
-        for c in self.callbacks:
-            c.on_eval_start(self.trainer, self.trainer.lightning_module)
-
-    def on_eval_end(self, episodes: list[EpisodeEnd]) -> None:
-        for c in self.callbacks:
-            c.on_eval_end(self.trainer, self.trainer.lightning_module, episodes)
+        self.call("on_eval_episode_end", episode)
 
 
 class _Batches:
@@ -321,11 +316,9 @@ class RolloutDataModule(pl.LightningDataModule):
         if not (isinstance(policy, str) or callable(policy)):
             raise ValueError("policy must be the name of the LightningModule attribute holding the actor, "
                              "or a callable taking the module and returning the actor")
-        if batches_per_epoch is not None:
-            check_int("batches_per_epoch", batches_per_epoch, 1)
+        check_int("batches_per_epoch", batches_per_epoch, 1, optional=True)
         check_int("eval_episodes", eval_episodes, 0)
-        if eval_every_n_frames is not None:
-            check_int("eval_every_n_frames", eval_every_n_frames, 1)
+        check_int("eval_every_n_frames", eval_every_n_frames, 1, optional=True)
         if eval_every_n_steps is not None:
             check_int("eval_every_n_steps", eval_every_n_steps, 1)
             warn_user("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
@@ -337,8 +330,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if eval_episodes == 0 and (eval_every_n_frames is not None or eval_every_n_steps is not None):
             raise ValueError("eval_episodes=0 turns evaluation off; drop eval_every_n_frames / eval_every_n_steps "
                              "or ask for at least one episode")
-        if eval_num_envs is not None:
-            check_int("eval_num_envs", eval_num_envs, 1)
+        check_int("eval_num_envs", eval_num_envs, 1, optional=True)
         check_int("seed", seed, 0)
         self.num_envs = num_envs
         self.frames_per_batch = frames_per_batch
@@ -346,9 +338,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.policy = policy
         self.layout = layout
         self.on_policy = on_policy
-        for name, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
-            if value != "auto":
-                check_int(name, value, 1)
+        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
         if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
             raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         self.reraise_interrupt = bool(reraise_interrupt)
@@ -647,8 +637,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self.trainer.should_stop = True
         events = self._events()
         if events is not None:
-            for callback in events.callbacks:
-                callback.on_rollout_batch(self.trainer, self.trainer.lightning_module, batch)
+            events.call("on_rollout_batch", batch)
         return batch
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -727,11 +716,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._eval_envs()  # built (its envs reset) before on_eval_start: a video starts at the round's own reset
         events = self._events()
         if events is not None:
-            events.on_eval_start()
+            events.call("on_eval_start")
         episodes = self.run_eval_episodes(self.eval_episodes)
         seconds = time.perf_counter() - start
         if events is not None:
-            events.on_eval_end(episodes)
+            events.call("on_eval_end", episodes)
         return EvalRound(episodes, seconds=seconds, frames=self.frames)
 
     # -- checkpointing ------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_int
 from .._exit import abandon
 from ..envs import EnvFactory, make_adapter
 from .process import steps_in_main_process
@@ -539,3 +540,10 @@ def _picklable(factory: EnvFactory) -> bool:
 
 def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
+
+
+def check_knobs(*, envs_per_thread: Any, num_workers: Any) -> None:
+    """Each of ``envs_per_thread`` / ``num_workers`` is ``"auto"`` or an int ``>= 1`` (else ``ValueError``)."""
+    for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
+        if not is_auto(value):
+            check_int(knob, value, 1)
