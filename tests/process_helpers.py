@@ -14,16 +14,26 @@ import numpy as np
 from conftest import MockEnv
 
 
+class _UnsampledDiscrete(gym.spaces.Discrete):
+    """A ``Discrete`` space whose ``sample`` raises (a random action of the env fails)."""
+
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this action space cannot sample")
+
+
 class CountEnv(gym.Env):
     """Observation ``[env_id, episode, t]``; episodes of ``length`` steps; step ``fail_at`` (0-based, over the
-    env's life) raises; reset number ``fail_reset`` raises; step ``hang_at`` sleeps ``hang_s`` seconds."""
+    env's life) raises; reset number ``fail_reset`` raises; step ``hang_at`` sleeps ``hang_s`` seconds; with
+    ``fail_sample`` its action space's ``sample`` raises."""
 
     observation_space = gym.spaces.Box(-1e6, 1e6, (3,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
     def __init__(self, env_id: int = 0, length: int = 5, fail_at: int | None = None, fail_reset: int | None = None,
-                 hang_at: int | None = None, hang_s: float = 60.0) -> None:
+                 hang_at: int | None = None, hang_s: float = 60.0, fail_sample: bool = False) -> None:
         self.env_id, self.length, self.fail_at, self.fail_reset = env_id, length, fail_at, fail_reset
+        if fail_sample:
+            self.action_space = _UnsampledDiscrete(2)
         self.hang_at, self.hang_s = hang_at, hang_s
         self.steps = self.resets = self.episode = self.t = 0
 

@@ -84,6 +84,21 @@ def test_failed_reset_in_the_second_process_of_a_split_block_names_that_env_afte
     assert partial is not None and partial.shape == (4, 5) and partial["next", "done"][3, -1].item()
 
 
+@pytest.mark.parametrize("num_workers, envs_per_thread", [(1, 4), (2, 2), (2, 4)],
+                         ids=["in threads", "whole blocks", "one block split over both"])
+def test_a_random_action_that_fails_names_its_env_wherever_it_runs(num_workers, envs_per_thread):
+    """Env 3's action space cannot sample: its random step fails as env 3's step 0, whichever process
+    and part of a block it is in."""
+    factories = count_envs(4, fail_sample={3: True})
+    with MultiEnvLoop(factories, zero_policy, num_workers=num_workers, envs_per_thread=envs_per_thread,
+                      random_steps_per_env=2, lookahead=False) as loop:
+        with pytest.raises(EnvError, match=r"env 3 failed in step at step 0: RuntimeError: this action space "
+                                           r"cannot sample") as info:
+            loop.run_env_steps(5)
+    assert ("(in worker process 1)" in str(info.value)) == (num_workers == 2)
+    assert info.value.env_id == 3
+
+
 def test_a_child_spins_for_its_next_request_only_with_one_part_and_a_core_for_every_busy_process():
     assert spin_seconds(1, 1, 2) == _SPIN_S > 0  # one worker + this process on two cores: spins
     assert spin_seconds(1, 3, 4) == _SPIN_S

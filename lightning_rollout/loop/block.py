@@ -586,8 +586,12 @@ class EnvBlock:
 
     def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec],
                       stop: threading.Event | None = None) -> dict[NestedKey, np.ndarray]:
-        """A uniformly random valid action of env ``j``, laid out as ``columns``."""
-        return self.adapters[j].random_action(columns)
+        """A uniformly random valid action of env ``j``, laid out as ``columns``. Raises :class:`EnvFailure`
+        (phase ``"step"``: the action of a step) for whatever the env's sampling raised."""
+        try:
+            return self.adapters[j].random_action(columns)
+        except Exception as exc:
+            raise EnvFailure(j, "step", "env", exc) from exc
 
     def step(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
              rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
@@ -827,8 +831,13 @@ class EnvBlock:
         error being raised)."""
         if self._threads is not None:
             self._threads.close()
-        for adapter in self.adapters:
-            try:
-                adapter.close()
-            except Exception:
-                pass
+        close_quietly(self.adapters)
+
+
+def close_quietly(adapters: Sequence[EnvAdapter]) -> None:
+    """Close every adapter; an error closing one is swallowed (closing must not hide the error being raised)."""
+    for adapter in adapters:
+        try:
+            adapter.close()
+        except Exception:
+            pass

@@ -89,8 +89,8 @@ from .block import Block, EnvBlock
 from .native import NativeBlock
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRAJ, _TRUNCATED, _VERSION,
                       BatchPool, Layout)
-from .messages import (EpisodeReady, EpisodeRequest, Grant, Published, Reply, ResetDone, ResetRequest, STOP,
-                       WorkerFailed)
+from .messages import (STOP, ChildReady, EpisodeReady, EpisodeRequest, Grant, Published, Reply, ResetDone,
+                       ResetRequest, WorkerFailed)
 from .process import WorkerProcesses, build_adapter
 from .worker import Worker, WorkerContext
 
@@ -334,14 +334,13 @@ class MultiEnvLoop:
                 self._pool = WorkerProcesses(
                     factories, num_workers, envs_per_thread, seeds=seeds, max_episode_steps=max_episode_steps,
                     validate=validate, info_keys=info_keys, name=name, on_error=_creation_error)
-                keys, observation_spec, action_spec = (self._pool.keys, self._pool.observation_spec,
-                                                       self._pool.action_spec)
-                loop_keys, roots = self._pool.loop_keys, self._pool.first_roots
+                first: ChildReady | EnvAdapter = self._pool.first
+                roots = self._pool.first_roots
             else:
                 self._build_envs(factories, adapters, max_episode_steps=max_episode_steps, info_keys=info_keys)
-                keys, observation_spec, action_spec, loop_keys = (
-                    adapters[0].keys, adapters[0].observation_spec, adapters[0].action_spec, adapters[0].loop_keys)
-                roots = self._first_resets(adapters, seeds)
+                first, roots = adapters[0], self._first_resets(adapters, seeds)
+            keys, observation_spec, action_spec, loop_keys = (first.keys, first.observation_spec, first.action_spec,
+                                                              first.loop_keys)
             for i, root in enumerate(roots):
                 first_roots[i] = (seeds[i], root)
             if isinstance(policy, AutobatchPolicy):
@@ -1236,8 +1235,7 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
         if num_workers > num_envs:
             raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
                              "runs at least one env")
-    if max_episode_steps is not None:
-        check_int("max_episode_steps", max_episode_steps, 1)
+    check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
         raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
@@ -1250,8 +1248,7 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
     check_int("traj_id_start", traj_id_start, 0)
     if env_shape is not None and math.prod(env_shape) != num_envs:
         raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
-    if seed is not None:
-        check_int("seed", seed, 0)
+    check_int("seed", seed, 0, optional=True)
     if not isinstance(exploration_type, ExplorationType):
         raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
                          f"got {exploration_type!r}")
@@ -1264,8 +1261,8 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
         if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
             raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
                              "you passed; set them there, not on the loop")
-    elif autobatch_size is not None:
-        check_int("autobatch_size", autobatch_size, 1)
+    else:
+        check_int("autobatch_size", autobatch_size, 1, optional=True)
     return checked_join
 
 

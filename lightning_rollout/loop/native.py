@@ -149,8 +149,11 @@ class NativeBlock:
 
     def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec],
                       stop: threading.Event | None = None) -> dict[NestedKey, np.ndarray]:
-        """A uniformly random valid action of one env."""
-        return self.env.random_action(columns)
+        """A uniformly random valid action of one env (raises :class:`EnvFailure` as :meth:`EnvBlock.random_action`)."""
+        try:
+            return self.env.random_action(columns)
+        except Exception as exc:
+            raise EnvFailure(j, "step", "env", exc) from exc
 
     def close(self) -> None:
         """Close the batched env (errors are swallowed: closing must not hide the error being raised)."""

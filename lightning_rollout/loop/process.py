@@ -16,29 +16,14 @@ holds the GIL (pure Python, ALE) run on every core. The main process's share
 sent its part of the step and before their replies are gathered, so the main
 process steps envs while the children do instead of sleeping.
 
-Protocol (one duplex ``Pipe`` per block; a block server thread in the child owns
-the child end, the env thread in the parent owns the other):
-
-The messages are the typed records of :mod:`lightning_rollout.loop.messages`, pickled:
-
-* start-up, child -> parent: :class:`~.messages.ChildStarted` as soon as the child runs
-  this module's code (before it unpickles its env factories), then
-  :class:`~.messages.ChildReady` (the block's keys and specs, and each env's first root
-  entries, reset with its seed) once the block's envs are built and reset, or
-  :class:`~.messages.ChildFailed`. The ready message is pickled with plain
-  :mod:`pickle`: its spec tensors are copied, not moved to shared memory (which would
-  start a ``multiprocessing`` listener, and its ``pymp-*`` temp folder, in the child).
-  parent -> child: :class:`~.messages.AttachBuffers`, the block's shared tensors,
-  allocated by the parent from the loop's column layout; the child answers
-  :class:`~.messages.ChildOk` once attached, or :class:`~.messages.ChildFailed`. A
-  :class:`~.messages.CloseEnvs` instead of the buffers closes the block's envs (a
-  construction given up).
-* then, parent -> child: :class:`~.messages.StepEnvs` (``envs=None``: the whole block),
-  :class:`~.messages.ResetEnv`, :class:`~.messages.RandomAction`,
-  :class:`~.messages.CloseEnvs`; child -> parent: :class:`~.messages.ChildOk` (with a
-  payload for a random action) or :class:`~.messages.ChildFailed`. Whatever an env call
-  raises, ``KeyboardInterrupt`` and ``SystemExit`` included, is answered, naming the env
-  of the block whose call raised.
+Protocol: one duplex ``Pipe`` per block part; a block server thread in the child owns the child end, the env
+thread in the parent the other. The messages and their order are the typed records and the table of
+:mod:`lightning_rollout.loop.messages`. The child reports :class:`~.messages.ChildStarted` before it
+unpickles its env factories, so a child that dies while starting is told from one that dies while building
+its envs. The ready message is pickled with plain :mod:`pickle`: its spec tensors are copied, not moved to
+shared memory (which would start a ``multiprocessing`` listener, and its ``pymp-*`` temp folder, in the
+child). Whatever an env call raises in the child, ``KeyboardInterrupt`` and ``SystemExit`` included, is
+answered with :class:`~.messages.ChildFailed`, naming the env of the block whose call raised.
 
 Shared buffers are torch tensors in shared memory (``share_memory_()``), viewed as
 numpy on both sides and written once per step by one side. For a step of ``n`` envs
@@ -96,7 +81,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -104,8 +89,8 @@ import torch
 from .._exit import close_at_exit, exempt_at_exit
 from ..envs import ActionError, EnvAdapter, EnvFactory, InfoKeys, make_adapter
 from ..errors import CollectionError
-from ..specs import ArraySpec, EnvKeys, NestedKey
-from .block import EnvBlock, EnvFailure, RemoteTraceback
+from ..specs import ArraySpec, NestedKey
+from .block import EnvBlock, EnvFailure, RemoteTraceback, close_quietly
 from .messages import (AttachBuffers, ChildFailed, ChildOk, ChildReady, ChildReply, ChildStarted, CloseEnvs,
                        ParentCommand, RandomAction, ResetEnv, StepEnvs)
 
@@ -123,9 +108,14 @@ _STARTED = pickle.dumps(ChildStarted())
 
 @dataclass(frozen=True)
 class _BlockPlan:
+    """A part: envs ``env_ids`` of block ``block`` (its envs from ``offset`` on), stepped by process ``process``."""
+
     env_ids: tuple[int, ...]
     factories: tuple[EnvFactory | bytes, ...]  # a child's: each pickled (unpickled there, where a failure is reported)
     seeds: tuple[int | None, ...]
+    process: int
+    block: int
+    offset: int
 
 
 class _Explained(Exception):
@@ -137,8 +127,11 @@ def _to_shared(spec: ArraySpec, rows: int) -> torch.Tensor:
     return torch.zeros((rows, *spec.shape), dtype=dtype).share_memory_()
 
 
-def _numpy(tensors: dict[NestedKey, torch.Tensor]) -> dict[NestedKey, np.ndarray]:
-    return {k: t.numpy() for k, t in tensors.items()}
+def _views(buffers: AttachBuffers) -> tuple[dict[NestedKey, np.ndarray], ...]:
+    """The shared buffers as numpy arrays, on either side: ``(inputs, next, root, reward, terminated, truncated)``.
+    The arrays keep the shared tensors (and their file descriptors) alive."""
+    inputs, nxt, root = ({k: t.numpy() for k, t in d.items()} for d in (buffers.inputs, buffers.next, buffers.root))
+    return (inputs, nxt, root, *(t.numpy() for t in buffers.stats))
 
 
 def _out_of_fds(text: str) -> bool:
@@ -212,12 +205,12 @@ def steps_in_main_process(num_envs: int, envs_per_thread: int) -> bool:
 
 
 def _plan_parts(factories: Sequence[EnvFactory], blobs: Sequence[bytes], seeds: Sequence[int | None], *,
-                num_workers: int, envs_per_thread: int, local: bool
-                ) -> tuple[list[_BlockPlan], list[tuple[int, int, int]]]:
-    """Every part (a block's envs within one process) in env order, and for each its ``(process, block, offset
-    of its first env in the block)``. Envs are split evenly between the processes: whole blocks when there are
-    at least ``num_workers`` of them, else every block split over the processes. With ``local``, process 0 is
-    the main process: its parts keep the factories, a child's get their pickles (``blobs``)."""
+                num_workers: int, envs_per_thread: int, local: bool) -> list[_BlockPlan]:
+    """Every part (a block's envs within one process) in env order. Envs are split evenly between the
+    processes: whole blocks when there are at least ``num_workers`` of them, else every block split over the
+    processes (splitting when there are blocks enough was measured slower on 2 cores: more hand-offs for the
+    same parallelism). With ``local``, process 0 is the main process: its part keeps the factories, a child's
+    get their pickles (``blobs``)."""
     g, num_envs = envs_per_thread, len(factories)
     num_blocks = num_envs // g
     if num_blocks >= num_workers:
@@ -225,15 +218,14 @@ def _plan_parts(factories: Sequence[EnvFactory], blobs: Sequence[bytes], seeds: 
     else:
         bounds = np.linspace(0, num_envs, num_workers + 1).round().astype(int)
     plans: list[_BlockPlan] = []
-    part_of: list[tuple[int, int, int]] = []
     for p in range(num_workers):
         lo, hi = int(bounds[p]), int(bounds[p + 1])
         for b in range(lo // g, -(-hi // g)):
             start, stop = max(lo, b * g), min(hi, (b + 1) * g)
             own = factories[start:stop] if local and p == 0 else blobs[start:stop]
-            plans.append(_BlockPlan(tuple(range(start, stop)), tuple(own), tuple(seeds[start:stop])))
-            part_of.append((p, b, start - b * g))
-    return plans, part_of
+            plans.append(_BlockPlan(tuple(range(start, stop)), tuple(own), tuple(seeds[start:stop]), process=p,
+                                    block=b, offset=start - b * g))
+    return plans
 
 
 def _build_envs(plan: _BlockPlan, adapters: list[EnvAdapter], *, max_episode_steps: int | None, validate: bool,
@@ -289,7 +281,7 @@ class _BlockServer:
                  info_keys: InfoKeys | None = None, spin: float = 0.0) -> None:
         self.plan, self.conn, self.validate, self.spin = plan, conn, validate, spin
         self.adapters: list[EnvAdapter] = []
-        self.block: EnvBlock | None = None
+        self.block: EnvBlock  # from attach()
         try:
             ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
                                 info_keys=info_keys)
@@ -303,7 +295,6 @@ class _BlockServer:
             self.close()
             _send(conn, _error_reply(0, "create", exc, "env"))
             raise EnvFailure(0, "create", "env", exc) from exc
-        self.keys: EnvKeys = ready.keys
 
     def attach(self) -> bool:
         """Receive the block's shared buffers (:class:`~.messages.AttachBuffers`) and answer
@@ -315,8 +306,7 @@ class _BlockServer:
             if isinstance(message, CloseEnvs):
                 return False
             assert isinstance(message, AttachBuffers), message
-            self.inputs, self.next, self.root = _numpy(message.inputs), _numpy(message.next), _numpy(message.root)
-            self.reward, self.terminated, self.truncated = (t.numpy() for t in message.stats)
+            self.inputs, self.next, self.root, self.reward, self.terminated, self.truncated = _views(message)
             self.block = EnvBlock(self.adapters, validate=self.validate, checked_next=message.checked_next,
                                   checked_root=message.checked_root, zero_done=message.zero_done,
                                   watched=False)  # the parent's RemoteEnvs notes each call for step_timeout
@@ -360,7 +350,7 @@ class _BlockServer:
                     reply = (ChildFailed(failure.j, "check", "env", str(failure), "") if failure.phase == "check"
                              else _error_reply(failure.j, failure.phase, failure.cause, failure.kind))
                 except BaseException as exc:  # SystemExit, KeyboardInterrupt or an error the block does not wrap
-                    j = self.block.busy_env if self.block is not None else 0  # the env whose call raised
+                    j = self.block.busy_env  # the env whose call raised
                     reply = _error_reply(max(j, 0), "reset" if isinstance(message, ResetEnv) else "step", exc)
                 conn.send(reply)
         except (EOFError, OSError):  # the parent closed the pipe or died: nobody to answer
@@ -369,33 +359,22 @@ class _BlockServer:
     def close(self) -> None:
         """Close the block's envs (idempotent; errors are swallowed, as :meth:`EnvBlock.close`)."""
         adapters, self.adapters = self.adapters, []
-        block, self.block = self.block, None
-        if block is not None:
-            block.close()
-            return
-        for adapter in adapters:
-            try:
-                adapter.close()
-            except Exception:
-                pass
+        close_quietly(adapters)
 
     def _step(self, envs: Sequence[int] | None) -> None:
         """Step ``envs`` (``None``: the whole block): rows ``0:n`` of the shared buffers are theirs."""
-        assert self.block is not None
         n = len(self.block.adapters) if envs is None else len(envs)
         self.block.step({k: v[:n] for k, v in self.inputs.items()}, range(n) if envs is None else envs,
                         {k: v[:n] for k, v in self.next.items()}, self.reward[:n], self.terminated[:n],
                         self.truncated[:n])
 
     def _reset(self, j: int, seed: int | None) -> ChildOk:
-        assert self.block is not None
         root = self.block.reset(j, seed)
         for k, buf in self.root.items():
             buf[0] = root[k]
         return ChildOk()
 
     def _random(self, j: int, columns: dict[NestedKey, ArraySpec]) -> ChildOk:
-        assert self.block is not None
         return ChildOk(self.block.random_action(j, columns))
 
 
@@ -540,30 +519,40 @@ def _payload(reply: ChildReply) -> Any:
     return reply.payload if isinstance(reply, ChildOk) else None
 
 
-class RemoteEnvs:
-    """A block of envs in a worker process, as its env thread in the parent sees it.
+class _Elsewhere:
+    """What :class:`RemoteEnvs` and :class:`RemoteGroup` share as a :class:`~lightning_rollout.loop.block.Block`:
+    stepped one process round at a time (never by helper threads), closed by the pool, and free to step some of
+    their envs; ``busy_*`` as :class:`~lightning_rollout.loop.block.EnvBlock`'s, read by the driver's
+    ``step_timeout`` check."""
+
+    parallel = owned = False
+    partial = True
+    busy_env = -1
+    busy_phase = "step"
+    busy_since = 0.0
+    reset: Callable[[int, int | None, threading.Event], dict[NestedKey, np.ndarray]]  # each subclass's own
+
+    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, np.ndarray]]:
+        return [self.reset(j, None, stop) for j in envs]
+
+
+class RemoteEnvs(_Elsewhere):
+    """A block of envs (``env_ids``, named in errors) in a worker process, as its env thread in the parent sees it.
 
     Not thread-safe: owned by one env thread (and by :meth:`WorkerProcesses.close` once that thread ended).
     """
 
-    parallel = owned = False  # a Block stepped one process round at a time, closed by the pool
-    partial = True
-
-    def __init__(self, process: Any, conn: Any, rows: int, index: int) -> None:
-        self.process, self.conn, self.rows = process, conn, rows
+    def __init__(self, process: Any, conn: Any, env_ids: Sequence[int], index: int) -> None:
+        self.process, self.conn, self.env_ids, self.rows = process, conn, tuple(env_ids), len(env_ids)
         self.index = index  # the worker process's index, named in errors
         self.started = False  # the child runs our code (its ChildStarted arrived)
-        self.ready = False  # its envs are built (its ChildReady arrived): it reads its pipe from now on
+        self.ready: ChildReady | None = None  # its envs are built: it reads its pipe from now on
         self._poller = _pipe_poller(conn)
         self.inputs: dict[NestedKey, np.ndarray] = {}
         self.next: dict[NestedKey, np.ndarray] = {}
         self.root: dict[NestedKey, np.ndarray] = {}
         self.reward = self.terminated = self.truncated = np.empty(0)
-        self._keep: tuple[Any, ...] | None = None  # the shared tensors (the parent's references)
         self._begun: Sequence[int] = ()  # the envs of the step in progress
-        self.busy_env = -1  # as EnvBlock's: read by the driver's step_timeout check
-        self.busy_phase = "step"
-        self.busy_since = 0.0
 
     def release(self) -> None:
         """Close the pipe and drop the shared buffers (their file descriptors are closed now)."""
@@ -571,7 +560,6 @@ class RemoteEnvs:
         self._poller = None
         self.inputs, self.next, self.root = {}, {}, {}
         self.reward = self.terminated = self.truncated = np.empty(0)
-        self._keep = None
 
     def _call(self, message: ParentCommand, stop: threading.Event | None) -> Any:
         self.conn.send(message)
@@ -638,9 +626,6 @@ class RemoteEnvs:
             self.busy_since = 0.0
         return {k: v[0].copy() for k, v in self.root.items()}
 
-    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, np.ndarray]]:
-        return [self.reset(j, None, stop) for j in envs]
-
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
         return self._call(RandomAction(j, columns), stop)
 
@@ -665,7 +650,7 @@ class LocalEnvs:
                  info_keys: InfoKeys | None) -> None:
         self.validate = validate
         self.adapters: list[EnvAdapter] = []
-        self.block: EnvBlock | None = None
+        self.block: EnvBlock  # from attach()
         try:
             self.ready = _build_envs(plan, self.adapters, max_episode_steps=max_episode_steps, validate=validate,
                                      info_keys=info_keys)
@@ -682,54 +667,31 @@ class LocalEnvs:
                               checked_root=checked_root, zero_done=zero_done,
                               watched=False)  # its group (RemoteGroup) notes each step for step_timeout
 
-    @property
-    def busy_env(self) -> int:
-        return self.block.busy_env if self.block is not None else -1
-
-    @property
-    def busy_phase(self) -> str:
-        return self.block.busy_phase if self.block is not None else "step"
-
-    @property
-    def busy_since(self) -> float:
-        return self.block.busy_since if self.block is not None else 0.0
-
     def begin(self, inputs: Mapping[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
         """Keep the request: the envs step in :meth:`finish`, once the children were sent theirs."""
-        assert self.block is not None
         self.block.begin(inputs, envs)
 
     def ended(self, stop: threading.Event | None = None, *, every: bool = False) -> Sequence[int]:
-        assert self.block is not None
         return self.block.ended(stop, every=every)
 
     def finish(self, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray], rewards: np.ndarray,
                terminated: np.ndarray, truncated: np.ndarray) -> tuple[Sequence[int], EnvFailure | None]:
         """Step the envs kept by :meth:`begin`, in this thread (raises :class:`EnvFailure`)."""
-        assert self.block is not None
         return self.block.finish(envs, out, rewards, terminated, truncated)
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
-        assert self.block is not None
         return self.block.reset(j, seed, stop)
 
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
-        assert self.block is not None
         return self.block.random_action(j, columns, stop)
 
     def close(self) -> None:
-        """Close the envs; errors are swallowed (as :meth:`EnvBlock.close`)."""
-        if self.block is not None:
-            self.block.close()
-            return
-        for adapter in self.adapters:
-            try:
-                adapter.close()
-            except Exception:
-                pass
+        """Close the envs (idempotent); errors are swallowed (as :meth:`EnvBlock.close`)."""
+        adapters, self.adapters = self.adapters, []
+        close_quietly(adapters)
 
 
-class RemoteGroup:
+class RemoteGroup(_Elsewhere):
     """One env thread's block of envs spread over several processes.
 
     A step sends every child's part its share at once, steps the main process's part
@@ -743,23 +705,21 @@ class RemoteGroup:
             ``offset`` to ``offset + part.rows - 1``.
     """
 
-    parallel = owned = False  # as RemoteEnvs
-    partial = True
-
     def __init__(self, parts: Sequence[tuple[int, RemoteEnvs | LocalEnvs]]) -> None:
         self.parts = list(parts)
         self.rows = sum(part.rows for _, part in self.parts)
         self._shares: list[tuple[int, RemoteEnvs | LocalEnvs, slice]] = []  # the step in progress
         self._begun: Sequence[int] = ()
         self._stop: threading.Event | None = None
-        self.busy_env = -1
-        self.busy_phase = "step"
-        self.busy_since = 0.0
 
-    def _part(self, j: int) -> tuple[int, RemoteEnvs | LocalEnvs]:
+    def _on_part(self, j: int, call: Callable[[RemoteEnvs | LocalEnvs, int], Any]) -> Any:
+        """``call(part, index in part)`` for the part holding env ``j``; its :class:`EnvFailure` renumbered."""
         for offset, part in reversed(self.parts):
             if j >= offset:
-                return offset, part
+                try:
+                    return call(part, j - offset)
+                except EnvFailure as exc:
+                    raise self._shifted(exc, offset) from exc.cause
         raise IndexError(j)
 
     @staticmethod
@@ -811,21 +771,14 @@ class RemoteGroup:
         return envs, None
 
     def reset(self, j: int, seed: int | None, stop: threading.Event) -> dict[NestedKey, np.ndarray]:
-        offset, part = self._part(j)
         self.busy_env, self.busy_phase, self.busy_since = j, "reset", time.perf_counter()
         try:
-            return part.reset(j - offset, seed, stop)
-        except EnvFailure as exc:
-            raise self._shifted(exc, offset) from exc.cause
+            return self._on_part(j, lambda part, i: part.reset(i, seed, stop))
         finally:
             self.busy_since = 0.0
 
-    def reset_many(self, envs: Sequence[int], stop: threading.Event) -> list[dict[NestedKey, np.ndarray]]:
-        return [self.reset(j, None, stop) for j in envs]
-
     def random_action(self, j: int, columns: dict[NestedKey, ArraySpec], stop: threading.Event) -> dict:
-        offset, part = self._part(j)
-        return part.random_action(j - offset, columns, stop)
+        return self._on_part(j, lambda part, i: part.random_action(i, columns, stop))
 
 
 class WorkerProcesses:
@@ -877,25 +830,18 @@ class WorkerProcesses:
                 "the main process, or pass num_workers=1 to keep its envs in threads")
         ctx = torch.multiprocessing.get_context(start_method)
         self._on_error = on_error
-        g = envs_per_thread
-        num_envs = len(factories)
-        num_blocks = num_envs // g
-        # Parts: a block's envs within one process, one pipe and one server thread each (a part of the
-        # main process: a LocalEnvs). With at least num_workers blocks, process p runs whole blocks; with
-        # fewer, every block is split over the processes, which step their parts of it at once. (Splitting
-        # when there are blocks enough was measured slower on 2 cores: more hand-offs for the same
-        # parallelism.) With one block (one env thread drives every process), the main process is process 0
-        # and its env thread steps that share while the children step theirs; with several env threads the
+        num_blocks = len(factories) // envs_per_thread
+        # Parts: a block's envs within one process, one pipe and one server thread each (see _plan_parts).
+        # With one block (one env thread drives every process), the main process is process 0 and its env
+        # thread steps that share (a LocalEnvs) while the children step theirs; with several env threads the
         # processes are all children: a thread stepping envs that hold the GIL here would starve the others
         # of it for the interpreter's switch interval (5 ms) at a time (measured: 5.7k against 8.2k steps/s
         # on the GIL-bound env, two blocks of 8).
-        local = steps_in_main_process(num_envs, g)
-        plans, part_of = _plan_parts(factories, blobs, seeds, num_workers=num_workers, envs_per_thread=g,
-                                     local=local)
-        self.plans = plans
+        local = steps_in_main_process(len(factories), envs_per_thread)
+        plans = _plan_parts(factories, blobs, seeds, num_workers=num_workers, envs_per_thread=envs_per_thread,
+                            local=local)
         self.blocks: list[RemoteEnvs | LocalEnvs] = []  # every part, in env order (the main process's first)
         self.processes: list[Any] = []  # the children (worker processes 1 to num_workers - 1 when local)
-        self.process_of: list[int] = []  # part -> process index (0: the main process when local)
         self.groups: list[RemoteEnvs | RemoteGroup] = []
         self._closed = False
         self._remote: list[RemoteEnvs] = []  # the children's parts (closed by close() even if construction fails)
@@ -907,7 +853,7 @@ class WorkerProcesses:
         close_at_exit(self)  # non-daemonic children: ended before multiprocessing's exit hook joins them
         try:
             for p in range(1 if local else 0, num_workers):  # children first: they build while we do
-                mine = [plan for plan, (q, _, _) in zip(plans, part_of) if q == p]
+                mine = [plan for plan in plans if plan.process == p]
                 self.spins.append(spin_seconds(len(mine), children, cores))
                 try:
                     pairs = [ctx.Pipe(duplex=True) for _ in mine]
@@ -922,44 +868,32 @@ class WorkerProcesses:
                 self.processes.append(process)
                 for (parent_end, child_end), plan in zip(pairs, mine):
                     child_end.close()
-                    self._remote.append(RemoteEnvs(process, parent_end, len(plan.env_ids), p))
-            for plan, (q, _, _) in zip(plans, part_of):
-                if local and q == 0:
-                    try:
-                        self.blocks.append(LocalEnvs(plan, max_episode_steps=max_episode_steps, validate=validate,
-                                                     info_keys=info_keys))
-                    except EnvFailure as failure:
-                        raise on_error(plan.env_ids[failure.j], failure.phase, failure.cause,
-                                       None) from failure.cause
-                    self.process_of.append(0)
+                    self._remote.append(RemoteEnvs(process, parent_end, plan.env_ids, p))
+            if local:  # process 0's one part: the first
+                try:
+                    self.blocks.append(LocalEnvs(plans[0], max_episode_steps=max_episode_steps, validate=validate,
+                                                 info_keys=info_keys))
+                except EnvFailure as failure:
+                    raise on_error(plans[0].env_ids[failure.j], failure.phase, failure.cause, None) from failure.cause
             self.blocks += self._remote
-            self.process_of += [part.index for part in self._remote]
             # What each env thread steps: its block's one part, or a group of parts in several processes.
             grouped: list[list[tuple[int, RemoteEnvs | LocalEnvs]]] = [[] for _ in range(num_blocks)]
-            for part, (_, b, offset) in zip(self.blocks, part_of):
-                grouped[b].append((offset, part))
+            for plan, part in zip(plans, self.blocks):
+                grouped[plan.block].append((plan.offset, part))
             self.groups = [  # a LocalEnvs is always in a group
                 parts[0][1] if len(parts) == 1 else RemoteGroup(parts) for parts in grouped]
-            self.first_roots: list[dict[NestedKey, np.ndarray]] = []
-            ready: list[ChildReady] = []
-            for b, block in enumerate(self.blocks):
-                if isinstance(block, LocalEnvs):
-                    ready.append(block.ready)
-                    self.first_roots.extend(block.ready.roots)
-                    continue
+            for block in self._remote:
                 try:
-                    reply = self._wait_ready(block, timeout)
+                    self._wait_ready(block, timeout)
                 except EnvFailure as failure:
-                    raise self._error(b, failure) from failure.cause
-                ready.append(reply)
-                self.first_roots.extend(reply.roots)
-            first = ready[0]
-            self.keys, self.observation_spec, self.action_spec = first.keys, first.observation_spec, first.action_spec
-            self.loop_keys = first.loop_keys
+                    raise self._error(block, failure) from failure.cause
+            ready = [cast(ChildReady, block.ready) for block in self.blocks]
+            self.first = ready[0]  # the block of env 0's ready message: the loop's keys and specs
+            self.first_roots: list[dict[NestedKey, np.ndarray]] = [root for r in ready for root in r.roots]
             for b, reply in enumerate(ready[1:], 1):
-                if not reply.keys.same_layout(self.keys):
-                    raise ValueError(f"the envs of block {b} have specs {reply.keys}, env 0 has {self.keys}; all envs "
-                                     "of a loop must share their keys, shapes and dtypes")
+                if not reply.keys.same_layout(self.first.keys):
+                    raise ValueError(f"the envs of block {b} have specs {reply.keys}, env 0 has {self.first.keys}; "
+                                     "all envs of a loop must share their keys, shapes and dtypes")
         except BaseException:
             self.close()
             raise
@@ -981,18 +915,19 @@ class WorkerProcesses:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
-    def _error(self, b: int, failure: EnvFailure) -> BaseException:
-        """The constructor's error for part ``b``'s ``failure`` (``on_error``, with the env's global id)."""
+    def _error(self, block: RemoteEnvs, failure: EnvFailure) -> BaseException:
+        """The constructor's error for ``block``'s ``failure`` (``on_error``, with the env's global id)."""
         if _out_of_fds(str(failure)):
             failure = EnvFailure(failure.j, failure.phase, failure.kind, failure.cause)
             failure.args = (f"{failure.args[0]}{_FDS_HINT}",)
-        failure.process = self.process_of[b]
-        return self._on_error(self.plans[b].env_ids[failure.j], failure.phase, failure, self.process_of[b])
+        failure.process = block.index
+        return self._on_error(block.env_ids[failure.j], failure.phase, failure, block.index)
 
     @staticmethod
-    def _wait_ready(block: RemoteEnvs, timeout: float) -> ChildReady:
-        """``block``'s :class:`~.messages.ChildReady` (after its :class:`~.messages.ChildStarted`). Raises
-        :class:`EnvFailure`: the child's error, its death (:func:`_death`), or ``timeout`` s passed."""
+    def _wait_ready(block: RemoteEnvs, timeout: float) -> None:
+        """Wait for ``block``'s :class:`~.messages.ChildReady` (after its :class:`~.messages.ChildStarted`)
+        and keep it as ``block.ready``. Raises :class:`EnvFailure`: the child's error, its death
+        (:func:`_death`), or ``timeout`` s passed."""
         deadline = time.monotonic() + timeout
         while True:
             while not block.conn.poll(_POLL_S):
@@ -1007,8 +942,7 @@ class WorkerProcesses:
             block.started = True
         _payload(reply)  # raises the child's error
         assert isinstance(reply, ChildReady), reply
-        block.ready = True
-        return reply
+        block.ready = reply
 
     def attach(self, specs: dict[NestedKey, ArraySpec], *, inputs: Sequence[NestedKey], nxt: Sequence[NestedKey],
                checked_next: dict[NestedKey, ArraySpec], checked_root: dict[NestedKey, ArraySpec],
@@ -1020,35 +954,30 @@ class WorkerProcesses:
             CollectionError: this process ran out of file descriptors allocating or sending them.
             EnvError: (from ``on_error``) a child could not attach them, or died.
         """
-        keys = self.keys
-        sent = []
-        for b, block in enumerate(self.blocks):
+        keys = self.first.keys
+        for block in self.blocks:
             if isinstance(block, LocalEnvs):
                 block.attach(checked_next, checked_root, zero_done)
                 continue
             g = block.rows
             try:
-                shared_in = {k: _to_shared(specs[k], g) for k in inputs}
-                shared_next = {k: _to_shared(keys.next[k], g) for k in nxt}
-                shared_root = {k: _to_shared(keys.root[k], g) for k in keys.root}
-                stats = (torch.zeros(g, dtype=torch.float64).share_memory_(),
-                         torch.zeros(g, dtype=torch.bool).share_memory_(),
-                         torch.zeros(g, dtype=torch.bool).share_memory_())
-                block._keep = (shared_in, shared_next, shared_root, stats)  # the parent's references
-                block.conn.send(AttachBuffers(shared_in, shared_next, shared_root, stats, checked_next, checked_root,
-                                              zero_done))
+                message = AttachBuffers({k: _to_shared(specs[k], g) for k in inputs},
+                                        {k: _to_shared(keys.next[k], g) for k in nxt},
+                                        {k: _to_shared(keys.root[k], g) for k in keys.root},
+                                        tuple(torch.zeros(g, dtype=t).share_memory_()
+                                              for t in (torch.float64, torch.bool, torch.bool)),
+                                        checked_next, checked_root, zero_done)
+                block.conn.send(message)
             except (OSError, RuntimeError) as exc:  # shm_open / dup refused: out of file descriptors, of memory
                 hint = _FDS_HINT if _out_of_fds(str(exc)) else ""
-                raise CollectionError(f"could not share the buffers of envs {list(self.plans[b].env_ids)} with "
+                raise CollectionError(f"could not share the buffers of envs {list(block.env_ids)} with "
                                       f"worker process {block.index} ({type(exc).__name__}: {exc}){hint}") from exc
-            block.inputs, block.next, block.root = _numpy(shared_in), _numpy(shared_next), _numpy(shared_root)
-            block.reward, block.terminated, block.truncated = (t.numpy() for t in stats)
-            sent.append((b, block))
-        for b, block in sent:  # every child attaches at once; each answers
+            block.inputs, block.next, block.root, block.reward, block.terminated, block.truncated = _views(message)
+        for block in self._remote:  # every child attaches at once; each answers
             try:
                 block._reply(None)
             except EnvFailure as failure:
-                raise self._error(b, failure) from failure.cause
+                raise self._error(block, failure) from failure.cause
 
     def close(self, timeout: float = 5.0) -> None:
         """Close every block (the main process's envs too) and end every child, then release every resource

@@ -552,7 +552,10 @@ class Worker:
         for k in ctx.layout.out_keys:
             cols[k][r0:r0 + rows] = 0
         for r, j in zip(range(r0, r0 + rows), envs):
-            sample = self.envs.random_action(j, ctx.action_columns, ctx.stop)
+            try:
+                sample = self.envs.random_action(j, ctx.action_columns, ctx.stop)
+            except EnvFailure as failure:
+                raise self._failure_error(failure) from failure.cause
             for k, v in sample.items():
                 cols[k][r] = v
             self.random_left[j] -= 1
