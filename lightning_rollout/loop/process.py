@@ -127,7 +127,8 @@ def _to_shared(spec: ArraySpec, rows: int) -> torch.Tensor:
     return torch.zeros((rows, *spec.shape), dtype=dtype).share_memory_()
 
 
-def _views(buffers: AttachBuffers) -> tuple[dict[NestedKey, np.ndarray], ...]:
+def _views(buffers: AttachBuffers) -> tuple[dict[NestedKey, np.ndarray], dict[NestedKey, np.ndarray],
+                                            dict[NestedKey, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """The shared buffers as numpy arrays, on either side: ``(inputs, next, root, reward, terminated, truncated)``.
     The arrays keep the shared tensors (and their file descriptors) alive."""
     inputs, nxt, root = ({k: t.numpy() for k, t in d.items()} for d in (buffers.inputs, buffers.next, buffers.root))
