@@ -54,6 +54,7 @@ from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
 from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, layout_warning, one_env_threads_warning,
                         resolve_layout)
+from .specs import key_parts
 
 __all__ = ["ThreadedCollector"]
 
@@ -103,13 +104,6 @@ class _WithPolicyTransforms:
         return env
 
 
-def _ordinal(device: torch.device | None) -> torch.device | None:
-    """TorchRL's ordinal form of a device (``"cuda"`` is the current CUDA device's index)."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
     """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``) for these arguments.
 
@@ -117,7 +111,12 @@ def _storing_device(*, device: Any, storing_device: Any, policy_device: Any, env
     two defaulting to ``device``); ``None`` otherwise, the batch then having no device. Only the arguments
     count, not where the env or the policy's weights are.
     """
-    as_dev = lambda d: _ordinal(torch.device(d)) if d is not None else None  # noqa: E731
+    def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
+        d = None if d is None else torch.device(d)
+        if d is not None and d.type == "cuda" and d.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return d
+
     policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
     stored = as_dev(storing_device or device)
     return env_ if stored is None and env_ == policy_ else stored
@@ -588,7 +587,7 @@ class ThreadedCollector(BaseCollector):
             self.policy = self._acting_policy = self._wrapped_policy
         keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
         self._compact_next_keys: list[tuple[str, ...]] = (
-            [("next", *_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
+            [("next", *key_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -828,8 +827,8 @@ class ThreadedCollector(BaseCollector):
         """``set_truncated``: the last step of each env in the batch (of each trajectory, in the flat
         layout) is marked truncated (and done)."""
         nxt = batch.get("next")
-        flags = [k for k in nxt.keys(True, True) if _parts(k)[-1] in ("truncated", "done")]
-        if not any(_parts(k)[-1] == "truncated" for k in flags):
+        flags = [k for k in nxt.keys(True, True) if key_parts(k)[-1] in ("truncated", "done")]
+        if not any(key_parts(k)[-1] == "truncated" for k in flags):
             raise RuntimeError("set_truncated=True needs a 'truncated' entry in the env's done spec")
         if self.layout == "flat":
             traj = batch.get(("collector", "traj_ids")).numpy()
@@ -1107,13 +1106,9 @@ class ThreadedCollector(BaseCollector):
                                  "a policy of the same architecture")
 
 
-def _parts(key: Any) -> tuple[str, ...]:
-    return key if isinstance(key, tuple) else (key,)
-
-
 def _drop_private(batch: TensorDictBase, inplace: bool = False) -> TensorDictBase:
     """``batch`` without its ``"_"``-prefixed entries (at any depth)."""
-    private = [k for k in batch.keys(True) if any(part.startswith("_") for part in _parts(k))]
+    private = [k for k in batch.keys(True) if any(part.startswith("_") for part in key_parts(k))]
     return batch.exclude(*private, inplace=inplace) if private else batch
 
 

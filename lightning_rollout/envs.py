@@ -47,7 +47,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Composite, TensorSpec, Unbounded
 from torchrl.envs import EnvBase
 
-from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, columns_of, leaves,
+from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, columns_of, key_parts, leaves,
                     random_sample, reserved_key_problem)
 
 __all__ = ["ActionError", "ArraySpec", "BatchedTorchRLEnv", "EnvAdapter", "EnvFactory", "EnvpoolEnv", "GymAdapter",
@@ -158,7 +158,7 @@ def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
 def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
     """``info[key]`` (``info[a][b]`` for a nested key ``(a, b)``), or ``_MISSING``."""
     value: Any = info
-    for part in key if isinstance(key, tuple) else (key,):
+    for part in key_parts(key):
         if not isinstance(value, Mapping) or part not in value:
             return _MISSING
         value = value[part]
@@ -238,7 +238,7 @@ class GymAdapter:
                                        fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)")
         if problem is not None:
             raise ValueError(problem)
-        self._obs_paths = {k if isinstance(k, tuple) else (k,) for k in spaces}
+        self._obs_paths = {key_parts(k) for k in spaces}
         self.observation_spec = Composite({k: _gym_spec(s, categorical=True) for k, s in spaces.items()})
         self.observation_spec["is_init"] = Unbounded((1,), dtype=torch.bool)
         self.observation_spec["step_count"] = Unbounded((1,), dtype=torch.int64)
@@ -478,7 +478,7 @@ class _TorchRLEnv:
         if max_episode_steps is not None:
             from torchrl.envs import StepCounter
 
-            if any("step_count" in (k if isinstance(k, tuple) else (k,)) for k in env.output_spec.keys(True, True)):
+            if any("step_count" in key_parts(k) for k in env.output_spec.keys(True, True)):
                 raise ValueError("A 'step_count' key is already present in the environment and the "
                                  "'max_frames_per_traj' argument may conflict with a 'StepCounter' that has already "
                                  "been set. Possible solutions: Set max_frames_per_traj to 0 or remove the "

@@ -1334,11 +1334,6 @@ def _as_key(key: Any) -> NestedKey:
     return key
 
 
-def _is_real(value: Any) -> bool:
-    """An int or float that is not a bool (NaN passes here; compare with ``>=`` to refuse it)."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
 def _direct_module(policy: Any) -> Callable[..., Any] | None:
     """The inner module of a plain ``TensorDictModule`` (positional in_keys, no method, hooks or key remapping),
     which is called on the stacked tensors directly: TensorDict dispatch costs ~70 us a flush, more than a

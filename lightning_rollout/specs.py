@@ -28,8 +28,8 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import Composite, TensorSpec
 
-__all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "next_key",
-           "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
+__all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "key_parts",
+           "next_key", "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
 
 NestedKey = str | tuple[str, ...]
 
@@ -190,9 +190,14 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty((), dtype=dtype).numpy().dtype
 
 
+def key_parts(key: NestedKey) -> tuple[str, ...]:
+    """``key`` as a tuple of its parts: ``"a"`` is ``("a",)``."""
+    return key if isinstance(key, tuple) else (key,)
+
+
 def next_key(key: NestedKey) -> tuple[str, ...]:
     """``key`` under ``"next"``."""
-    return ("next", *key) if isinstance(key, tuple) else ("next", key)
+    return ("next", *key_parts(key))
 
 
 def _leaf_problem(spec: TensorSpec) -> str | None:
@@ -227,7 +232,7 @@ def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     for key, sub in spec.items(True, False):
         if isinstance(sub, Composite) and tuple(sub.shape):
-            out[key if isinstance(key, tuple) else (key,)] = tuple(int(d) for d in sub.shape)
+            out[key_parts(key)] = tuple(int(d) for d in sub.shape)
     return out
 
 

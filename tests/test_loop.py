@@ -803,6 +803,8 @@ def test_env_threads_are_named_daemons():
     (MockEnv, {"num_envs": 2, "envs_per_thread": 0}, r"envs_per_thread must be .*>= 1"),
     (MockEnv, {"num_envs": 2, "max_episode_steps": 0}, r"max_episode_steps must be .*>= 1"),
     (MockEnv, {"num_envs": 2, "step_timeout": 0}, r"step_timeout must be .*> 0"),
+    (MockEnv, {"num_envs": 2, "step_timeout": float("inf")}, r"step_timeout must be a finite number"),
+    (MockEnv, {"num_envs": 2, "step_timeout": True}, r"step_timeout must be a finite number"),
     (lambda: object(), {"num_envs": 1}, "expected a gymnasium.Env or a torchrl EnvBase"),
     (42, {"num_envs": 1}, "env must be a gymnasium id or a callable"),
     ([], {}, "list of env factories is empty"),

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
+from ..specs import ArraySpec, EnvKeys, NestedKey, key_parts, next_key
 
 __all__ = ["BatchPool", "Layout", "Steps", "check_entries"]
 
@@ -129,7 +129,7 @@ class Layout:
         leaves += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool))  # root done flags:
                    for key in self.done_keys]  # false, as TorchRL's collector writes them
         for key, tensor in leaves:
-            *path, leaf = key if isinstance(key, tuple) else (key,)
+            *path, leaf = key_parts(key)
             node = tree
             for part in path:
                 node = node.setdefault(part, {})

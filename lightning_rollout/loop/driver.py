@@ -82,7 +82,7 @@ from .._exit import abandon, close_at_exit
 from ..envs import BatchedTorchRLEnv, EnvAdapter, EnvFactory, InfoKeys, info_key_list, resolve_env_factory
 from ..errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
-from ..policy import AutobatchPolicy, _is_real, as_policy_module
+from ..policy import AutobatchPolicy, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 from .auto import LayoutChoice, apply_choice, is_auto, layout_warning, resolve_layout
 from .block import Block, EnvBlock
@@ -1237,8 +1237,7 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
                              "runs at least one env")
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
-    if step_timeout is not None and (not _is_real(step_timeout) or not step_timeout > 0):
-        raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
+    check_seconds("step_timeout", step_timeout, allow_zero=False)
     checked_join = check_seconds("join_timeout", join_timeout, allow_zero=True)  # a join cannot take inf
     if checked_join is None:
         raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
