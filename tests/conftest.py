@@ -26,6 +26,9 @@ import pytest
 import torch
 
 THREAD_PREFIX = "lightning_rollout-"
+# The first line of a script that a test interrupts with SIGINT: a shell starts background jobs with SIGINT
+# ignored, their children inherit that, and Python then raises no KeyboardInterrupt; this restores it.
+CATCH_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 def _rollout_threads() -> set[threading.Thread]:

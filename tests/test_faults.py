@@ -35,7 +35,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from conftest import ArgmaxNet, CountingPolicy, MockEnv, called_from_probe, mock_envs
+from conftest import CATCH_SIGINT, ArgmaxNet, CountingPolicy, MockEnv, called_from_probe, mock_envs
 from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, MultiEnvLoop, PolicyError,
                                StepTimeoutError, ThreadedCollector)
 from reliability_helpers import assert_no_rollout_threads, bounded, rollout_threads
@@ -588,7 +588,7 @@ _SCRIPTS = {
 def _spawn(name: str) -> subprocess.Popen:
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = _PRELUDE + textwrap.dedent(_SCRIPTS[name])
+    code = CATCH_SIGINT + _PRELUDE + textwrap.dedent(_SCRIPTS[name])
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=root, env=env)
 

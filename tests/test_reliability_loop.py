@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from lightning_rollout import EnvError, MultiEnvLoop, ThreadedCollector
+from conftest import CATCH_SIGINT
 
 STEP_S = 0.1  # a healthy env's step time: a quota of 400 steps would take 40 s if nobody stopped it
 
@@ -147,7 +148,7 @@ def _interrupt_and_time(script: str) -> None:
     ``except KeyboardInterrupt`` prints CAUGHT within 1 s and that it exits with 130, cleanly."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", CATCH_SIGINT + textwrap.dedent(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=root, env=env)
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read() if proc.poll() is not None else ""
