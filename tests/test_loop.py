@@ -675,6 +675,27 @@ def test_interrupted_run_episodes_returns_what_finished(within):
         Trajectories().add(within(lambda: loop.run_episodes(3, interrupter=interrupter)))
 
 
+
+def test_episodes_of_an_interrupted_run_episodes_never_answer_a_later_call_and_still_start_new_trajectories(within):
+    """An interrupted call's episode requests still run. Their episodes are dropped, not returned by the next
+    ``run_episodes`` (they ran before it was called, maybe with older weights), and the env's next steps start a
+    new trajectory as they would have had the call waited for them."""
+    from process_helpers import CountEnv
+
+    stopped = Interrupter()
+    stopped.stop()
+    with MultiEnvLoop([lambda: CountEnv(0, length=5)], CountingPolicy(), lookahead=False) as loop:
+        first = within(lambda: loop.run_steps(3))  # episode 0, steps 0-2: none ends it
+        assert within(lambda: loop.run_episodes(1, interrupter=stopped)) == []  # its episode (1) runs anyway
+        (episode,) = within(lambda: loop.run_episodes(1))
+        later = within(lambda: loop.run_steps(3))
+    episode_numbers = set(flat(episode, "observation")[:, 1].tolist())
+    assert episode_numbers == {3}  # its own: 1 ran for the interrupted call, 2 (the reset after it) never stepped
+    assert set(flat(later, "observation")[:, 1].tolist()) == {4}
+    ids = [set(flat(td, ("collector", "traj_ids")).tolist()) for td in (first, episode, later)]
+    assert all(len(i) == 1 for i in ids) and len(set.union(*ids)) == 3  # three trajectories, three ids
+
+
 # -- faults ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "on_policy"])

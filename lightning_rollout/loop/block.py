@@ -144,6 +144,13 @@ class _CheckFailed(Exception):
     """What an env returned does not match its spec (the message of :func:`check_entries`)."""
 
 
+def _check(j: int, values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec]) -> None:
+    """Raise env ``j``'s failed check (:func:`check_entries`) when ``values`` do not match ``specs``."""
+    problem = check_entries(values, specs)
+    if problem is not None:
+        raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+
+
 def _nan_failure(j: int) -> EnvFailure:
     """Env ``j``'s observation holds a NaN: its failed check, as :func:`check_entries` words it."""
     return EnvFailure(j, "check", "env", _CheckFailed("entry 'observation' contains NaN"))
@@ -529,7 +536,7 @@ class EnvBlock:
         self._gym = (all(isinstance(a, GymAdapter) and a.plain_observation for a in self.adapters)
                      and all(a.action_space == first.action_space for a in self.adapters[1:]))
         spec = self.checked_next.get("observation")
-        self._obs_spec = (spec.shape, spec.dtype) if spec is not None else None
+        self._obs_spec = (spec.shape, spec.dtype) if validate and spec is not None else None  # checked obs
         self._accepted_dtypes: set[np.dtype] = set()  # observation dtypes seen to cast safely to the column's
         self._in_flight: set[int] = set()  # parallel blocks: envs whose step started and was not reported ended
         self._pending: tuple[Mapping[NestedKey, np.ndarray], Sequence[int]] | None = None  # begun, stepped in finish
@@ -575,9 +582,7 @@ class EnvBlock:
         finally:
             self._busy_since = 0.0
         if self.validate:
-            problem = check_entries(root, self.checked_root)
-            if problem is not None:
-                raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+            _check(j, root, self.checked_root)
         return root
 
     def reset_many(self, envs: Sequence[int], stop: threading.Event | None = None) -> list[dict[NestedKey, Any]]:
@@ -686,7 +691,7 @@ class EnvBlock:
         failure: EnvFailure | None = None
         gym = self._gym
         obs_out = out["observation"] if gym else None
-        expected = self._obs_spec if self.validate else None
+        expected = self._obs_spec
         results = self._threads.results  # type: ignore[union-attr]
         for j in envs:
             i = len(written)
@@ -743,9 +748,7 @@ class EnvBlock:
         """Check env ``j``'s step result (generic adapters) and write it into row ``i``."""
         nxt, rewards[i], terminated[i], truncated[i] = result
         if self.validate:
-            problem = check_entries(nxt, self.checked_next)
-            if problem is not None:
-                raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+            _check(j, nxt, self.checked_next)
         for k, buf in out.items():
             buf[i] = nxt[k]
 
@@ -764,26 +767,20 @@ class EnvBlock:
 
     def _observation(self, j: int, obs: Any) -> Any:
         """Env ``j``'s observation, checked: a shape and dtype comparison, the full check on a mismatch."""
-        expected = self._obs_spec if self.validate else None
+        expected = self._obs_spec
         if expected is not None and (getattr(obs, "shape", None) != expected[0] or (
                 getattr(obs, "dtype", None) != expected[1]
                 and getattr(obs, "dtype", None) not in self._accepted_dtypes)):
             obs = np.asarray(obs)
-            problem = check_entries({"observation": obs}, self.checked_next)
-            if problem is not None:
-                raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+            _check(j, {"observation": obs}, self.checked_next)
             if type(obs) is np.ndarray and obs.shape == expected[0]:
                 self._accepted_dtypes.add(obs.dtype)  # e.g. float64 observations of a float32 space
         return obs
 
-    def _checks_nan(self, obs_out: np.ndarray) -> bool:
-        """Whether observations written to ``obs_out`` are checked for NaN (validated float observations)."""
-        return self.validate and self._obs_spec is not None and obs_out.dtype.kind == "f"
-
     def _nan_rows(self, obs_out: np.ndarray, n: int) -> np.ndarray | None:
         """Which of the first ``n`` rows of ``obs_out`` hold a NaN (``[n]`` bools), ``None`` when none does
-        or the observations are not checked (see :meth:`_checks_nan`)."""
-        if not self._checks_nan(obs_out):
+        or the observations are not checked (validated float observations only)."""
+        if self._obs_spec is None or obs_out.dtype.kind != "f":
             return None
         # One sum finds any NaN (and +inf with -inf, which the row check then clears): cheaper than a
         # row-wise isnan on every step, which is only needed to name the env.
@@ -793,12 +790,6 @@ class EnvBlock:
         bad = np.isnan(obs_out[:n].reshape(n, -1)).any(axis=1)
         return bad if bad.any() else None
 
-    def _check_nan(self, obs_out: np.ndarray, envs: Sequence[int]) -> None:
-        """No NaN in the first ``len(envs)`` rows of ``obs_out`` (validated float observations)."""
-        bad = self._nan_rows(obs_out, len(envs))
-        if bad is not None:
-            raise _nan_failure(envs[int(bad.argmax())])
-
     def _step_gym(self, actions: np.ndarray, envs: Sequence[int], out: Mapping[NestedKey, np.ndarray],
                   rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
         """Gymnasium envs with one array observation, stepped in this thread: actions converted for the
@@ -807,7 +798,7 @@ class EnvBlock:
         adapters = self.adapters
         env_actions = self._gym_actions(actions, envs)
         obs_out = out["observation"]
-        shape, dtype = self._obs_spec if self.validate and self._obs_spec is not None else (None, None)
+        shape, dtype = self._obs_spec or (None, None)
         ndarray, watched, clock = np.ndarray, self.watched, time.perf_counter
         self._busy_phase = "step"
         try:  # between two envs' calls ``busy_since`` still reads the last call's start: a stale read, harmless
@@ -824,7 +815,9 @@ class EnvBlock:
                 obs_out[i] = obs
         finally:
             self._busy_since = 0.0
-        self._check_nan(obs_out, envs)
+        bad = self._nan_rows(obs_out, len(envs))
+        if bad is not None:
+            raise _nan_failure(envs[int(bad.argmax())])
 
     def close(self) -> None:
         """Stop the helper threads, close every env; errors are swallowed (closing must not hide the

@@ -128,12 +128,12 @@ def _driver_call(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if claimed:
                 try:
-                    if hasattr(self, "_workers"):
-                        self._release_all_holds()
+                    self._release_all_holds()
                 finally:
                     self._driver_thread = None
 
     return wrapper
+
 
 class MultiEnvLoop:
     """N envs in threads, one autobatched policy, request-driven collection.
@@ -376,8 +376,9 @@ class MultiEnvLoop:
         self._env_ids = [np.asarray(w.env_ids, dtype=np.int64) for w in self._workers]
         self._env_id_column = np.arange(num_envs, dtype=np.int64)[:, None]  # an env_time batch's env ids
         self._idle: deque[int] = deque(range(W))
-        self._stray_episodes: list[EpisodeReady] = []
         self._deferred: list[tuple[int, Grant]] | None = None
+        self._episode_requests = 0  # episode requests sent, over the loop's life: the next one's index
+        self._stale_episodes = 0  # episodes of requests numbered below it answer a call that has returned
         self._answered_since_wait: list[int] = []  # answered workers not yet released (driver only)
         self._started = False
         if start:
@@ -506,7 +507,8 @@ class MultiEnvLoop:
 
     def start(self) -> None:
         """Start the env threads (done by the first ``run_*`` call when ``start=False``). Idempotent."""
-        self._check_open()
+        if self._closed:
+            raise CollectionError(f"the loop {self.name!r} is closed")
         if not self._started:
             self._started = True
             close_at_exit(self)  # threads stopped and joined before the interpreter finalizes
@@ -578,15 +580,6 @@ class MultiEnvLoop:
         return self.policy.version
 
     # -- driver side -----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CollectionError(f"the loop {self.name!r} is closed")
-
-    def _driver_ready(self) -> None:
-        self._check_open()
-        if not self._started:
-            self.start()
-
     def set_traj_id_start(self, value: int) -> None:
         """Continue trajectory ids from ``value`` (before the threads start, e.g. on resume)."""
         if self._started:
@@ -654,8 +647,7 @@ class MultiEnvLoop:
         return int(self._cur_traj[env_id])
 
     @_driver_call
-    def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None,
-                   interrupter: Interrupter | None = None) -> None:
+    def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None) -> None:
         """Start a new episode now on the given envs (all by default), optionally reseeding them.
 
         An env's last step not handed out yet (the step written ahead, or one left by an interrupted
@@ -666,7 +658,7 @@ class MultiEnvLoop:
             ValueError: an env id out of range, or ``seeds`` of the wrong length.
             EnvError: a reset failed (the loop is closed).
         """
-        self._driver_ready()
+        self.start()
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
         for i in ids:
             if not 0 <= i < self.num_envs:
@@ -687,8 +679,6 @@ class MultiEnvLoop:
                 if isinstance(msg, ResetDone):
                     waiting.discard(msg.worker)
                     fresh.update(msg.fresh)
-                elif isinstance(msg, EpisodeReady):
-                    self._stray_episodes.append(msg)
         except CollectionError as exc:
             self._fail(exc, None)
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
@@ -717,14 +707,6 @@ class MultiEnvLoop:
         deferred, self._deferred = self._deferred or [], None
         for w, message in deferred:
             self._workers[w].requests.put(message)
-
-    def _on_reply(self, msg: Reply) -> None:
-        """Book a reply that is not an episode: a grant answered (released at the next wait unless granted again)."""
-        if isinstance(msg, Published):
-            w = msg.worker
-            self._published[w] = max(self._published[w], msg.end)
-            self._outstanding[w] -= 1
-            self._answered_since_wait.append(w)
 
     def _release_holds(self) -> None:
         """Stop holding workers whose answer was consumed and that were not granted again."""
@@ -758,10 +740,20 @@ class MultiEnvLoop:
                 continue
             if isinstance(msg, WorkerFailed):
                 raise msg.error
+            if isinstance(msg, EpisodeReady) and msg.request_index < self._stale_episodes:
+                # An interrupted run_episodes' episode, which nobody waits for: dropped, but as when it is
+                # delivered, an env whose running trajectory no undelivered step ended starts a new one.
+                if msg.fresh:
+                    self._new_trajectory(msg.env_id)
+                continue
             if interrupter is not None and interrupter.should_stop():
                 self._ready.put(msg)  # keep it for the next call
                 return None
-            self._on_reply(msg)
+            if isinstance(msg, Published):  # answered: released at the next wait unless granted again
+                w = msg.worker
+                self._published[w] = max(self._published[w], msg.end)
+                self._outstanding[w] -= 1
+                self._answered_since_wait.append(w)
             return msg
 
     def _check_timeouts(self) -> None:
@@ -769,9 +761,9 @@ class MultiEnvLoop:
             return
         now = time.perf_counter()
         for worker in self._workers:
-            since = worker.busy_since
+            since = worker.envs.busy_since
             if since and now - since > self.step_timeout:
-                j, phase = worker.busy_env, worker.busy_phase
+                j, phase = worker.envs.busy_env, worker.envs.busy_phase
                 worker.abandoned = True  # close() does not wait for it
                 raise StepTimeoutError(
                     f"no answer within step_timeout={self.step_timeout} s; thread {worker.thread.name!r} is "
@@ -794,11 +786,12 @@ class MultiEnvLoop:
             self._published[w] = max(self._published[w], worker.published)
 
     # -- copying steps out ---------------------------------------------------------------------------
-    def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int) -> int:
+    def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int,
+              processor: EventProcessor | None) -> int:
         """Copy worker ``w``'s published steps not handed out yet into ``out[filled:]`` (flat, in time order,
         env by env within a step), up to ``n`` rows; a step copied in part is finished by the next take."""
         steps, g = self._workers[w].steps, self.envs_per_thread
-        env_ids = self._env_ids[w]
+        env_ids, first = self._env_ids[w], filled
         while filled < n and self._consumed[w] < self._published[w]:
             t, r0 = self._consumed[w], self._taken[w]
             k = min(g - r0, n - filled)
@@ -809,9 +802,11 @@ class MultiEnvLoop:
                 self._consumed[w], self._taken[w] = t + 1, 0
             else:
                 self._taken[w] = r0 + k
+        self._count(out, range(first, filled), processor)
         return filled
 
-    def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int) -> int:
+    def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int,
+                     processor: EventProcessor | None) -> int:
         """Copy worker ``w``'s next ``steps_`` published steps (whole ones) into ``out[filled:]``, flat."""
         g, steps = self.envs_per_thread, self._workers[w].steps
         t = self._consumed[w]
@@ -820,11 +815,14 @@ class MultiEnvLoop:
         end = filled + steps_ * g
         out[_ENV_ID][filled:end] = np.tile(self._env_ids[w], steps_)
         self._consumed[w] = t + steps_
+        self._count(out, range(filled, end), processor)
         return end
 
     def _count(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None = None
                ) -> None:
         """Count delivered frames and episodes of ``rows`` (their training events went to ``processor``)."""
+        if not len(rows):
+            return
         first_frame = self.frames + 1
         self.frames += len(rows)
         if processor is not None:
@@ -901,7 +899,7 @@ class MultiEnvLoop:
                 Use an :class:`Interrupter` to stop early and keep the loop usable.
         """
         check_int("n", n, 0)
-        self._driver_ready()
+        self.start()
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         g, W = self.envs_per_thread, len(self._workers)
@@ -918,9 +916,7 @@ class MultiEnvLoop:
                 T = (n - filled) // g
                 done, error = self._run_grants(self._consumed[0] + T, interrupter)
                 k = min(done, T)
-                first = filled
-                filled = self._take_rounds(out, filled, 0, k)
-                self._after_take(out, range(first, filled), processor)
+                filled = self._take_rounds(out, filled, 0, k, processor)
                 if error is not None:
                     raise error
                 if k < T:  # interrupted
@@ -939,16 +935,11 @@ class MultiEnvLoop:
                 msg = self._wait(interrupter)
                 if msg is None:
                     break
-                if isinstance(msg, EpisodeReady):
-                    self._stray_episodes.append(msg)
-                    continue
                 if not isinstance(msg, Published):
                     continue
                 w = msg.worker
                 in_flight_rows -= g
-                first = filled
-                filled = self._take(out, filled, n, w)
-                self._after_take(out, range(first, filled), processor)
+                filled = self._take(out, filled, n, w, processor)
                 if self._consumed[w] == self._published[w] and not self._outstanding[w]:
                     if filled + in_flight_rows < n:
                         self._grant(w, self._consumed[w] + 1)
@@ -970,15 +961,8 @@ class MultiEnvLoop:
         """:meth:`_take` every worker's published steps (a step copied in part first), counted, events emitted."""
         order = sorted(range(len(self._workers)), key=lambda w: (self._taken[w] == 0, w))
         for w in order:
-            first = filled
-            filled = self._take(out, filled, n, w)
-            self._after_take(out, range(first, filled), processor)
+            filled = self._take(out, filled, n, w, processor)
         return filled
-
-    def _after_take(self, out: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None) -> None:
-        """Count the rows just copied out (``_take`` counted nothing) and emit their training events."""
-        if len(rows):
-            self._count(out, rows, processor)
 
     def _run_grants(self, end: int | list[int], interrupter: Interrupter | None) -> tuple[int, CollectionError | None]:
         """Grant every worker its steps up to ``end`` (one end, or one a worker) and wait until each published
@@ -987,7 +971,7 @@ class MultiEnvLoop:
         error that cut the call (the loop is then closed; each worker's settled steps count)."""
         W = len(self._workers)
         ends = [end] * W if isinstance(end, int) else end
-        interrupted = False
+        interrupted, error = False, None
         try:
             self._deferred = []
             for w in range(W):
@@ -1000,18 +984,16 @@ class MultiEnvLoop:
                     interrupted = True
                     self._cut.set()
                     continue
-                if isinstance(msg, EpisodeReady):
-                    self._stray_episodes.append(msg)
         except CollectionError as exc:
             self.close()  # workers stopped (a hung one only ever writes steps it has not published)
             self._keep_settled()
-            return self._common_steps(), exc
+            error = exc
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
         finally:
             self._cut.clear()
-        return self._common_steps(), None
+        return min((p - c for p, c in zip(self._published, self._consumed)), default=0), error
 
     def _refresh_idle(self) -> None:
         """Queue up workers with no grant outstanding and nothing left to hand out (after the idle ones already
@@ -1019,10 +1001,6 @@ class MultiEnvLoop:
         for w in range(len(self._workers)):
             if not self._outstanding[w] and self._consumed[w] == self._published[w] and w not in self._idle:
                 self._idle.append(w)
-
-    def _common_steps(self) -> int:
-        """Steps every worker published and has not handed out yet."""
-        return min((p - c for p, c in zip(self._published, self._consumed)), default=0)
 
     @_driver_call
     def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
@@ -1040,7 +1018,7 @@ class MultiEnvLoop:
             See :meth:`run_steps`.
         """
         check_int("steps_per_env", steps_per_env, 0)
-        self._driver_ready()
+        self.start()
         if any(self._taken):
             raise CollectionError("run_env_steps cannot follow a run_steps call that left a block of "
                                   f"envs_per_thread={self.envs_per_thread} rows half consumed; ask run_steps for "
@@ -1097,7 +1075,9 @@ class MultiEnvLoop:
 
         Returns:
             ``k`` TensorDicts of batch size ``[T_i]``, in request order (not
-            completion order, so short episodes are not favoured).
+            completion order, so short episodes are not favoured). Interrupted, the
+            episodes complete by then: the others still run to their end in their env
+            threads, and are dropped (a later call never returns them).
 
         Raises:
             See :meth:`run_steps`; here ``exc.partial`` holds the episodes completed
@@ -1105,7 +1085,7 @@ class MultiEnvLoop:
             ``[sum of their lengths]``; ``None`` when none was complete).
         """
         check_int("k", k, 0)
-        self._driver_ready()
+        self.start()
         if not self._workers[0].envs.partial:
             raise CollectionError("run_episodes runs one env alone, and a natively batched env steps all its envs "
                                   "at once: evaluate with env.rollout() on the batched env, or with a loop of single "
@@ -1117,14 +1097,11 @@ class MultiEnvLoop:
         envs = list(range(self.num_envs))
         if k < self.num_envs:
             envs = rng.sample(envs, k)
-        next_request = 0
+        first = self._stale_episodes = self._episode_requests  # this call's requests are numbered from here
         try:
-            # Late episodes of an interrupted earlier call answered requests nobody waits for any more.
-            self._stray_episodes.clear()
             for env_id in envs:
-                self._request_episode(env_id, next_request)
-                next_request += 1
-            while len(results) < next_request:
+                self._request_episode(env_id)
+            while len(results) < self._episode_requests - first:
                 msg = self._wait(interrupter)
                 if msg is None:
                     break
@@ -1141,20 +1118,22 @@ class MultiEnvLoop:
                     self.episodes += 1
                 if msg.fresh:  # no undelivered step ends the env's running trajectory: its next steps start a new one
                     self._new_trajectory(env_id)
-                results[msg.request_index] = self._layout.to_tensordict(trajectory, [length])
-                if next_request < k:
-                    self._request_episode(env_id, next_request)
-                    next_request += 1
+                results[msg.request_index - first] = self._layout.to_tensordict(trajectory, [length])
+                if self._episode_requests - first < k:
+                    self._request_episode(env_id)
         except CollectionError as exc:
             done = [results[i] for i in sorted(results)]
             self._fail(exc, torch.cat(done) if done else None)
         except BaseException:  # KeyboardInterrupt, a processor's error: the call cannot be resumed
             self.close()
             raise
+        finally:
+            self._stale_episodes = self._episode_requests  # episodes still running answer nobody now
         return [results[i] for i in sorted(results)]
 
-    def _request_episode(self, env_id: int, index: int) -> None:
+    def _request_episode(self, env_id: int) -> None:
         w = env_id // self.envs_per_thread
+        index, self._episode_requests = self._episode_requests, self._episode_requests + 1
         self._workers[w].requests.put(EpisodeRequest(env_id, index, self._consumed[w], self._taken[w]))
 
     # -- shutdown ------------------------------------------------------------------------------------

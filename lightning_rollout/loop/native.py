@@ -27,8 +27,7 @@ import numpy as np
 
 from ..envs import BatchedTorchRLEnv, EnvpoolEnv
 from ..specs import ArraySpec, NestedKey
-from .block import EnvFailure, _CheckFailed
-from .buffers import check_entries
+from .block import EnvFailure, _CheckFailed, _check, close_quietly
 
 __all__ = ["NativeBlock"]
 
@@ -142,9 +141,7 @@ class NativeBlock:
         rows = [{k: v[i] for k, v in roots.items()} for i in range(len(envs))]
         if self.validate:
             for j, root in zip(envs, rows):
-                problem = check_entries(root, self.checked_root)
-                if problem is not None:
-                    raise EnvFailure(j, "check", "env", _CheckFailed(problem))
+                _check(j, root, self.checked_root)
         return rows
 
     def random_action(self, j: int, columns: Mapping[NestedKey, ArraySpec],
@@ -157,7 +154,4 @@ class NativeBlock:
 
     def close(self) -> None:
         """Close the batched env (errors are swallowed: closing must not hide the error being raised)."""
-        try:
-            self.env.close()
-        except Exception:
-            pass
+        close_quietly([self.env])

@@ -232,9 +232,8 @@ class Worker:
         self._zero_done = {k: np.zeros((self.rows, *layout.keys.done[k].shape), bool) for k in layout.done_keys}
         # The columns settling writes (a free-running group's step views only these), and a free-running block's
         # rows of one policy call (``_pre``) and of the steps that ended together (``_post``).
-        self._settle_keys = [_REWARD, _TERMINATED, _TRUNCATED, _RETURN, _LENGTH]
-        if layout.loop_keys:
-            self._settle_keys += [*_LOOP_NEXT, *_GYM_LOOP_KEYS]
+        self._settle_keys = [_REWARD, _TERMINATED, _TRUNCATED, _RETURN, _LENGTH,
+                             *((*_LOOP_NEXT, *_GYM_LOOP_KEYS) if layout.loop_keys else ())]
         self._free = ctx.free_steps and block.parallel
         self._pre = layout.allocate(self.rows, steps=True) if self._free else {}
         self._post = layout.allocate(self.rows, steps=True) if self._free else {}
@@ -269,20 +268,6 @@ class Worker:
     def set_held(self, held: bool) -> None:
         """The driver holds (or stops holding) this worker active: see ``_set_activity``."""
         self._set_activity(held=held)
-
-    # -- what the driver's step_timeout check reads (the env call in progress, if any) --------------
-    @property
-    def busy_since(self) -> float:
-        """``perf_counter()`` when the env call in progress started; 0.0 when none is."""
-        return self.envs.busy_since
-
-    @property
-    def busy_env(self) -> int:
-        return self.envs.busy_env
-
-    @property
-    def busy_phase(self) -> str:
-        return self.envs.busy_phase
 
     def step_index(self, j: int) -> int:
         """Env ``j``'s steps so far, the unsettled steps of the run in progress counted: the index of its next
@@ -333,7 +318,7 @@ class Worker:
             return
         except BaseException as exc:  # forwarded to the driver, which re-raises it
             if not isinstance(exc, CollectionError):  # a bug of ours or a stray error: still name the envs
-                j = max(self.busy_env, 0)
+                j = max(self.envs.busy_env, 0)
                 wrapped = EnvError(f"{type(exc).__name__}: {exc}", env_id=self.env_ids[j],
                                    step=self.step_index(j), phase="step")
                 wrapped.__cause__ = exc
@@ -412,7 +397,8 @@ class Worker:
                     else:
                         self._reset_done(done, store, t)
                     if run.t % store.capacity == 0:  # the storage wraps around: settle in runs of consecutive rows
-                        self._settle_steps(run)
+                        with self._settle_lock:
+                            self._settle_locked(run)
                     if self.pending_error is not None:
                         break
                     if granted and cut.is_set():
@@ -449,14 +435,18 @@ class Worker:
             raise self._failure_error(failure) from failure.cause
         done = self._stepped(row, sel)
         store.ensure(t + 1)
-        nxt = store.row(t + 1)
-        for k, src in self._advance_pairs:
-            nxt[k][...] = row[src]
-        if self._loop_inputs:  # the policy reads them at the next step
-            nxt["is_init"][...] = False
-            nxt["step_count"][:, 0] = self._count[sel]
-            nxt["episode_reward"][:, 0] = self._reward_sum[sel]
+        self._carry(store.cols, t % store.capacity, (t + 1) % store.capacity, slice(None), sel)
         return done
+
+    def _carry(self, cols: Mapping[NestedKey, np.ndarray], rows: Any, nxt: Any, idx: Any, sel: Any) -> None:
+        """Write the carried root entries of the next step: columns ``idx`` of rows ``nxt`` from rows ``rows``
+        (lock-step: one row each; free-running: each env's own), and the counters a policy reads."""
+        for k, src in self._advance_pairs:
+            cols[k][nxt, idx] = cols[src][rows, idx]
+        if self._loop_inputs:  # the policy reads them at the next step
+            cols["is_init"][nxt, idx] = False
+            cols["step_count"][nxt, idx, 0] = self._count[sel]
+            cols["episode_reward"][nxt, idx, 0] = self._reward_sum[sel]
 
     def _stepped(self, row: Mapping[NestedKey, np.ndarray], sel: slice | list[int] | np.ndarray) -> np.ndarray:
         """What a step does once its results are in ``row`` (envs ``sel`` of the worker's arrays): the per-step
@@ -486,9 +476,7 @@ class Worker:
         try:
             roots = self.envs.reset_many(envs, self.ctx.stop)  # all at once: one call for a batched env
         except EnvFailure as failure:  # that env has no next root: nothing more is stepped before it is raised
-            error = self._failure_error(failure)
-            error.__cause__ = failure.cause
-            self.pending_error = error
+            self.pending_error = self._failure_error(failure)
             return
         store.keep_final(t, envs)
         nxt = store.row(t + 1)
@@ -505,7 +493,9 @@ class Worker:
         first = self._first_roots.pop(self.env_ids[j], None) if self._first_roots else None
         if first is not None and first[0] == seed:
             root = first[1]
-            self._check(j, root, ctx.layout.checked_root)
+            problem = check_entries(root, ctx.layout.checked_root) if ctx.validate else None
+            if problem is not None:
+                raise EnvError(problem, env_id=self.env_ids[j], step=self.step_index(j), phase="check")
         else:
             try:
                 root = self.envs.reset(j, seed, ctx.stop)
@@ -528,13 +518,6 @@ class Worker:
             row[k][col] = root[k]
         for k in self.ctx.layout.policy_carried:
             row[k][col] = 0
-
-    def _check(self, j: int, values: dict[NestedKey, Any], specs: dict[NestedKey, ArraySpec]) -> None:
-        """Every entry of ``specs`` is in ``values`` with its shape and dtype, without NaN."""
-        if self.ctx.validate:
-            problem = check_entries(values, specs)
-            if problem is not None:
-                raise EnvError(problem, env_id=self.env_ids[j], step=self.step_index(j), phase="check")
 
     # -- acting ------------------------------------------------------------------------------------
     def _act(self, row: dict[NestedKey, np.ndarray], envs: Sequence[int]) -> None:
@@ -585,14 +568,17 @@ class Worker:
         cols[_VERSION][...] = answer.version
 
     def _failure_error(self, failure: EnvFailure) -> CollectionError:
-        """The user-facing error of a failed env call: named by the env's global id and step (and its
-        worker process); an invalid action is the policy's fault."""
+        """The user-facing error of a failed env call, its cause chained: named by the env's global id and step
+        (and its worker process); an invalid action is the policy's fault."""
         j = failure.j
         env_id, step = self.env_ids[j], self.step_index(j)
-        if failure.kind == "action":
-            return PolicyError(f"invalid action for env {env_id}: {failure}", env_ids=(env_id,), step=step)
         where = "" if failure.process is None else f" (in worker process {failure.process})"
-        return EnvError(f"{failure}{where}", env_id=env_id, step=step, phase=failure.phase)
+        error: CollectionError = (
+            PolicyError(f"invalid action for env {env_id}: {failure}", env_ids=(env_id,), step=step)
+            if failure.kind == "action"
+            else EnvError(f"{failure}{where}", env_id=env_id, step=step, phase=failure.phase))
+        error.__cause__ = failure.cause
+        return error
 
     def _raise_pending(self) -> None:
         """Raise the error of a reset that failed after a done step (once that step is published)."""
@@ -623,8 +609,7 @@ class Worker:
             cols["next", "episode_reward"][:n, :, 0] = returns
             is_init = cols["is_init"][:n, :, 0]
             is_init[0] = is_init_before
-            if n > 1:
-                is_init[1:] = done[:-1]
+            is_init[1:] = done[:-1]
             cols["step_count"][:n, :, 0] = count
             cols["episode_reward"][:n, :, 0] = before
         cols[_RETURN][:n] = returns
@@ -634,11 +619,6 @@ class Worker:
         self.step_count[sel] = np.where(last, 0, length[-1])
         self.episode_reward[sel] = np.where(last, 0.0, returns[-1])
         self.is_init[sel] = last
-
-    def _settle_steps(self, run: _Run) -> None:
-        """Settle steps ``t0`` to ``t - 1`` of ``run`` (see :meth:`_settle_rows`), in runs of consecutive rows."""
-        with self._settle_lock:
-            self._settle_locked(run)
 
     def _settle_locked(self, run: _Run) -> None:
         store = run.store
@@ -705,12 +685,10 @@ class Worker:
         ctx, layout, store = self.ctx, self.ctx.layout, self.steps
         envs = self.envs
         cut, stop = ctx.cut, ctx.stop
-        granted = target <= self.granted
         ring = self._ring
-        start = ring.t
-        t = np.full(self.rows, start, dtype=np.int64)  # each env's next step
-        stopped = granted and cut.is_set()
-        end = start if stopped else target  # every env stops at this step
+        t = np.full(self.rows, ring.t, dtype=np.int64)  # each env's next step
+        stopped = cut.is_set()  # (always a grant: target == self.granted, see _advance)
+        end = ring.t if stopped else target  # every env stops at this step
         flying = np.zeros(self.rows, dtype=bool)
         pre, post = self._pre, self._post
         park = ctx.blocks > 1  # let other blocks' requests flush while this one waits on its envs
@@ -736,7 +714,7 @@ class Worker:
                 written, failure = envs.finish(ended, {k: post[c][:m] for k, c in layout.next_columns},
                                                post[_REWARD][:m], post[_TERMINATED][:m], post[_TRUNCATED][:m])
                 if failure is not None:  # that env stops here; the others catch up to it
-                    self._fail_free(self._failure_error(failure), failure.cause)
+                    self.pending_error = self.pending_error or self._failure_error(failure)
                     end = min(end, int(t[failure.j]))
                 m = len(written)
                 if m:
@@ -749,24 +727,18 @@ class Worker:
                     nxt = (t[idx] + 1) % store.capacity
                     for k in layout.shared:
                         cols[k][nxt, idx] = post[k][:m]
-                    for k, src in self._advance_pairs:
-                        cols[k][nxt, idx] = post[src][:m] if src in post and src in self._post_keys \
-                            else cols[src][rows, idx]
-                    if self._loop_inputs:
-                        cols["is_init"][nxt, idx] = False
-                        cols["step_count"][nxt, idx, 0] = self._count[idx]
-                        cols["episode_reward"][nxt, idx, 0] = self._reward_sum[idx]
+                    self._carry(cols, rows, nxt, idx, idx)
                     t[idx] += 1
                     for i in np.flatnonzero(done):
                         j = written[i]
                         try:
                             self._reset_env(j, None, store, int(t[j]), j, counters=False)
                         except EnvError as exc:  # its done step is kept: the others catch up to it
-                            self._fail_free(exc, exc.__cause__)
+                            self.pending_error = self.pending_error or exc
                             end = min(end, int(t[j]))
                 ready = list(written)  # next: their next steps (those still short of the end)
-                self.published = max(self.published, min(int(t.min()), self.granted))
-                if granted and cut.is_set() and not stopped:  # stop where the furthest env gets to
+                self.published = max(self.published, min(int(t.min()), target))
+                if cut.is_set() and not stopped:  # stop where the furthest env gets to
                     stopped = True
                     end = int((t + flying).max())
                 if stop.is_set():
@@ -774,13 +746,6 @@ class Worker:
         finally:
             ring.t = ring.t0 = int(t.min())
         return stopped
-
-    def _fail_free(self, error: CollectionError, cause: BaseException | None) -> None:
-        """Keep the first error of a free-running run, raised once every env reached the failed one."""
-        if self.pending_error is None:
-            if cause is not None and error.__cause__ is None:
-                error.__cause__ = cause
-            self.pending_error = error
 
     def _start_free(self, pre: dict[NestedKey, np.ndarray], t: np.ndarray, ready: list[int]) -> None:
         """Act for envs ``ready`` and start their steps (see :meth:`_run_free`); row ``j`` of ``pre`` is env
