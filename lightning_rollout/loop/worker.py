@@ -435,18 +435,14 @@ class Worker:
             raise self._failure_error(failure) from failure.cause
         done = self._stepped(row, sel)
         store.ensure(t + 1)
-        self._carry(store.cols, t % store.capacity, (t + 1) % store.capacity, slice(None), sel)
-        return done
-
-    def _carry(self, cols: Mapping[NestedKey, np.ndarray], rows: Any, nxt: Any, idx: Any, sel: Any) -> None:
-        """Write the carried root entries of the next step: columns ``idx`` of rows ``nxt`` from rows ``rows``
-        (lock-step: one row each; free-running: each env's own), and the counters a policy reads."""
+        nxt = store.row(t + 1)  # (views again: ``ensure`` may have grown an episode's storage)
         for k, src in self._advance_pairs:
-            cols[k][nxt, idx] = cols[src][rows, idx]
+            nxt[k][...] = row[src]
         if self._loop_inputs:  # the policy reads them at the next step
-            cols["is_init"][nxt, idx] = False
-            cols["step_count"][nxt, idx, 0] = self._count[sel]
-            cols["episode_reward"][nxt, idx, 0] = self._reward_sum[sel]
+            nxt["is_init"][...] = False
+            nxt["step_count"][:, 0] = self._count[sel]
+            nxt["episode_reward"][:, 0] = self._reward_sum[sel]
+        return done
 
     def _stepped(self, row: Mapping[NestedKey, np.ndarray], sel: slice | list[int] | np.ndarray) -> np.ndarray:
         """What a step does once its results are in ``row`` (envs ``sel`` of the worker's arrays): the per-step
@@ -727,7 +723,12 @@ class Worker:
                     nxt = (t[idx] + 1) % store.capacity
                     for k in layout.shared:
                         cols[k][nxt, idx] = post[k][:m]
-                    self._carry(cols, rows, nxt, idx, idx)
+                    for k, src in self._advance_pairs:  # (each env's row ``rows`` holds its step's results now)
+                        cols[k][nxt, idx] = cols[src][rows, idx]
+                    if self._loop_inputs:
+                        cols["is_init"][nxt, idx] = False
+                        cols["step_count"][nxt, idx, 0] = self._count[idx]
+                        cols["episode_reward"][nxt, idx, 0] = self._reward_sum[idx]
                     t[idx] += 1
                     for i in np.flatnonzero(done):
                         j = written[i]
