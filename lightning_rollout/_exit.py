@@ -137,14 +137,12 @@ def _intended_status() -> tuple[int, bool]:
     last = _last_uncaught()
     if last is not None and last is not _LAST_UNCAUGHT_AT_IMPORT:  # an uncaught exception ended the script
         return 1, isinstance(last, KeyboardInterrupt)
-    if _EXIT_STATUS:
-        status = _EXIT_STATUS[0]
-        if status is None:
-            return 0, False
-        if isinstance(status, int):  # bools included, as Python does
-            return int(status) & 0xFF, False
-        return 1, False  # sys.exit("message"): Python prints it and exits with 1
-    return 0, False
+    status = _EXIT_STATUS[0] if _EXIT_STATUS else None
+    if status is None:
+        return 0, False
+    if isinstance(status, int):  # bools included, as Python does
+        return int(status) & 0xFF, False
+    return 1, False  # sys.exit("message"): Python prints it and exits with 1
 
 
 def _exit_now(stuck: list[threading.Thread]) -> None:

@@ -219,6 +219,14 @@ def test_a_factory_of_natively_batched_envs_gives_each_env_thread_one_batch_rese
         assert env.resets[0] == [0, 1, 2] and [0, 1] in env.resets[1:] and [0] not in env.resets[1:]
 
 
+def test_the_auto_layout_gives_a_natively_batched_env_of_one_row_one_env_thread_a_batch():
+    """A batch of one is still a natively batched env: not timed, so "auto" must not read its (absent) step time."""
+    with MultiEnvLoop(lambda: CountingEnv(max_steps=4, batch_size=[1]), ones_policy, num_envs=2,
+                      envs_per_thread="auto", num_workers="auto") as loop:
+        assert (loop.envs_per_thread, loop.num_workers) == (1, 1)
+        assert "natively batched" in loop.layout_choice.reason
+        assert loop.run_env_steps(3).batch_size == (2, 3)
+
 def test_a_natively_batched_env_that_does_not_fit_the_layout_is_refused_with_what_to_pass():
     def factory() -> EnvBase:
         return CountingEnv(max_steps=4, batch_size=[4])

@@ -516,6 +516,13 @@ class _RLFigures:
         shown.update(items)
         return shown
 
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        """The Lightning bar's metrics (its own, after this class in the bar's bases) as :meth:`shown`, without
+        ``v_num``."""
+        items = dict(super().get_metrics(trainer, pl_module))  # type: ignore[misc]
+        items.pop("v_num", None)
+        return self.shown(items)
+
 
 class RolloutProgressBar(_RLFigures, TQDMProgressBar):
     """Lightning's TQDM bar showing RL figures, fitting in 80 columns.
@@ -541,11 +548,6 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
         self.rollout_prefix = rollout_prefix
         self.eval_prefix = eval_prefix
-
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
-        items = dict(super().get_metrics(trainer, pl_module))
-        items.pop("v_num", None)
-        return self.shown(items)
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
@@ -594,16 +596,6 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
             TimeElapsedColumn(),
         ]
 
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
-        items = dict(super().get_metrics(trainer, pl_module))
-        items.pop("v_num", None)
-        return self.shown(items)
-
-
-def _checkpoint_saved_at(checkpoint: ModelCheckpoint) -> int | None:
-    """The global step of ``checkpoint``'s last save (``None`` if unknown)."""
-    return getattr(checkpoint, "_last_global_step_saved", None)
-
 
 class _LastCheckpointAtFitEnd(pl.Callback):
     """Makes every ``ModelCheckpoint(save_last=...)`` hold the last step when ``fit`` ends.
@@ -626,7 +618,7 @@ class _LastCheckpointAtFitEnd(pl.Callback):
         for checkpoint in trainer.checkpoint_callbacks:
             if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.save_last:
                 continue
-            saved_at = _checkpoint_saved_at(checkpoint)
+            saved_at = getattr(checkpoint, "_last_global_step_saved", None)  # its last save's step
             if saved_at is None or saved_at == trainer.global_step:
                 continue
             candidates = checkpoint._monitor_candidates(trainer)

@@ -559,7 +559,7 @@ class RolloutDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is None:
             raise RuntimeError("RolloutDataModule must be used through Trainer.fit(model, datamodule=...)")
-        if callable(self.policy) and not isinstance(self.policy, str):
+        if callable(self.policy):  # (a string names an attribute of the module)
             return self.policy(module)
         actor = getattr(module, self.policy, None)
         if actor is None:

@@ -93,13 +93,14 @@ class EnvTiming:
             ``NaN``: not measured (a cheap step), which counts as holding it.
         step_cv: how much the step times vary: their standard deviation over their mean (``0.0``: all
             alike; a heavy-tailed step time, 1 or more).
-        batch: envs the factory makes at once (a natively batched env, not timed: ``step_s`` is ``NaN``).
+        batch: the rows of a natively batched env, which is not timed (``step_s`` is ``NaN``); ``None`` for
+            a single env.
     """
 
     step_s: float
     gil_release: float
     step_cv: float = 0.0
-    batch: int = 1
+    batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     one is chosen around it (``num_workers="threads"``: auto, but no worker processes, for the reason
     ``no_processes``, which the choice's reason repeats).
     """
-    if timing.batch > 1:  # a natively batched env steps its batch in one call: one env thread for each batch
+    if timing.batch is not None:  # a natively batched env steps its batch in one call: one env thread a batch
         return LayoutChoice(1, timing.batch, f"a natively batched env of {timing.batch} envs: one env thread steps "
                                              "each batch in one call")
     cores = usable_cores() if cores is None else cores

@@ -84,7 +84,7 @@ from ..errors import CollectionError, EnvError, LayoutWarning, PolicyError, Step
 from ..events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from ..policy import AutobatchPolicy, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
-from .auto import LayoutChoice, apply_choice, is_auto, layout_warning, resolve_layout
+from .auto import LayoutChoice, apply_choice, check_knobs, is_auto, layout_warning, resolve_layout
 from .block import Block, EnvBlock
 from .native import NativeBlock
 from .buffers import (_ENV_ID, _GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRAJ, _TRUNCATED, _VERSION,
@@ -1205,15 +1205,12 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
     Raises:
         ValueError: the first bad argument, named.
     """
-    if not is_auto(envs_per_thread):
-        check_int("envs_per_thread", envs_per_thread, 1)
-        if num_envs % envs_per_thread:
-            raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
-    if not is_auto(num_workers):
-        check_int("num_workers", num_workers, 1)
-        if num_workers > num_envs:
-            raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
-                             "runs at least one env")
+    check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
+    if not is_auto(envs_per_thread) and num_envs % envs_per_thread:
+        raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+    if not is_auto(num_workers) and num_workers > num_envs:
+        raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
+                         "runs at least one env")
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     check_seconds("step_timeout", step_timeout, allow_zero=False)

@@ -101,12 +101,11 @@ STOP = StopRequest()
 
 # -- worker -> driver --------------------------------------------------------------------------------------
 class Published(NamedTuple):
-    """Worker ``worker``'s steps up to ``end`` (exclusive) are settled in its storage; ``cut``: the worker
-    stopped short of its grant because the driver cut it (it then takes ``end`` as its grant)."""
+    """Worker ``worker``'s steps up to ``end`` (exclusive) are settled in its storage (short of its grant when
+    the driver cut it: it then takes ``end`` as its grant)."""
 
     worker: int
     end: int
-    cut: bool
 
 
 class EpisodeReady(NamedTuple):

@@ -369,7 +369,7 @@ class Worker:
         self.published = max(self.published, end)
         if cut:
             self.granted = end
-        self.ctx.ready.put(Published(self.index, end, cut))
+        self.ctx.ready.put(Published(self.index, end))
 
     # -- the one step driver -----------------------------------------------------------------------
     def _advance(self, run: _Run, target: int) -> None:
