@@ -789,7 +789,8 @@ class MultiEnvLoop:
     def _take(self, out: dict[NestedKey, np.ndarray], filled: int, n: int, w: int,
               processor: EventProcessor | None) -> int:
         """Copy worker ``w``'s published steps not handed out yet into ``out[filled:]`` (flat, in time order,
-        env by env within a step), up to ``n`` rows; a step copied in part is finished by the next take."""
+        env by env within a step), up to ``n`` rows; a step copied in part is finished by the next take. The rows
+        copied are counted and their training events go to ``processor`` (:meth:`_count`)."""
         steps, g = self._workers[w].steps, self.envs_per_thread
         env_ids, first = self._env_ids[w], filled
         while filled < n and self._consumed[w] < self._published[w]:
@@ -807,7 +808,8 @@ class MultiEnvLoop:
 
     def _take_rounds(self, out: dict[NestedKey, np.ndarray], filled: int, w: int, steps_: int,
                      processor: EventProcessor | None) -> int:
-        """Copy worker ``w``'s next ``steps_`` published steps (whole ones) into ``out[filled:]``, flat."""
+        """Copy worker ``w``'s next ``steps_`` published steps (whole ones) into ``out[filled:]``, flat, counted
+        as :meth:`_take` counts them."""
         g, steps = self.envs_per_thread, self._workers[w].steps
         t = self._consumed[w]
         rows = {k: v for k, v in out.items() if k != _ENV_ID and k != _TRAJ}

@@ -383,7 +383,7 @@ class Worker:
         stopped = False
         self._run = run
         try:
-            if self._free and run is self._ring and target - run.t > 1:
+            if self._free and granted and target - run.t > 1:  # (a step ahead is one step: lock-step)
                 stopped = self._run_free(target)
             else:
                 store = run.store
@@ -683,7 +683,7 @@ class Worker:
         cut, stop = ctx.cut, ctx.stop
         ring = self._ring
         t = np.full(self.rows, ring.t, dtype=np.int64)  # each env's next step
-        stopped = cut.is_set()  # (always a grant: target == self.granted, see _advance)
+        stopped = cut.is_set()  # (``target`` is a grant: see _advance)
         end = ring.t if stopped else target  # every env stops at this step
         flying = np.zeros(self.rows, dtype=bool)
         pre, post = self._pre, self._post
