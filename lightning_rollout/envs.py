@@ -498,9 +498,9 @@ class _TorchRLEnv:
         self._next_keys = list(self.keys.next)
         self._reward_keys = list(self.keys.reward)
         self._root_done = "done" in self.keys.done
-        term = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "terminated"]
-        trunc = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "truncated"]
-        done = [k for k in self.keys.done if (k[-1] if isinstance(k, tuple) else k) == "done"]
+        term = [k for k in self.keys.done if key_parts(k)[-1] == "terminated"]
+        trunc = [k for k in self.keys.done if key_parts(k)[-1] == "truncated"]
+        done = [k for k in self.keys.done if key_parts(k)[-1] == "done"]
         self._terminated_keys = term or done
         self._truncated_keys = trunc
         return env

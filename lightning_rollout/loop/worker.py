@@ -69,7 +69,7 @@ import torch
 
 from ..errors import CollectionError, EnvError, PolicyError
 from ..policy import Agent, _Stopped
-from ..specs import ArraySpec, NestedKey, next_key
+from ..specs import ArraySpec, NestedKey, key_parts, next_key
 from .block import Block, EnvFailure
 from .buffers import (_GYM_LOOP_KEYS, _LENGTH, _RETURN, _REWARD, _TERMINATED, _TRUNCATED, _VERSION, Layout, Steps,
                       check_entries)
@@ -644,8 +644,7 @@ class Worker:
         if not (row[_TERMINATED][j] or row[_TRUNCATED][j]):
             row[_TRUNCATED][j] = True
             for k in self.ctx.layout.done_keys:
-                name = k[-1] if isinstance(k, tuple) else k
-                if name in ("done", "truncated"):
+                if key_parts(k)[-1] in ("done", "truncated"):
                     row[next_key(k)][j] = True
         return True
 
