@@ -22,11 +22,13 @@ import torch
 
 from lightning_rollout import CollectionError, EnvError, MultiEnvLoop, PolicyError, ThreadedCollector
 from lightning_rollout import _exit
+from lightning_rollout.loop.driver import _creation_error
+from lightning_rollout.loop.process import WorkerProcesses
 from process_helpers import CountEnv, count_envs, zero_policy
 from reliability_helpers import bounded
 from test_processes import _children
-from worker_helpers import (ClosingEnv, FdStarvedEnv, ForkingEnv, KilledEnv, RaisingEnv, WrongShapeEnv, closed_envs,
-                            factories, unpicklable_in_child)
+from worker_helpers import (ClosingEnv, FdStarvedEnv, ForkingEnv, KilledEnv, RaisingEnv, SlowBuildEnv, WrongShapeEnv,
+                            closed_envs, factories, unpicklable_in_child)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
 
@@ -164,6 +166,20 @@ def test_a_construction_refused_after_the_workers_built_their_envs_closes_them_a
     with pytest.raises(PolicyError, match="this policy cannot act"):
         MultiEnvLoop(factories(ClosingEnv, 4, marks=str(tmp_path)), _broken_policy, num_workers=2, envs_per_thread=4)
     assert closed_envs(str(tmp_path)) == [0, 1, 2, 3]  # 0-1 here, 2-3 in worker process 1
+    assert not (_children() - before)
+
+
+def test_worker_processes_that_do_not_build_their_envs_in_time_end_in_a_timeout_naming_the_process(tmp_path):
+    """The wait for a worker process's envs has a way out: a factory that takes 60 s, against a 0.5 s
+    ``timeout``, ends the construction in an ``EnvError`` caused by a ``TimeoutError`` that names the
+    process, and no worker process is left running."""
+    before = _children()
+    envs = factories(SlowBuildEnv, 2, marks=str(tmp_path))
+    with pytest.raises(EnvError, match=r"did not build its envs within 0.5 s \(in worker process 0\)") as info:
+        WorkerProcesses(envs, 2, 1, seeds=[None, None], max_episode_steps=None, validate=True, name="slow",
+                        timeout=0.5, on_error=_creation_error)
+    assert isinstance(info.value.__cause__, TimeoutError)
+    assert "lightning_rollout-slow-worker0" in str(info.value)
     assert not (_children() - before)
 
 
