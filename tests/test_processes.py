@@ -230,13 +230,14 @@ if __name__ == "__main__":
 """
 
 
-def test_worker_processes_exit_when_the_main_process_is_killed():
+def test_worker_processes_exit_when_the_main_process_is_killed(tmp_path):
     import psutil
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # TMPDIR: the killed process cannot remove multiprocessing's temp folder (pymp-*); it is left in tmp_path
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
     code = textwrap.dedent(_ORPHAN_SCRIPT).format(tests=str(root / "tests"))
-    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"lr_orphan_{os.getpid()}.py"
+    script = tmp_path / "orphan.py"
     script.write_text(code)  # spawn re-imports the main module from a file
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=root, env=env)
@@ -250,7 +251,6 @@ def test_worker_processes_exit_when_the_main_process_is_killed():
     finally:
         if proc.poll() is None:
             proc.kill()
-        script.unlink(missing_ok=True)
 
 
 def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> float | None:
