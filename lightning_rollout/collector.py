@@ -299,14 +299,16 @@ class ThreadedCollector(BaseCollector):
 
     Args:
         create_env_fn: a gymnasium id, a factory returning a ``gymnasium.Env`` or
-            an unbatched torchrl ``EnvBase`` (transforms included), a list of
-            such factories (one per env), an unbatched env instance (then
-            ``num_envs`` must be 1), or a batched env instance (``SerialEnv``,
-            ``ParallelEnv``, ``GymEnv(num_envs=k)``, a ``TransformedEnv`` of one, a
-            gymnasium ``SyncVectorEnv`` / ``AsyncVectorEnv``), taken apart into its
-            single envs and closed (``docs/torchrl.rst``, "Batched envs"). A batched
-            env that cannot be taken apart is refused, and closed first (its worker
-            processes end): the collector owns its envs, as TorchRL's ``Collector`` does.
+            a torchrl ``EnvBase`` (transforms included), a list of such factories
+            (one per env), an unbatched env instance (then ``num_envs`` must be 1),
+            or a batched env instance (``SerialEnv``, ``ParallelEnv``,
+            ``GymEnv(num_envs=k)``, a ``TransformedEnv`` of one, a gymnasium
+            ``SyncVectorEnv`` / ``AsyncVectorEnv``), taken apart into its single envs
+            and closed, or stepped as it is when natively batched (``docs/torchrl.rst``,
+            "Batched envs"). Without ``num_envs``, a lone factory is called once here
+            and its env is taken as that instance would be, as TorchRL's ``Collector``
+            calls it. The collector owns its envs, as TorchRL's ``Collector`` does:
+            a refused env is closed first (its worker processes end).
         policy: what TorchRL's collectors accept: a ``TensorDictModule`` (an
             actor, a ``TensorDictSequential`` with exploration modules, an
             ``LSTMModule`` policy...), a function of a TensorDict, an
@@ -323,7 +325,8 @@ class ThreadedCollector(BaseCollector):
             ``num_envs`` (with a warning) in the ``env_time`` layout.
         total_frames: stop after this many frames, rounded up to whole batches
             (with a warning); ``-1`` is endless.
-        num_envs: number of envs (default: the length of a list of factories, else 1).
+        num_envs: number of envs (default: the length of a list of factories, else the
+            batch size of the env given or made by a lone factory, 1 for an unbatched one).
         envs_per_thread: envs stepped together by one thread (see :class:`MultiEnvLoop`);
             ``"auto"`` (default): chosen with ``num_workers`` from a few timed steps of one
             env (``docs/tuning.rst``; the choice is logged at INFO and kept in ``layout_choice``).
@@ -489,16 +492,18 @@ class ThreadedCollector(BaseCollector):
             return_same_td=return_same_td, use_buffers=use_buffers, replay_buffer=replay_buffer,
             cudagraph_policy=cudagraph_policy, weight_updater=weight_updater,
             weight_sync_schemes=weight_sync_schemes, weight_recv_schemes=weight_recv_schemes)
-        if create_env_kwargs:
-            create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
-        native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
-        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
-        num_envs = len(factories)
         _check_options(worker_idx=worker_idx, auto_register_policy_transforms=auto_register_policy_transforms,
                        devices={"device": device, "storing_device": storing_device, "policy_device": policy_device,
                                 "env_device": env_device},
                        layout=layout, reset_when_done=reset_when_done, split_trajs=split_trajs,
                        replay_buffer=replay_buffer, trajs_per_batch=trajs_per_batch)
+        if create_env_kwargs:
+            create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
+        if num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
+            create_env_fn = create_env_fn()  # as TorchRL's Collector: a lone factory's env, batched or not, is the env
+        native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
+        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
+        num_envs = len(factories)
         if auto_register_policy_transforms and isinstance(policy, torch.nn.Module):
             factories = [_WithPolicyTransforms(f, policy) for f in factories]
         frames_per_batch, total_frames, init_random_frames, max_frames_per_traj = _frame_budget(

@@ -90,6 +90,25 @@ def test_a_batched_torchrl_env_gives_the_batches_of_torchrls_collector(form):
     assert_same_batches(expected, got)
 
 
+@pytest.mark.parametrize("form", ["SerialEnv", "TransformedEnv(SerialEnv)"])
+def test_a_lone_factory_of_a_batched_env_without_num_envs_gives_the_batches_of_torchrls_collector(form):
+    """TorchRL's ``Collector`` calls a lone factory and takes its env's batch (the sota SAC-async
+    collector's form); so does ours, rather than counting the factory as one env."""
+    make = BATCHED_FORMS[form]
+    expected = first_batches(Collector, make, ones_policy)
+    got = first_batches(ThreadedCollector, make, ones_policy)
+    assert_same_batches(expected, got)
+
+
+def test_a_lone_factory_of_a_natively_batched_env_without_num_envs_is_stepped_as_its_instance():
+    def factory() -> EnvBase:
+        return CountingEnv(max_steps=4, batch_size=[4])
+
+    expected = first_batches(Collector, factory, ones_policy, frames_per_batch=24)
+    got = first_batches(ThreadedCollector, factory, ones_policy, frames_per_batch=24)
+    assert_same_batches(expected, got)
+
+
 def test_gym_env_with_num_envs_gives_the_layout_of_torchrls_collector():
     expected = first_batches(Collector, GymEnv("CartPole-v1", num_envs=2), None, count=1)[0]
     got = first_batches(ThreadedCollector, GymEnv("CartPole-v1", num_envs=2), None, count=1)[0]
@@ -233,7 +252,8 @@ def test_a_natively_batched_env_that_does_not_fit_the_layout_is_refused_with_wha
 
     with pytest.raises(ValueError, match="natively batched env of 4 envs.*multiple of 4.*envs_per_thread"):
         MultiEnvLoop(factory, ones_policy, num_envs=6, envs_per_thread=2)
-    with pytest.raises(ValueError, match="natively batched env of 4 envs.*envs_per_thread \\(2\\) equal to it"):
+    with pytest.raises(ValueError, match="natively batched env of 4 envs.*envs_per_thread \\(2\\) equal to it; "
+                                         "pass envs_per_thread=4"):
         MultiEnvLoop(factory, ones_policy, num_envs=8, envs_per_thread=2)
     with pytest.raises(ValueError, match="parallel_steps=True.*natively batched env"):
         MultiEnvLoop(factory, ones_policy, num_envs=4, envs_per_thread=4, parallel_steps=True)

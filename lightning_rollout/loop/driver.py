@@ -403,7 +403,7 @@ class MultiEnvLoop:
                 raise ValueError(
                     f"the env factory makes a natively batched env of {batch} envs, stepped in one call by one env "
                     f"thread: num_envs ({self.num_envs}) must be a multiple of {batch} and envs_per_thread "
-                    f"({self.envs_per_thread}) equal to it (or 'auto')")
+                    f"({self.envs_per_thread}) equal to it; pass envs_per_thread={batch}")
             if self.parallel_steps:
                 raise ValueError(f"parallel_steps={self.parallel_steps!r} steps each env in a helper thread; a natively "
                                  "batched env steps its envs in one call: leave parallel_steps out")
