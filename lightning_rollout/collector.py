@@ -500,7 +500,9 @@ class ThreadedCollector(BaseCollector):
         if create_env_kwargs:
             create_env_fn = _with_kwargs(create_env_fn, create_env_kwargs)
         if num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
-            create_env_fn = create_env_fn()  # as TorchRL's Collector: a lone factory's env, batched or not, is the env
+            made = create_env_fn()  # as TorchRL's Collector: a lone factory's env is taken as that instance would be
+            # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
+            create_env_fn = made if isinstance(made, (EnvBase, gym.Env, gym.vector.VectorEnv)) else lambda: made
         native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
         num_envs = len(factories)
