@@ -7,7 +7,8 @@ imports Lightning): :mod:`~lightning_rollout.policy`, :mod:`~lightning_rollout.e
 """
 
 from .collector import ThreadedCollector
-from .envs import ArraySpec, EnvAdapter, GymAdapter, TorchRLAdapter
+from .envs import GymUnit, TorchRLUnit, Unit
+from .specs import ArraySpec
 from .errors import CollectionError, EnvError, LayoutWarning, PolicyError, StepTimeoutError
 from .events import EpisodeEnd, EventProcessor, Interrupter, Progress, TimeStep
 from .loop import EnvLoop, MultiEnvLoop
@@ -32,14 +33,13 @@ __all__ = [
     "ArraySpec",
     "AutobatchPolicy",
     "CollectionError",
-    "EnvAdapter",
     "EnvError",
     "EnvLoop",
     "EpisodeEnd",
     "EpisodeStatsLogger",
     "EvalRound",
     "EventProcessor",
-    "GymAdapter",
+    "GymUnit",
     "Interrupter",
     "LayoutWarning",
     "MultiEnvLoop",
@@ -54,6 +54,7 @@ __all__ = [
     "StepTimeoutError",
     "TimeStep",
     "ThreadedCollector",
-    "TorchRLAdapter",
+    "TorchRLUnit",
+    "Unit",
     "VideoRecording",
 ]

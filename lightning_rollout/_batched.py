@@ -40,7 +40,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 from torchrl.envs.libs.gym import GymEnv
 
-from .envs import EnvFactory, close_env_quietly
+from .envs import EnvFactory, close_quietly
 
 __all__ = ["SplitEnv", "is_batched", "split_batched_env", "splittable"]
 
@@ -111,7 +111,7 @@ def _split_torchrl(env: EnvBase) -> list[EnvFactory]:
             try:
                 out.extend(_split_torchrl(sub))
             finally:
-                close_env_quietly(sub)
+                close_quietly([sub])
         return out
     if type(env) is GymEnv and len(env.batch_size) == 1:
         options = {k: v for k, v in env._constructor_kwargs.items() if k != "num_envs"}
@@ -136,7 +136,7 @@ def _check_row_specs(env: EnvBase, factory: EnvFactory) -> None:
                 raise _unsplittable(env, f"its rebuilt single env's {part} entries {mine} are not one row of "
                                          f"its own, {row}")
     finally:
-        close_env_quietly(single)
+        close_quietly([single])
 
 
 def split_batched_env(env: Any) -> SplitEnv:
@@ -156,6 +156,6 @@ def split_batched_env(env: Any) -> SplitEnv:
         raise _unsplittable(env, "a vector env other than a plain SyncVectorEnv or AsyncVectorEnv")
     finally:
         if isinstance(env, EnvBase):
-            close_env_quietly(env)
+            close_quietly([env])
         else:
             env.close()

@@ -52,7 +52,7 @@ from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import EventProcessor, Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, layout_warning, one_env_threads_warning,
+from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, one_env_threads_warning,
                         resolve_layout)
 from .specs import key_parts
 
@@ -273,7 +273,7 @@ def _layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_
     num_workers, envs_per_thread, parallel_steps = apply_choice(
         choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
     slow = (choice.warning if choice is not None else None) or (
-        None if chosen_ept or native or layout_warning(num_envs, int(envs_per_thread), int(num_workers)) is not None
+        None if chosen_ept or native
         else one_env_threads_warning(num_envs, envs_per_thread))  # (the loop's own warning says it then)
     if slow is not None:
         warn_user(LayoutWarning(f"{name}: {slow}"))
@@ -760,7 +760,6 @@ class ThreadedCollector(BaseCollector):
             else:
                 batch = self._loop.run_steps(self.frames_per_batch)
         except BaseException:  # the loop closed itself; stop the inference thread too (safe from any thread)
-            self._autobatch.close()
             raise
         frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
         if frames == 0:
@@ -822,7 +821,7 @@ class ThreadedCollector(BaseCollector):
     def fake_tensordict(self) -> TensorDictBase:
         """A zero-filled batch with the layout of the batches this collector yields (shape, dim names, keys,
         dtypes), built without collecting: TorchRL's ``Collector.fake_tensordict``."""
-        layout = self._loop._layout
+        layout = self._loop.layout
         if self.layout == "env_time":
             shape, names = [self.num_envs, self.frames_per_batch // self.num_envs], [None, "time"]
         else:
@@ -939,7 +938,6 @@ class ThreadedCollector(BaseCollector):
         self._shut = True
         self._stop_background(timeout)
         self._loop.close()
-        self._autobatch.close()
         error, self._background_error = self._background_error, None
         if error is not None and raise_on_error:
             raise error
@@ -998,7 +996,7 @@ class ThreadedCollector(BaseCollector):
         """
         check_int("seed", seed, 0)
         self._seed = seed
-        if self._loop._started:
+        if self._iter >= 0:
             self._loop.reset_envs(seeds=[seed + i for i in range(self.num_envs)])
         else:
             self._loop.seed = seed
@@ -1077,12 +1075,12 @@ class ThreadedCollector(BaseCollector):
                 self._check_weights(weights)
                 self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
             seed = fields["seed"]
-            if self._loop._started and seed >= 0:
+            if self._iter >= 0 and seed >= 0:
                 self._loop.reset_envs(seeds=[seed + fields["frames"] + i for i in range(self.num_envs)])
             self._frames = fields["frames"]
             self._iter = fields["batches"] - 1
             self._autobatch.set_version(fields["policy_version"])
-            if not self._loop._started:
+            if not self._iter >= 0:
                 self._loop.set_traj_id_start(fields["next_traj_id"])
                 if seed >= 0:
                     self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume

@@ -1,0 +1,351 @@
+"""Executors: a vector env of ``num_envs`` rows over units, in envpool's ``send`` / ``recv`` shape.
+
+The stepping loop writes the inputs of the envs it steps into ``slots.inputs`` and calls :meth:`Envs.send`;
+:meth:`Envs.recv` returns the rows whose step ended, their results written in ``slots`` (the env's ``"next"``
+entries, reward, flags and, for an env the step ended, its reset's root entries). Where the envs run is the
+executor's business:
+
+* :class:`SerialEnvs`: every unit stepped in the calling thread, at :meth:`~Envs.recv` (one unit of many
+  gymnasium envs is the gymnasium fast path; a natively batched env is one unit);
+* :class:`ThreadEnvs`: one pool thread a unit (``lightning_rollout-<name>-env<i>``), for steps that release
+  the GIL, and whenever a ``step_timeout`` must be able to abandon a stuck call;
+* :class:`~lightning_rollout.loop.processes.ProcessEnvs`: shards of units in worker processes, writing
+  shared-memory rows, one message a shard a step.
+
+A unit's rows are sent whole. Executors are driven by one thread (the loop's); ``close`` may run in any.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import gymnasium as gym
+
+from .._exit import abandon
+from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
+from ..specs import ArraySpec, NestedKey
+
+__all__ = ["Envs", "SerialEnvs", "ThreadEnvs"]
+
+POLL_S = 0.05
+
+
+class Envs:
+    """What every executor provides.
+
+    Attributes:
+        num_envs: rows.
+        unit: a unit like those stepped (one env's keys and specs; ``unit.loop_keys``, ``unit.partial``).
+        bounds: ``[units + 1]`` first row of each unit (and ``num_envs``).
+        slots: the per-row arrays (:class:`~lightning_rollout.envs.Slots`); ``inputs`` allocated by :meth:`attach`.
+        roots: ``[num_envs, ...]`` every env's root entries after its first (seeded) reset.
+    """
+
+    num_envs: int
+    unit: Unit
+    bounds: np.ndarray
+    slots: Slots
+    roots: dict[NestedKey, np.ndarray]
+
+    def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
+        """Allocate ``slots.inputs`` for these entries (once, before the first :meth:`send`)."""
+        raise NotImplementedError
+
+    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+        """Reset ``rows`` (idle) now, each with its seed; their root entries into ``slots.root``.
+
+        Raises:
+            EnvFailure: a reset failed.
+        """
+        raise NotImplementedError
+
+    def send(self, rows: np.ndarray) -> None:
+        """Start a step of ``rows`` (idle, whole units, ascending), their inputs in ``slots.inputs``."""
+        raise NotImplementedError
+
+    def recv(self, min_rows: int, wait: float) -> np.ndarray:
+        """The rows whose step ended since the last call (ascending within a unit): as soon as ``min_rows`` of
+        them ended, or after ``wait`` seconds with those that did (maybe none).
+
+        Raises:
+            EnvFailure: a step failed (the other rows' steps of that call are lost with it).
+        """
+        raise NotImplementedError
+
+    def stuck(self, timeout: float) -> tuple[int, str] | None:
+        """``(row, phase)`` of an env call running for over ``timeout`` seconds, else ``None``."""
+        return None
+
+    def close(self, timeout: float) -> list[str]:
+        """Close every env; returns the names of threads left running (abandoned)."""
+        raise NotImplementedError
+
+
+def batch_rows(env: Any) -> int:
+    """The envs ``env`` steps in one call: a natively batched env's batch, else 1."""
+    from torchrl.envs import EnvBase
+
+    if isinstance(env, EnvBase):
+        return max(1, int(env.batch_size.numel()))
+    if isinstance(env, gym.vector.VectorEnv):
+        return int(env.num_envs)
+    config = getattr(getattr(env, "spec", None), "config", None)  # envpool
+    return int(getattr(config, "num_envs", 1))
+
+
+def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_steps: int | None, validate: bool,
+                info_keys: InfoKeys | None) -> list[Unit]:
+    """The units of envs made by ``factories`` (one a row): ``group`` envs a unit, a natively batched env a unit
+    of its own (its factory repeated for its rows). Built envs are closed when one fails.
+
+    Raises:
+        EnvFailure: a factory raised (phase ``"reset"``, named by its row). ValueError: an env no unit takes.
+    """
+    units: list[Unit] = []
+    i = 0
+    try:
+        while i < len(factories):
+            envs = []
+            for j in range(i, min(i + group, len(factories))):
+                try:
+                    env = factories[j]()
+                except Exception as exc:
+                    close_quietly(envs)
+                    raise EnvFailure(j, "reset", "env", exc) from exc
+                envs.append(env)
+                if batch_rows(env) > 1:
+                    break
+            rows = batch_rows(envs[0]) if len(envs) == 1 else len(envs)
+            units.append(make_unit(envs, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys))
+            i += rows
+        if i != len(factories):
+            raise ValueError(f"the env factory makes natively batched envs of {units[-1].rows} envs: num_envs "
+                             f"({len(factories)}) must be a multiple of that")
+    except BaseException:
+        for u in units:
+            close_quietly([u])
+        raise
+    return units
+
+
+def _unit_of(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    return np.searchsorted(bounds, rows, side="right") - 1
+
+
+class _Local(Envs):
+    """Units of this process: described, bound to their rows, reset once (seeded) at construction."""
+
+    def __init__(self, units: Sequence[Unit], seeds: Sequence[int | None]) -> None:
+        for i, u in enumerate(units[1:], 1):
+            if not u.keys.same_layout(units[0].keys):
+                raise ValueError(f"env {sum(x.rows for x in units[:i])} has specs {u.keys}, env 0 has "
+                                 f"{units[0].keys}; all envs of a loop must share their keys, shapes and dtypes")
+        self.units = list(units)
+        self.unit = units[0]
+        self.bounds = np.cumsum([0, *(u.rows for u in units)])
+        self.num_envs = int(self.bounds[-1])
+        self.use(Slots.allocate(self.num_envs, inputs={}, next=self.unit.writes, root=self.unit.keys.root))
+        self._reset_units(np.arange(self.num_envs), seeds)
+        self.roots = {k: v.copy() for k, v in self.slots.root.items()}
+
+    def use(self, slots: Slots) -> None:
+        """Read and write ``slots`` (these units' rows) from now on."""
+        self.slots = slots
+        for u, a, b in zip(self.units, self.bounds, self.bounds[1:]):
+            u.bind(slots.rows(int(a), int(b)))
+
+    def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
+        self.slots.inputs = Slots.allocate(self.num_envs, inputs=inputs, next={}, root={}).inputs
+        self.use(self.slots)
+
+    def _parts(self, rows: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+        """``(unit, its rows or None for all of them)`` for ``rows``."""
+        if len(self.units) == 1:
+            return [(0, rows if len(rows) < self.num_envs else None)]
+        unit = _unit_of(self.bounds, rows)
+        parts = []
+        for u in np.unique(unit).tolist():
+            mine = rows[unit == u] - self.bounds[u]
+            parts.append((u, mine if len(mine) < self.units[u].rows else None))
+        return parts
+
+    def _seeded(self, rows: np.ndarray, seeds: Sequence[int | None]) -> list[tuple[int, list[int], list[int | None]]]:
+        """``(unit, its rows, their seeds)`` for a reset of ``rows``."""
+        seed_of = dict(zip(np.asarray(rows).tolist(), seeds))
+        out = []
+        for u, local in self._parts(np.asarray(rows)):
+            a = int(self.bounds[u])
+            local = list(range(self.units[u].rows)) if local is None else local.tolist()
+            out.append((u, local, [seed_of.get(r + a) for r in local]))
+        return out
+
+    def _reset_units(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+        for u, local, mine in self._seeded(rows, seeds):
+            try:
+                self.units[u].reset(local, mine)
+            except EnvFailure as failure:
+                raise failure.shifted(int(self.bounds[u])) from failure.cause
+
+    def close(self, timeout: float) -> list[str]:
+        close_quietly(self.units)
+        return []
+
+
+class SerialEnvs(_Local):
+    """Units stepped one after the other in the thread that calls :meth:`recv` (see the module docstring)."""
+
+    def __init__(self, units: Sequence[Unit], seeds: Sequence[int | None]) -> None:
+        super().__init__(units, seeds)
+        self._sent: list[np.ndarray] = []
+
+    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+        self._reset_units(rows, seeds)
+
+    def send(self, rows: np.ndarray) -> None:
+        self._sent.append(rows)
+
+    def recv(self, min_rows: int, wait: float) -> np.ndarray:
+        if not self._sent:
+            if wait > 0:
+                time.sleep(min(wait, POLL_S))
+            return np.empty(0, dtype=np.int64)
+        rows = self._sent[0] if len(self._sent) == 1 else np.sort(np.concatenate(self._sent))
+        self._sent = []
+        for u, local in self._parts(rows):
+            try:
+                self.units[u].step(local)
+            except EnvFailure as failure:
+                raise failure.shifted(int(self.bounds[u])) from failure.cause
+        return rows
+
+
+class _PoolThread:
+    """One unit stepped by its own thread: calls arrive on ``calls``, answers go to the executor's queue."""
+
+    def __init__(self, index: int, unit: Unit, answers: queue.SimpleQueue[Any], stop: threading.Event,
+                 name: str) -> None:
+        self.index, self.unit, self.answers, self.stop = index, unit, answers, stop
+        self.calls: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
+        self.since = 0.0  # perf_counter() when the call in flight was handed over, 0.0 when idle
+        self.phase = "step"
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # an env's own torch work (TorchRL transforms) must not start an OpenMP team here
+        torch.set_grad_enabled(False)
+        while not self.stop.is_set():
+            try:
+                call = self.calls.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if call is None:
+                return
+            kind, rows, seeds = call
+            try:
+                if kind == "step":
+                    self.unit.step(rows)
+                else:
+                    self.unit.reset(rows, seeds)
+                answer: Any = (self.index, kind, rows)
+            except BaseException as exc:  # noqa: BLE001 - every failure is answered, never lost
+                answer = (self.index, kind, exc if isinstance(exc, EnvFailure) else EnvFailure(0, kind, "env", exc))
+            self.since = 0.0
+            self.answers.put(answer)
+
+
+class ThreadEnvs(_Local):
+    """One pool thread a unit (see the module docstring); the thread that drives it only waits."""
+
+    def __init__(self, units: Sequence[Unit], seeds: Sequence[int | None], *, name: str) -> None:
+        super().__init__(units, seeds)
+        self._stop = threading.Event()
+        self._answers: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.pool = [_PoolThread(i, u, self._answers, self._stop, f"lightning_rollout-{name}-env{int(a)}")
+                     for i, (u, a) in enumerate(zip(self.units, self.bounds))]
+        self._ready: list[np.ndarray] = []
+        self._count = 0
+        self._abandoned: set[threading.Thread] = set()
+
+    def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
+        """Hand each unit its part of ``rows``; returns how many units were asked."""
+        now = time.perf_counter()
+        parts = self._parts(rows) if kind == "step" else [(u, local, mine) for u, local, mine in self._seeded(
+            rows, seeds)]
+        for part in parts:
+            thread = self.pool[part[0]]
+            thread.since, thread.phase = now, kind
+            thread.calls.put((kind, part[1], part[2] if kind == "reset" else None))
+        return len(parts)
+
+    def _answer(self, timeout: float) -> tuple[str, np.ndarray] | None:
+        """The next answer (its kind and rows), ``None`` when none came within ``timeout``."""
+        try:
+            u, kind, result = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        a = int(self.bounds[u])
+        if isinstance(result, EnvFailure):
+            raise result.shifted(a) from result.cause
+        return kind, (np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a
+
+    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+        waiting = self._call("reset", rows, seeds)
+        while waiting and not self._stop.is_set():
+            answer = self._answer(POLL_S)
+            if answer is not None and answer[0] == "reset":
+                waiting -= 1
+            elif answer is not None:  # another unit's step: kept for recv
+                self._ready.append(answer[1])
+                self._count += len(answer[1])
+
+    def send(self, rows: np.ndarray) -> None:
+        self._call("step", rows)
+
+    def recv(self, min_rows: int, wait: float) -> np.ndarray:
+        deadline = time.perf_counter() + wait
+        while True:
+            remaining = deadline - time.perf_counter()
+            got = self._answer(0.0 if self._count >= min_rows or remaining <= 0 else min(remaining, POLL_S))
+            if got is None:
+                if self._count >= min_rows or remaining <= 0:
+                    break
+                continue
+            self._ready.append(got[1])
+            self._count += len(got[1])
+        ready, self._ready, self._count = self._ready, [], 0
+        if not ready:
+            return np.empty(0, dtype=np.int64)
+        return ready[0] if len(ready) == 1 else np.sort(np.concatenate(ready))
+
+    def stuck(self, timeout: float) -> tuple[int, str] | None:
+        now = time.perf_counter()
+        for thread, a in zip(self.pool, self.bounds):
+            since = thread.since
+            if since and now - since > timeout:
+                self._abandoned.add(thread.thread)  # close() will not wait for it
+                return int(a), thread.phase
+        return None
+
+    def close(self, timeout: float) -> list[str]:
+        self._stop.set()
+        for thread in self.pool:
+            thread.calls.put(None)
+        left = []
+        for thread in self.pool:
+            if thread.thread not in self._abandoned:
+                thread.thread.join(timeout)
+            if thread.thread.is_alive():
+                abandon(thread.thread)
+                left.append(thread.thread.name)
+            else:
+                close_quietly([thread.unit])
+        return left

@@ -1,0 +1,427 @@
+"""Worker processes: shards of units in child processes, writing shared-memory rows; one message a shard a step.
+
+With ``num_workers = n`` the envs are cut into ``n`` contiguous shards of whole units: the stepping thread
+steps shard 0 itself (between sending the children their steps and reading their answers), worker processes
+1 to ``n - 1`` step the others, each its units one after the other (a :class:`SerialEnvs` there too). The
+per-row arrays (:class:`~lightning_rollout.envs.Slots`) are torch tensors in shared memory, viewed as numpy on
+both sides; a message orders every write before the other side reads. Messages are tuples: the parent sends
+``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)`` and ``("close",)``; a child answers
+``("started",)``, ``("ready", unit description, roots)``, ``("ok", kind, rows)`` or
+``("failed", row, phase, kind, text)``.
+
+Lifetime: children start with ``spawn`` (safe with CUDA in the parent), not daemonic (an env may start
+processes of its own), with SIGINT blocked across ``exec`` and then ignored (Ctrl-C is the parent's), torch on
+one thread, and a watchdog that ends them when the parent dies. They end with ``os._exit`` once their envs are
+closed. :meth:`ProcessEnvs.close` asks each child to close, joins it within a bound, then terminates and kills
+it, and releases every pipe and ``Process`` at once. A child that dies without a word is described by when it
+died and by its exit code or signal. A daemonic process (a ``DataLoader`` worker) cannot have children:
+worker processes are refused there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import wait as wait_for
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._exit import close_at_exit, exempt_at_exit
+from ..envs import EnvFactory, EnvFailure, InfoKeys, RemoteTraceback, Slots
+from ..errors import CollectionError
+from ..specs import ArraySpec, NestedKey
+from .executors import Envs, SerialEnvs, build_units
+
+__all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
+
+_POLL_S = 0.05
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without reporting an error (chained as the cause of the loop's error)."""
+
+
+def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
+    """Each env factory pickled (what a worker process is sent), or a ``ValueError`` saying what to do."""
+    blobs: dict[int, bytes] = {}
+    out = []
+    for i, factory in enumerate(factories):
+        blob = blobs.get(id(factory))
+        if blob is None:
+            try:
+                blob = blobs[id(factory)] = pickle.dumps(factory)
+            except Exception as exc:
+                raise ValueError(
+                    f"num_workers > 1 runs envs in worker processes, which need the env factory to be picklable; "
+                    f"env {i}'s factory {factory!r} is not ({type(exc).__name__}: {exc}). Define it at module level "
+                    "(not a lambda or a local function), or pass a gymnasium id or a functools.partial of a "
+                    "module-level function") from exc
+        out.append(blob)
+    return out
+
+
+def _shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_().numpy()
+
+
+def _tensors(slots: Slots) -> tuple[Any, ...]:
+    """The shared tensors behind ``slots`` (what crosses to a child: torch passes their file descriptors)."""
+    t = torch.from_numpy
+    return ({k: t(v) for k, v in slots.inputs.items()}, {k: t(v) for k, v in slots.next.items()},
+            {k: t(v) for k, v in slots.root.items()}, t(slots.reward), t(slots.terminated), t(slots.truncated),
+            t(slots.reset))
+
+
+def _slots(tensors: tuple[Any, ...]) -> Slots:
+    inputs, nxt, root, *rest = tensors
+    return Slots({k: v.numpy() for k, v in inputs.items()}, {k: v.numpy() for k, v in nxt.items()},
+                 {k: v.numpy() for k, v in root.items()}, *(v.numpy() for v in rest))
+
+
+def _watch_parent() -> None:
+    """End this process as soon as the parent dies (no orphans)."""
+    parent = mp.parent_process()
+    if parent is not None:
+        wait_for([parent.sentinel])
+        os._exit(0)
+
+
+def _send(conn: Any, message: tuple[Any, ...]) -> None:
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, group: int,
+                options: dict[str, Any]) -> None:
+    """A worker process: build its shard, serve its steps, then end (``os._exit``) with every env closed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes us
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    watchdog = threading.Thread(target=_watch_parent, name="lightning_rollout-worker-watchdog", daemon=True)
+    exempt_at_exit(watchdog)
+    watchdog.start()
+    envs: SerialEnvs | None = None
+    try:
+        _send(conn, ("started",))
+        envs = SerialEnvs(build_units([pickle.loads(b) for b in blobs], group=group, **options), seeds)
+        unit = envs.unit
+        _send(conn, ("ready", (unit.keys, unit.observation_spec, unit.action_spec, unit.loop_keys, unit.partial),
+                     envs.roots))
+        while True:
+            message = conn.recv()
+            kind = message[0]
+            if kind == "close":
+                break
+            if kind == "attach":
+                envs.use(_slots(message[1]).rows(a, a + envs.num_envs))
+                rows: Any = None
+            elif kind == "step":
+                rows = message[1]
+                envs.send(np.arange(envs.num_envs) if rows is None else rows)
+                envs.recv(0, 0.0)
+            else:
+                rows = message[1]
+                envs.reset(rows, message[2])
+            _send(conn, ("ok", kind, rows))
+    except EnvFailure as failure:
+        _send(conn, ("failed", failure.row, failure.phase, failure.kind,
+                     f"{failure}\n\n{''.join(traceback.format_exception(failure.cause))}".rstrip()))
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        try:
+            _send(conn, ("failed", 0, "step", "env", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        except Exception:  # noqa: S110 - the pipe is gone: the parent sees the death
+            pass
+    if envs is not None:
+        envs.close(0.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _exit_status(process: Any) -> str:
+    """How ``process`` ended, in words (waits up to 1 s for it to be reaped)."""
+    process.join(1.0)
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe but is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == getattr(signal, "SIGKILL", 9) else ""
+        return f"was killed by {name} (exit code {code}){oom}"
+    return f"exited with code {code}"
+
+
+class _Child:
+    """The parent's end of one worker process: its process, pipe, first row and state."""
+
+    def __init__(self, index: int, process: Any, conn: Any, a: int, b: int) -> None:
+        self.index, self.process, self.conn, self.a, self.b = index, process, conn, a, b
+        self.started = self.ready = False
+        self.calls = 0  # calls sent and not answered
+        self.since = 0.0  # perf_counter() when the last call was sent
+        self.phase = "step"
+
+    def death(self) -> EnvFailure:
+        """The failure of a child that ended without a word: when (starting, building its envs, later) and how."""
+        name, status = self.process.name, _exit_status(self.process)
+        if not self.started:
+            text = (f"worker process {name!r} {status} while starting, before it ran lightning_rollout's code: "
+                    "'spawn' starts a worker by importing the main module again and unpickling what it is sent, and "
+                    "that failed (the worker's traceback is on stderr)")
+            if self.process.exitcode == 1:
+                text += (". A script that builds the loop at its top level must guard it with "
+                         "`if __name__ == \"__main__\":`; or pass num_workers=1 to keep the envs in threads")
+        elif not self.ready:
+            text = (f"worker process {name!r} {status} while building its envs, without reporting an error (a crash "
+                    "in native code, os._exit in an env, or the process was killed)")
+        else:
+            text = f"worker process {name!r} {status}"
+        return EnvFailure(self.a, "reset" if not self.ready else self.phase, "env", WorkerDied(text), self.index)
+
+    def receive(self) -> tuple[Any, ...]:
+        """The next message (a child's failure raised as an :class:`EnvFailure` of its env's row)."""
+        try:
+            message = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise self.death() from exc
+        if message[0] == "failed":
+            _, row, phase, kind, text = message
+            raise EnvFailure(self.a + row, phase, kind, RemoteTraceback(text), self.index)
+        return message
+
+
+class ProcessEnvs(Envs):
+    """Envs in this process (shard 0) and in ``num_workers - 1`` worker processes (see the module docstring).
+
+    Args:
+        factories: one env factory a row (picklable; a natively batched env's factory repeated for its rows).
+        seeds: each row's first seed.
+        num_workers: processes stepping envs, this one counted (``>= 2``).
+        group: envs a unit steps (a shard's envs, a natively batched env's own batch).
+        options: ``max_episode_steps``, ``validate``, ``info_keys`` for :func:`build_units`.
+        name: used in process names. ``timeout``: seconds a child may take to build and reset its envs.
+
+    Raises:
+        ValueError: an unpicklable factory; envs whose specs differ. CollectionError: a daemonic process, or no
+            process could be started. EnvFailure: an env failed to build or reset (named by its row).
+    """
+
+    def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,
+                 max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None, name: str,
+                 timeout: float = 120.0) -> None:
+        blobs = check_picklable(factories)
+        if mp.current_process().daemon:
+            raise CollectionError(
+                f"num_workers={num_workers} runs envs in worker processes, and this process cannot start any: it "
+                f"is daemonic ({mp.current_process().name!r}: a torch DataLoader worker, a multiprocessing Pool "
+                "worker), and daemonic processes are not allowed to have children. Build the loop or collector in "
+                "the main process, or pass num_workers=1 to keep its envs in threads")
+        n = len(factories)
+        options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
+        cuts = [round(i * (n // group) / num_workers) * group for i in range(num_workers + 1)]
+        self.num_envs = n
+        self.children: list[_Child] = []
+        self._closed = False
+        self._local_rows: np.ndarray | None = None
+        self._stash: list[np.ndarray] = []
+        close_at_exit(self)
+        ctx = torch.multiprocessing.get_context("spawn")
+        try:
+            for i in range(1, num_workers):  # children first: they build while this process builds shard 0
+                a, b = cuts[i], cuts[i + 1]
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                process = ctx.Process(target=_child_main, name=f"lightning_rollout-{name}-worker{i}", daemon=False,
+                                      args=(child_end, blobs[a:b], list(seeds[a:b]), a, group, options))
+                try:
+                    self._start(process)
+                except OSError as exc:
+                    raise CollectionError(f"could not start worker process {i} ({type(exc).__name__}: {exc})") from exc
+                child_end.close()
+                self.children.append(_Child(i, process, parent_end, a, b))
+            self.local = SerialEnvs(build_units(list(factories[:cuts[1]]), group=group, **options), seeds[:cuts[1]])
+            self.unit = self.local.unit
+            self.roots = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in self.local.roots.items()}
+            for k, v in self.local.roots.items():
+                self.roots[k][:cuts[1]] = v
+            for child in self.children:
+                self._wait_ready(child, timeout)
+            self.bounds = np.array(cuts)
+            self.slots = self._allocate({})
+            self.local.use(self.slots.rows(0, cuts[1]))
+        except BaseException:
+            self.close(1.0)
+            raise
+
+    @staticmethod
+    def _start(process: Any) -> None:
+        """Start ``process`` with SIGINT blocked in this thread, so the child starts with it blocked (the mask is
+        kept across ``exec``): a Ctrl-C while it imports does not reach it."""
+        if not hasattr(signal, "pthread_sigmask"):
+            process.start()
+            return
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # it unblocks SIGINT in the thread that starts it: before the mask
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def _wait_ready(self, child: _Child, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            while not child.conn.poll(_POLL_S):
+                if not child.process.is_alive() and not child.conn.poll(0):
+                    raise child.death()
+                if time.monotonic() > deadline:
+                    raise EnvFailure(child.a, "reset", "env", TimeoutError(
+                        f"worker process {child.process.name!r} did not build its envs within {timeout} s"),
+                        child.index)
+            message = child.receive()
+            if message[0] == "started":
+                child.started = True
+                continue
+            keys = message[1][0]
+            if not keys.same_layout(self.unit.keys):
+                raise ValueError(f"env {child.a} has specs {keys}, env 0 has {self.unit.keys}; all envs of a loop "
+                                 "must share their keys, shapes and dtypes")
+            for k, v in message[2].items():
+                self.roots[k][child.a:child.b] = v
+            child.ready = True
+            return
+
+    def _allocate(self, inputs: dict[NestedKey, ArraySpec]) -> Slots:
+        return Slots.allocate(self.num_envs, inputs=inputs, next=self.unit.writes, root=self.unit.keys.root,
+                              make=_shared)
+
+    def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
+        try:
+            self.slots = self._allocate(inputs)
+            tensors = _tensors(self.slots)
+            for child in self.children:
+                child.conn.send(("attach", tensors))
+        except (OSError, RuntimeError) as exc:
+            raise CollectionError(f"could not share the envs' buffers with the worker processes "
+                                  f"({type(exc).__name__}: {exc}); raise the open-files limit (ulimit -n)") from exc
+        self.local.use(self.slots.rows(0, int(self.bounds[1])))
+        for child in self.children:
+            child.calls += 1
+            self._answer(child)
+
+    def _split(self, rows: np.ndarray) -> list[tuple[_Child | None, np.ndarray]]:
+        shard = np.searchsorted(self.bounds, rows, side="right") - 1
+        out: list[tuple[_Child | None, np.ndarray]] = []
+        for s in np.unique(shard).tolist():
+            out.append((None if s == 0 else self.children[s - 1], rows[shard == s] - self.bounds[s]))
+        return out
+
+    def _call(self, child: _Child, message: tuple[Any, ...]) -> None:
+        child.calls += 1
+        child.since, child.phase = time.perf_counter(), message[0]
+        _send(child.conn, message)
+
+    def _answer(self, child: _Child) -> tuple[str, np.ndarray]:
+        """``child``'s next answer: its kind and rows (in this executor's numbering)."""
+        _, kind, rows = child.receive()
+        child.calls -= 1
+        return kind, (np.arange(child.a, child.b) if rows is None else np.asarray(rows) + child.a)
+
+    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+        seed_of = dict(zip(np.asarray(rows).tolist(), seeds))
+        waiting = []
+        for child, local in self._split(rows):
+            a = child.a if child else 0
+            mine = [seed_of[r + a] for r in local.tolist()]
+            if child is None:
+                self.local.reset(local, mine)
+            else:
+                self._call(child, ("reset", local.tolist(), mine))
+                waiting.append(child)
+        for child in waiting:  # a step of its other rows may answer first: kept for recv
+            while (answer := self._answer(child))[0] != "reset":
+                self._stash.append(answer[1])
+
+    def send(self, rows: np.ndarray) -> None:
+        for child, local in self._split(rows):
+            if child is None:
+                self._local_rows = local
+                self.local.send(local)
+            else:
+                self._call(child, ("step", None if len(local) == child.b - child.a else local))
+
+    def recv(self, min_rows: int, wait: float) -> np.ndarray:
+        ready, self._stash = self._stash, []
+        if self._local_rows is not None:  # shard 0 steps here while the children step theirs
+            self.local.recv(0, 0.0)
+            ready.append(self._local_rows)
+            self._local_rows = None
+        count = sum(len(r) for r in ready)
+        deadline = time.perf_counter() + wait
+        busy = {child.conn: child for child in self.children if child.calls}
+        while busy:
+            timeout = 0.0 if count >= min_rows else max(0.0, min(_POLL_S, deadline - time.perf_counter()))
+            answered = wait_for(list(busy), timeout)
+            for conn in answered:
+                child = busy[conn]
+                got = self._answer(child)[1]
+                if not child.calls:
+                    del busy[conn]
+                ready.append(got)
+                count += len(got)
+            if not answered and (count >= min_rows or time.perf_counter() >= deadline):
+                break
+        if not ready:
+            return np.empty(0, dtype=np.int64)
+        return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
+
+    def stuck(self, timeout: float) -> tuple[int, str] | None:
+        now = time.perf_counter()
+        for child in self.children:
+            if child.calls and now - child.since > timeout:
+                return child.a, child.phase
+        return None
+
+    def close(self, timeout: float) -> list[str]:
+        if self._closed:
+            return []
+        self._closed = True
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.close(timeout)
+        for child in self.children:
+            if child.ready and child.process.is_alive():
+                try:
+                    _send(child.conn, ("close",))
+                except OSError:
+                    pass
+            elif child.process.is_alive():  # still building: it cannot read the request
+                child.process.terminate()
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            process = child.process
+            process.join(max(0.0, deadline - time.monotonic()))
+            for end in (process.terminate, process.kill):
+                if process.is_alive():
+                    end()
+                    process.join(1.0)
+            child.conn.close()
+            try:
+                process.close()
+            except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
+                pass
+        self.children = []
+        return []

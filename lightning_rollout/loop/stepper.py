@@ -1,0 +1,480 @@
+"""The one stepping loop: receive ready rows, settle them, one batched policy call, send.
+
+:class:`Stepper` runs in the thread that collects (the loop's caller). Each round it sends the idle envs a
+:class:`Rule` selects (their actions from one policy call on their root entries), then receives the rows whose
+step ended (:meth:`~lightning_rollout.loop.executors.Envs.recv`: at least ``min(in flight, autobatch_size)``
+rows, or what arrived within ``max_wait``) and settles them into the :class:`~.storage.Ring`: the step's
+``"next"`` entries, reward and flags, the episode's length and return, the root entries of the env's next
+step (carried, or its reset's after a done step, the final observations kept aside). Every per-step write is
+numpy over the rows of a round; nothing loops over envs.
+
+Rules are the stop rules of the calls (``T`` steps per env, ``n`` frames in arrival order, ``k`` fresh
+episodes); double batching is a last send at the end of a call (each env then has a step in flight while the
+caller trains), ``lookahead=False`` leaves nothing in flight. Per env: ``t`` is the step whose root entries are
+in row ``t`` (its next one), ``consumed`` the steps handed out; steps ``consumed`` to ``t - 1`` are complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from torchrl.envs.utils import ExplorationType
+
+from ..envs import EnvFailure
+from ..errors import CollectionError, EnvError, PolicyError, StepTimeoutError
+from ..events import Interrupter
+from ..specs import NestedKey, key_parts, next_key
+from .executors import POLL_S, Envs
+from .storage import LENGTH, RETURN, REWARD, SEQ, TERMINATED, TRUNCATED, VERSION, Layout, Ring
+
+__all__ = ["EnvTimeRule", "EpisodeRule", "FlatRule", "Rule", "Stepper"]
+
+PolicyFn = Callable[[dict[NestedKey, np.ndarray], int, ExplorationType], tuple[dict[NestedKey, np.ndarray], int]]
+
+
+class Cursor:
+    """Where steps go: a ring, each env's next step ``t`` (its root entries are in row ``t``), the steps handed
+    out (``consumed``), and the running episode's length and return."""
+
+    def __init__(self, layout: Layout, num_envs: int) -> None:
+        self.ring = Ring(layout, num_envs)
+        self.t = np.zeros(num_envs, dtype=np.int64)
+        self.consumed = np.zeros(num_envs, dtype=np.int64)
+        self.ep_len = np.zeros(num_envs, dtype=np.int64)
+        self.ep_ret = np.zeros(num_envs, dtype=np.float64)
+
+    def available(self) -> int:
+        """Complete steps not handed out yet."""
+        return int((self.t - self.consumed).sum())
+
+    def fit(self, ids: np.ndarray, ahead: int) -> None:
+        """Grow the ring so each env of ``ids`` keeps its unconsumed steps and ``ahead`` rows more."""
+        need = int((self.t[ids] - self.consumed[ids]).max(initial=0)) + ahead
+        if need > self.ring.capacity:
+            self.ring.grow(max(2 * self.ring.capacity, need), self.consumed, self.t)
+
+    def last_done(self, envs: np.ndarray) -> np.ndarray:
+        """Whether each env's last complete step ended its episode."""
+        rows = (self.t[envs] - 1) % self.ring.capacity
+        return self.ring.cols[TERMINATED][rows, envs] | self.ring.cols[TRUNCATED][rows, envs]
+
+
+class Rule:
+    """When a call is done, and which idle envs it steps next."""
+
+    def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
+        """The idle envs (ascending ids) to step now."""
+        raise NotImplementedError
+
+    def done(self, stepper: Stepper) -> bool:
+        raise NotImplementedError
+
+    def settled(self, stepper: Stepper, rows: np.ndarray) -> None:
+        """Rows ``rows`` were settled."""
+
+
+class EnvTimeRule(Rule):
+    """``steps`` more steps of every env."""
+
+    def __init__(self, stepper: Stepper, steps: int) -> None:
+        self.target = stepper.main.consumed + steps
+        stepper.main.fit(np.arange(stepper.num_envs), steps + 2)
+
+    def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
+        return stepper.whole_groups(idle & (stepper.main.t < self.target))
+
+    def done(self, stepper: Stepper) -> bool:
+        return bool((stepper.main.t >= self.target).all())
+
+
+class FlatRule(Rule):
+    """``frames`` complete steps not handed out yet, from any envs; ``exact``: no step more than needed.
+    ``arrived(steps, envs)`` hears of each round's steps, in arrival order."""
+
+    def __init__(self, frames: int, *, exact: bool, arrived: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        self.frames, self.exact, self.arrived = frames, exact, arrived
+
+    def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
+        main = stepper.main
+        deficit = self.frames - main.available() - int(stepper.flying.sum())
+        if deficit <= 0:
+            return np.empty(0, dtype=np.int64)
+        ids = stepper.whole_groups(idle)
+        if not self.exact or len(ids) <= deficit:
+            return ids
+        first = ids[::stepper.group]  # whole groups, the least-served first, then the lowest ids
+        ahead = main.t[first] - main.consumed[first]
+        chosen = first[np.lexsort((first, ahead))[:-(-deficit // stepper.group)]]
+        return np.sort((chosen[:, None] + np.arange(stepper.group)).reshape(-1))
+
+    def done(self, stepper: Stepper) -> bool:
+        return stepper.main.available() >= self.frames
+
+    def settled(self, stepper: Stepper, rows: np.ndarray) -> None:
+        rows = rows[~stepper.in_episode[rows]]
+        self.arrived(stepper.main.t[rows] - 1, rows)
+
+
+class EpisodeRule(Rule):
+    """Fresh episodes on the envs asked (``envs``, in request order), each env asked again until ``total``
+    episodes were requested; each completed one is handed to ``finished(request index, env, first, end)``
+    (its steps ``first`` to ``end - 1`` of the episode cursor)."""
+
+    def __init__(self, stepper: Stepper, envs: list[int], total: int,
+                 finished: Callable[[int, int, int, int], None]) -> None:
+        self.total, self.finished = total, finished
+        self.running = np.full(stepper.num_envs, -1, dtype=np.int64)  # each env's request index, -1: none
+        self.start = np.zeros(stepper.num_envs, dtype=np.int64)
+        self.requested = 0
+        for e in envs:
+            self._begin(stepper, e, first=True)
+
+    def _begin(self, stepper: Stepper, e: int, *, first: bool) -> None:
+        if first:
+            stepper.begin_episode(e)
+        stepper.episodes.consumed[e] = self.start[e] = stepper.episodes.t[e]
+        self.running[e] = self.requested
+        self.requested += 1
+
+    def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(idle & (self.running >= 0))
+
+    def done(self, stepper: Stepper) -> bool:
+        return bool((self.running < 0).all())
+
+    def settled(self, stepper: Stepper, rows: np.ndarray) -> None:
+        mine = rows[self.running[rows] >= 0]
+        if not len(mine):
+            return
+        ended = mine[stepper.episodes.last_done(mine)]
+        for e in ended.tolist():
+            self.finished(int(self.running[e]), e, int(self.start[e]), int(stepper.episodes.t[e]))
+            self.running[e] = -1
+            if self.requested < self.total:
+                self._begin(stepper, e, first=False)  # its reset after the done step is a fresh episode
+            else:
+                stepper.end_episodes(np.array([e]))
+
+    def abandon(self, stepper: Stepper) -> None:
+        """The call ends early: envs still in an episode go back to step mode once their step in flight lands."""
+        stepper.drain(np.flatnonzero(self.running >= 0))
+        stepper.end_episodes(np.flatnonzero(self.running >= 0))
+
+
+class Stepper:
+    """Every env's stepping state and the one loop over an executor (see the module docstring).
+
+    Args:
+        envs: the executor (its first reset done: ``envs.roots``).
+        layout: the columns.
+        policy: ``(inputs, rows, mode) -> (outputs, version)``.
+        random_action: ``rows -> outputs`` of uniformly random actions.
+        input_keys: the root entries the policy reads; ``env_inputs``: those the envs read (with the actions).
+        autobatch_size, max_wait: the recv rule. step_timeout: seconds before a stuck env call raises.
+        random_steps: each env's first steps act at random (``policy_version == -1``).
+        group: envs a call steps together at the least (``envs_per_thread``).
+        stop: set when the loop closes; every wait checks it.
+
+    Attributes:
+        main: the cursor of step calls; ``episodes``: that of ``run_episodes`` (envs in ``in_episode``).
+
+    Threading: one thread drives it at a time (the loop claims it); :attr:`stop` may be set from any.
+    """
+
+    def __init__(self, envs: Envs, layout: Layout, *, policy: PolicyFn,
+                 random_action: Callable[[int], dict[NestedKey, np.ndarray]], input_keys: list[NestedKey],
+                 env_inputs: list[NestedKey], autobatch_size: int | None, max_wait: float | None,
+                 step_timeout: float | None, random_steps: int, group: int, stop: threading.Event) -> None:
+        n = envs.num_envs
+        self.envs, self.layout, self.policy, self.random_action = envs, layout, policy, random_action
+        self.num_envs = n
+        self.autobatch_size, self.max_wait, self.step_timeout = autobatch_size, max_wait, step_timeout
+        self.stop = stop
+        self.main = Cursor(layout, n)
+        self.episodes = Cursor(layout, n)
+        self.in_episode = np.zeros(n, dtype=bool)
+        cols = self.main.ring.cols
+        self.input_cols = [k for k in input_keys if k in cols]
+        self.input_done = {k: np.zeros((n, *layout.keys.done[k].shape), bool) for k in input_keys if k not in cols}
+        self.env_cols = [k for k in env_inputs if k in cols]
+        self.env_done = [k for k in env_inputs if k not in cols]
+        self.out_shapes = {k: layout.step_specs[k].shape for k in layout.out_keys}
+        self.writes = [(k, k in layout.shared) for k in layout.env_next if k in envs.slots.next]
+        self.gym = layout.loop_keys
+        self.flying = np.zeros(n, dtype=bool)
+        self.random_left = np.full(n, random_steps, dtype=np.int64)
+        self.seq = 0
+        self.mode = ExplorationType.RANDOM
+        self.group = group if envs.unit.partial else envs.unit.rows  # envs stepped together at the least
+        self.new_trajectory: Callable[[int], None] = lambda env: None  # set by the loop
+        self._write_roots(self.main, np.arange(n), envs.roots)
+
+    def whole_groups(self, mask: np.ndarray) -> np.ndarray:
+        """The envs of the groups (``group`` envs stepped together) whose every env is in ``mask``, ascending."""
+        if self.group == 1:
+            return np.flatnonzero(mask)
+        ok = np.flatnonzero(mask.reshape(-1, self.group).all(1))
+        return (ok[:, None] * self.group + np.arange(self.group)).reshape(-1)
+
+    def _split(self, ids: np.ndarray) -> list[tuple[Cursor, np.ndarray]]:
+        if not self.in_episode.any():
+            return [(self.main, ids)]
+        mask = self.in_episode[ids]
+        return [(c, part) for c, part in ((self.main, ids[~mask]), (self.episodes, ids[mask])) if len(part)]
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self, rule: Rule, interrupter: Interrupter | None) -> bool:
+        """Step until ``rule`` is done; ``False`` when the interrupter fired first (steps in flight stay there).
+
+        Raises:
+            EnvError, PolicyError, StepTimeoutError: a step or the policy failed (rows settled before it stay).
+            CollectionError: the loop was closed meanwhile.
+        """
+        while not rule.done(self):
+            if interrupter is not None and interrupter.should_stop():
+                return False
+            send = rule.select(self, ~self.flying)
+            if len(send):
+                self.send(send)
+            if not self.flying.any():
+                raise CollectionError("the loop has nothing in flight and the call is not complete (a bug)")
+            ready = self._recv(interrupter)
+            if ready is None:
+                return False
+            self.settle(ready)
+            rule.settled(self, ready)
+        return True
+
+    def send(self, ids: np.ndarray) -> None:
+        """Act for envs ``ids`` (one policy call a cursor; random actions for those with random steps left)."""
+        inputs = self.envs.slots.inputs
+        for cursor, part in self._split(ids):
+            cursor.fit(part, 2)
+            rows = cursor.t[part] % cursor.ring.capacity
+            cols = cursor.ring.cols
+            random = self.random_left[part] > 0
+            if random.any():
+                self._act_random(cols, part[random], rows[random])
+                self.random_left[part[random]] -= 1
+            if not random.all():
+                self._act(cols, part[~random], rows[~random], cursor.t)
+            for k in self.env_cols:
+                inputs[k][part] = cols[k][rows, part]
+        for k in self.env_done:
+            inputs[k][ids] = False
+        self.envs.send(ids)
+        self.flying[ids] = True
+
+    def _act(self, cols: dict[NestedKey, np.ndarray], ids: np.ndarray, rows: np.ndarray, t: np.ndarray) -> None:
+        inputs = {k: cols[k][rows, ids] for k in self.input_cols}
+        inputs.update({k: v[: len(ids)] for k, v in self.input_done.items()})
+        try:
+            outputs, version = self.policy(inputs, len(ids), self.mode)
+        except PolicyError as exc:
+            error = PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]]))
+            raise error from exc.__cause__ or exc
+        for k, shape in self.out_shapes.items():
+            value = outputs.get(k)
+            if value is None or value.shape[1:] != shape:
+                got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
+                raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape {shape} per row when "
+                                  "probed at construction", env_ids=tuple(ids.tolist()), step=int(t[ids[0]]))
+            cols[k][rows, ids] = value
+        cols[VERSION][rows, ids] = version
+
+    def _act_random(self, cols: dict[NestedKey, np.ndarray], ids: np.ndarray, rows: np.ndarray) -> None:
+        sample = self.random_action(len(ids))
+        for k in self.out_shapes:
+            cols[k][rows, ids] = sample[k] if k in sample else 0
+        cols[VERSION][rows, ids] = -1
+
+    def _recv(self, interrupter: Interrupter | None) -> np.ndarray | None:
+        """The recv rule: ``min(in flight, autobatch_size)`` rows, or those ready after ``max_wait``. ``None``:
+        interrupted (nothing received is lost: the executor keeps it). Raises what :meth:`run` raises."""
+        flying = int(self.flying.sum())
+        need = flying if self.autobatch_size is None else min(flying, self.autobatch_size)
+        got: list[np.ndarray] = []
+        count, first = 0, 0.0
+        while True:
+            wait = POLL_S
+            if self.max_wait is not None and count:
+                wait = max(0.0, min(wait, first + self.max_wait - time.perf_counter()))
+            try:
+                rows = self.envs.recv(need - count, wait)
+            except EnvFailure as failure:
+                if got:  # the rows that arrived before the failure are settled: they stay
+                    self.settle(np.concatenate(got))
+                raise self.failure_error(failure) from failure.cause
+            if len(rows):
+                got.append(rows)
+                first = first or time.perf_counter()
+                count += len(rows)
+            if count >= need or (count and self.max_wait is not None
+                                 and time.perf_counter() - first >= self.max_wait):
+                return got[0] if len(got) == 1 else np.concatenate(got)
+            if self.stop.is_set():
+                raise CollectionError("the loop was closed while collecting")
+            if interrupter is not None and interrupter.should_stop():
+                return np.concatenate(got) if got else None
+            if self.step_timeout is not None:
+                stuck = self.envs.stuck(self.step_timeout)
+                if stuck is not None:
+                    row, phase = stuck
+                    raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; the env's {phase} "
+                                           "is stuck and its thread or process is abandoned",
+                                           env_id=row, step=self.steps_of(row), phase=phase)
+
+    def steps_of(self, e: int) -> int:
+        """Env ``e``'s steps so far (its episode cursor's while it runs an episode)."""
+        return int((self.episodes if self.in_episode[e] else self.main).t[e])
+
+    def failure_error(self, failure: EnvFailure) -> CollectionError:
+        """The user's error for an env call that failed: an :class:`EnvError` named by env and step, or a
+        :class:`PolicyError` for an invalid action."""
+        e, where = failure.row, "" if failure.process is None else f" (in worker process {failure.process})"
+        if failure.kind == "action":
+            error: CollectionError = PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,),
+                                                 step=self.steps_of(e))
+        else:
+            error = EnvError(f"{failure}{where}", env_id=e, step=self.steps_of(e), phase=failure.phase)
+        error.__cause__ = failure.cause
+        return error
+
+    # -- settling -----------------------------------------------------------------------------------------
+    def settle(self, ids: np.ndarray) -> None:
+        """Write the results of envs ``ids``' steps (in the executor's slots) into their cursors' rings."""
+        for cursor, part in self._split(ids):
+            self._settle(cursor, part)
+        self.flying[ids] = False
+
+    def _settle(self, c: Cursor, ids: np.ndarray) -> None:
+        s, cols, cap = self.envs.slots, c.ring.cols, c.ring.capacity
+        t = c.t[ids]
+        rows, nxt = t % cap, (t + 1) % cap
+        for k, shared in self.writes:
+            if shared:
+                cols[k][nxt, ids] = s.next[k][ids]
+            else:
+                cols[next_key(k)][rows, ids] = s.next[k][ids]
+        reward, terminated, truncated = s.reward[ids], s.terminated[ids], s.truncated[ids]
+        cols[REWARD][rows, ids] = reward
+        cols[TERMINATED][rows, ids] = terminated
+        cols[TRUNCATED][rows, ids] = truncated
+        c.ep_len[ids] += 1
+        c.ep_ret[ids] += reward
+        cols[LENGTH][rows, ids] = c.ep_len[ids]
+        cols[RETURN][rows, ids] = c.ep_ret[ids]
+        cols[SEQ][rows, ids] = np.arange(self.seq, self.seq + len(ids))
+        self.seq += len(ids)
+        for k, src in self.layout.advance:
+            cols[k][nxt, ids] = cols[src][rows, ids]
+        if self.gym:
+            cols["is_init"][nxt, ids] = False
+            cols["step_count"][nxt, ids, 0] = c.ep_len[ids]
+            cols["episode_reward"][nxt, ids, 0] = c.ep_ret[ids]
+        c.t[ids] = t + 1
+        done = terminated | truncated
+        if done.any():
+            ended = ids[done]
+            self._write_roots(c, ended, {k: v[ended] for k, v in s.root.items()})
+
+    def _write_roots(self, c: Cursor, ids: np.ndarray, roots: dict[NestedKey, np.ndarray]) -> None:
+        """A new episode's root entries for envs ``ids`` at their next step (policy state zeroed, counts reset); the
+        step before, not handed out yet, keeps the observations it ended with."""
+        stepped = ids[c.t[ids] > c.consumed[ids]]
+        c.ring.keep_final(c.t[stepped] - 1, stepped)
+        cols, rows = c.ring.cols, c.t[ids] % c.ring.capacity
+        for k, v in roots.items():
+            if k in cols:
+                cols[k][rows, ids] = v
+        for k in self.layout.policy_carried:
+            cols[k][rows, ids] = 0
+        if self.gym:
+            cols["is_init"][rows, ids] = True
+            cols["step_count"][rows, ids] = 0
+            cols["episode_reward"][rows, ids] = 0
+        c.ep_len[ids] = 0
+        c.ep_ret[ids] = 0.0
+
+    # -- resets and episodes -------------------------------------------------------------------------------
+    def drain(self, ids: np.ndarray) -> None:
+        """Wait for the steps in flight of envs ``ids`` and settle them (every other answer is settled too)."""
+        while self.flying[ids].any():
+            try:
+                ready = self.envs.recv(int(self.flying.sum()), POLL_S)
+            except EnvFailure as failure:
+                raise self.failure_error(failure) from failure.cause
+            if len(ready):
+                self.settle(ready)
+            elif self.stop.is_set():
+                raise CollectionError("the loop was closed while collecting")
+
+    def _cut(self, e: int) -> None:
+        """End env ``e``'s running step-mode episode: its last step not handed out yet is marked truncated (and
+        done); without one, the env's next steps start a new trajectory."""
+        main = self.main
+        if main.ep_len[e] == 0:
+            return
+        last = int(main.t[e]) - 1
+        if last < main.consumed[e]:
+            self.new_trajectory(e)
+            return
+        row, cols = last % main.ring.capacity, main.ring.cols
+        cols[TRUNCATED][row, e] = True
+        for k in self.layout.done_keys:
+            if key_parts(k)[-1] in ("done", "truncated") and next_key(k) in cols:
+                cols[next_key(k)][row, e] = True
+
+    def _reset(self, c: Cursor, ids: np.ndarray, seeds: list[int | None]) -> None:
+        try:
+            self.envs.reset(ids, seeds)
+        except EnvFailure as failure:
+            raise self.failure_error(failure) from failure.cause
+        self._write_roots(c, ids, {k: v[ids] for k, v in self.envs.slots.root.items()})
+
+    def reset(self, ids: np.ndarray, seeds: list[int | None]) -> None:
+        """Start a new step-mode episode now on envs ``ids``, reseeded where a seed is given."""
+        self.drain(ids)
+        for e in ids.tolist():
+            self._cut(e)
+        self._reset(self.main, ids, seeds)
+
+    def begin_episode(self, e: int) -> None:
+        """Env ``e`` leaves step mode for a fresh episode in the episode cursor (its step-mode episode cut)."""
+        ids = np.array([e])
+        self.drain(ids)
+        self._cut(e)
+        self.in_episode[e] = True
+        ep = self.episodes
+        ep.consumed[e] = ep.t[e]
+        ep.fit(ids, 2)
+        self._reset(ep, ids, [None])
+
+    def end_episodes(self, ids: np.ndarray) -> None:
+        """Envs ``ids`` (idle) go back to step mode: from the fresh episode after their done step, or, for an
+        episode cut short (an interrupted call), from a new reset."""
+        if not len(ids):
+            return
+        self.in_episode[ids] = False
+        ep, main = self.episodes, self.main
+        main.fit(ids, 2)
+        fresh = ids[ep.ep_len[ids] == 0]
+        rows = ep.t[fresh] % ep.ring.capacity
+        self._write_roots(main, fresh, {k: ep.ring.cols[k][rows, fresh] for k in self.layout.keys.root
+                                        if k in ep.ring.cols})
+        cut = ids[ep.ep_len[ids] > 0]
+        if len(cut):
+            self._reset(main, cut, [None] * len(cut))
+        ep.consumed[ids] = ep.t[ids]
+
+    def finish(self, lookahead: bool) -> None:
+        """The end of a call: with ``lookahead`` every env with no complete step waiting gets one in flight."""
+        if lookahead:
+            main = self.main
+            ids = self.whole_groups(~self.flying & (main.t == main.consumed) & ~self.in_episode)
+            if len(ids):
+                self.send(ids)
