@@ -996,7 +996,7 @@ class ThreadedCollector(BaseCollector):
         """
         check_int("seed", seed, 0)
         self._seed = seed
-        if self._iter >= 0:
+        if self._loop.started:
             self._loop.reset_envs(seeds=[seed + i for i in range(self.num_envs)])
         else:
             self._loop.seed = seed
@@ -1075,12 +1075,12 @@ class ThreadedCollector(BaseCollector):
                 self._check_weights(weights)
                 self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
             seed = fields["seed"]
-            if self._iter >= 0 and seed >= 0:
+            if self._loop.started and seed >= 0:
                 self._loop.reset_envs(seeds=[seed + fields["frames"] + i for i in range(self.num_envs)])
             self._frames = fields["frames"]
             self._iter = fields["batches"] - 1
             self._autobatch.set_version(fields["policy_version"])
-            if not self._iter >= 0:
+            if not self._loop.started:
                 self._loop.set_traj_id_start(fields["next_traj_id"])
                 if seed >= 0:
                     self._loop.seed = seed + self._frames  # fresh but reproducible streams on resume

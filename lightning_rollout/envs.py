@@ -730,7 +730,12 @@ def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, vali
         if all(isinstance(e, gym.vector.VectorEnv) for e in envs):
             from torchrl.envs.libs.gym import GymWrapper
 
-            envs = [GymWrapper(e) for e in envs]
+            try:
+                envs = [GymWrapper(e) for e in envs]
+            except Exception as exc:
+                raise ValueError(f"got a gymnasium vector env ({type(envs[0]).__name__}) that cannot be taken apart "
+                                 f"into its single envs, and that TorchRL's GymWrapper does not take "
+                                 f"({type(exc).__name__}: {exc}); pass a factory of one env and num_envs") from exc
         if all(isinstance(e, EnvBase) for e in envs):
             unit = TorchRLUnit(envs, max_episode_steps=max_episode_steps, validate=validate)
             named = info_key_list(info_keys)

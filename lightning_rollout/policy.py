@@ -21,6 +21,7 @@ import contextlib
 import copy
 import inspect
 import math
+import queue
 import threading
 import time
 import warnings
@@ -196,7 +197,50 @@ class BatchedRandomPolicy(TensorDictModuleBase):
 
 
 class _CallTimedOut(PolicyError):
-    """A :func:`call_bounded` call that did not return in time (its thread is abandoned)."""
+    """A bounded call that did not return in time (its thread is abandoned)."""
+
+
+class _Bounded:
+    """Calls run in one daemon thread ``name`` and waited for at most ``timeout`` seconds each; a call that hangs
+    is abandoned with its thread (a later call starts another thread)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.thread: threading.Thread | None = None
+        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event]] = queue.SimpleQueue()
+
+    def _serve(self, calls: queue.SimpleQueue[Any]) -> None:
+        torch.set_grad_enabled(False)
+        while (call := calls.get()) is not None:
+            fn, box, done = call
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # re-raised in the caller's thread
+                box["error"] = exc
+            done.set()
+
+    def close(self, timeout: float) -> None:
+        """End the thread (within ``timeout`` seconds; a stuck one stays abandoned)."""
+        if self.thread is not None:
+            self.calls.put(None)
+            self.thread.join(timeout)
+            self.thread = None
+
+    def __call__(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, args=(self.calls,), name=self.name, daemon=True)
+            self.thread.start()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self.calls.put((fn, box, done))
+        if not done.wait(timeout):
+            abandon(self.thread)
+            stuck, self.thread, self.calls = self.thread, None, queue.SimpleQueue()
+            raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {stuck.name!r} is "
+                                "stuck inside the policy's call and is abandoned (daemon)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
@@ -206,27 +250,7 @@ def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, wha
     Raises:
         PolicyError: the call did not return in time. Exception: whatever ``fn`` raised.
     """
-    if timeout is None:
-        return fn()
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            torch.set_grad_enabled(False)
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    helper = threading.Thread(target=target, name=name, daemon=True)
-    helper.start()
-    helper.join(timeout)
-    if helper.is_alive():
-        abandon(helper)
-        raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {helper.name!r} is "
-                            "stuck inside the policy's call and is abandoned (daemon)")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return fn() if timeout is None else _Bounded(name)(fn, timeout, what)
 
 
 # -- the call -------------------------------------------------------------------------------------------
@@ -306,6 +330,7 @@ class PolicyCall:
         self._pinned_by: list[int] = []
         self._deferred: list[Any] = []
         self.failure: PolicyError | None = None
+        self._bounded_calls = _Bounded(f"lightning_rollout-{name}-policy")
         self.calls = 0
         self.rows = 0
 
@@ -380,7 +405,7 @@ class PolicyCall:
 
     def _bounded(self, fn: Callable[[], Any], what: str) -> Any:
         with self._weights_held("the policy cannot be called"):
-            return call_bounded(fn, self.policy_timeout, name=f"lightning_rollout-{self.name}-policy", what=what)
+            return fn() if self.policy_timeout is None else self._bounded_calls(fn, self.policy_timeout, what)
 
     def _call(self, inputs: Mapping[NestedKey, np.ndarray], rows: int, mode: ExplorationType
               ) -> dict[NestedKey, np.ndarray]:
@@ -587,6 +612,10 @@ class PolicyCall:
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         self.version = version
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the helper thread of a ``policy_timeout`` (idempotent)."""
+        self._bounded_calls.close(timeout)
 
 
 # -- the standalone autobatching server ------------------------------------------------------------------
@@ -922,6 +951,7 @@ class AutobatchPolicy:
         for request in pending:
             request.error = CollectionError("the AutobatchPolicy was closed")
             request.done.set()
+        self.call.close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():

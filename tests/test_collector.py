@@ -468,8 +468,7 @@ def test_shutdown_is_idempotent_and_leaves_no_thread_alive():
     try:
         first_batch(collector)
         running = {t.name for t in rollout_threads() - before}
-        assert {"lightning_rollout-idem-env0", "lightning_rollout-idem-env1",
-                "lightning_rollout-idem-inference"} <= running
+        assert {"lightning_rollout-idem-env0", "lightning_rollout-idem-env1"} <= running
     finally:
         collector.shutdown()
     collector.shutdown()

@@ -351,7 +351,7 @@ def test_seeded_runs_of_a_stochastic_policy_sample_the_same_actions():
     assert not torch.equal(other["action"], runs[0]["action"])
 
 
-def test_threads_that_run_the_policy_get_the_creating_threads_torch_thread_count():
+def test_the_policy_runs_with_the_collecting_threads_torch_thread_count():
     import threading
 
     seen: dict[str, int] = {}
@@ -366,5 +366,4 @@ def test_threads_that_run_the_policy_get_the_creating_threads_torch_thread_count
         collect("CartPole-v1", td_policy, 16, num_envs=4, envs_per_thread=1, num_workers=1)
     finally:
         torch.set_num_threads(before)
-    rollout = {name: n for name, n in seen.items() if name.startswith("lightning_rollout-")}
-    assert rollout and set(rollout.values()) == {1}, seen
+    assert seen and set(seen.values()) == {1}, seen  # the policy runs in the collecting thread, as set

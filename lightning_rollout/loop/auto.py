@@ -204,9 +204,10 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
         Exception: whatever building or stepping the env raised.
     """
     env = factory()
-    if batch_rows(env) > 1:
+    batch = batch_rows(env)
+    if batch is not None:
         close_quietly([env])
-        return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=batch_rows(env))
+        return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=batch)
     [unit] = build_units([lambda: env], group=1, max_episode_steps=max_episode_steps, validate=False, info_keys=None)
     delay = RunDelay()
     try:

@@ -61,6 +61,9 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
             self._driver = threading.current_thread()
             self.collecting = True
             self._idle.clear()
+        delivery = getattr(self, "_delivery", None)
+        if delivery is not None:  # counts set from outside between calls (a resume) are the ones to continue
+            delivery.frames, delivery.episodes = self.frames, self.episodes
         try:
             self.start()
             if self._agent is not None:
@@ -78,7 +81,6 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if self._agent is not None:
                 self._agent.park()
-            delivery = getattr(self, "_delivery", None)
             if delivery is not None:
                 self.frames, self.episodes, self.next_traj_id = delivery.frames, delivery.episodes, delivery.next_traj
             self._driver = None
@@ -135,7 +137,7 @@ class MultiEnvLoop:
                  *, num_envs: int | None = None, envs_per_thread: int | str = 1, num_workers: int | str = 1,
                  parallel_steps: bool | Literal["auto", "free"] = "auto", autobatch_size: int | None = None,
                  max_wait: float | None = None, device: torch.device | str | None = None,
-                 exploration_type: ExplorationType | None = ExplorationType.RANDOM, lookahead: bool = True,
+                 exploration_type: ExplorationType | None = None, lookahead: bool = True,
                  eval: bool = False, max_episode_steps: int | None = None, seed: int | Sequence[int] | None = None,
                  random_steps_per_env: int = 0, step_timeout: float | None = None,
                  policy_timeout: float | None = None, validate: bool = True, info_keys: InfoKeys | None = None,
@@ -183,7 +185,8 @@ class MultiEnvLoop:
         self._envs: Envs | None = None
         try:
             self._envs = _executor(factories, _seeds(seed, n), num_workers=self.num_workers,
-                                   group=self.envs_per_thread, threads=bool(parallel_steps) or step_timeout is not None,
+                                   group=self.envs_per_thread, parallel=bool(parallel_steps),
+                                   threads=step_timeout is not None,
                                    name=name, max_episode_steps=max_episode_steps, validate=validate,
                                    info_keys=self.info_keys or None)
             self._seeded = seed
@@ -201,7 +204,7 @@ class MultiEnvLoop:
             self._shutdown()
             raise
         close_at_exit(self)
-        self._started = False
+        self.started = False
         if start:
             self.start()
 
@@ -263,8 +266,8 @@ class MultiEnvLoop:
         """Reset every env with the current ``seed`` if it changed since construction. Idempotent."""
         if self.closed:
             raise CollectionError(f"the loop {self.name!r} is closed")
-        if not self._started:
-            self._started = True
+        if not self.started:
+            self.started = True
             if self.seed != self._seeded:
                 self._stepper.reset(np.arange(self.num_envs), _seeds(self.seed, self.num_envs))
                 self._seeded = self.seed
@@ -442,7 +445,7 @@ class MultiEnvLoop:
 
     def set_traj_id_start(self, value: int) -> None:
         """Number trajectories from ``value`` (before the first call, e.g. on resume)."""
-        if self._delivery.frames or self._started:
+        if self._delivery.frames or self.started:
             raise CollectionError("set_traj_id_start must be called before the loop collects")
         check_int("traj_id_start", value, 0)
         self._delivery.start_ids(value)
@@ -475,6 +478,8 @@ class MultiEnvLoop:
                 stuck = self._envs.close(self.join_timeout)
             if self._agent is not None:
                 self._agent.close()
+            elif getattr(self, "_call", None) is not None:
+                self._call.close(self.join_timeout)
             delivery = getattr(self, "_delivery", None)
             if delivery is not None:
                 delivery.pool.clear()
@@ -531,15 +536,15 @@ def _policy_seed(seed: int | Sequence[int] | None) -> int | None:
     return None if seed is None else int(seed) if isinstance(seed, (int, np.integer)) else int(seed[0])
 
 
-def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, threads: bool,
-              name: str, max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None) -> Envs:
+def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, parallel: bool,
+              threads: bool, name: str, max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None) -> Envs:
     """Worker processes (``num_workers > 1``), pool threads (several units, ``parallel_steps``, a
     ``step_timeout`` to watch), or the stepping thread (see the module docstring)."""
     options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
     if num_workers > 1:
         return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, **options)
-    units = build_units(factories, group=group, **options)
-    if len(units) == 1 and not threads:
+    units = build_units(factories, group=group, parallel=parallel, **options)
+    if len(units) == 1 and not (parallel or threads):
         return SerialEnvs(units, seeds)
     return ThreadEnvs(units, seeds, name=name)
 

@@ -87,25 +87,27 @@ class Envs:
         raise NotImplementedError
 
 
-def batch_rows(env: Any) -> int:
-    """The envs ``env`` steps in one call: a natively batched env's batch, else 1."""
+def batch_rows(env: Any) -> int | None:
+    """The envs a natively batched ``env`` steps in one call (a TorchRL env with a batch size, a gymnasium vector
+    env, envpool); ``None`` for a single env."""
     from torchrl.envs import EnvBase
 
     if isinstance(env, EnvBase):
-        return max(1, int(env.batch_size.numel()))
+        return int(env.batch_size.numel()) if tuple(env.batch_size) else None
     if isinstance(env, gym.vector.VectorEnv):
         return int(env.num_envs)
     config = getattr(getattr(env, "spec", None), "config", None)  # envpool
-    return int(getattr(config, "num_envs", 1))
+    return int(config.num_envs) if hasattr(config, "num_envs") else None
 
 
 def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_steps: int | None, validate: bool,
-                info_keys: InfoKeys | None) -> list[Unit]:
+                info_keys: InfoKeys | None, parallel: bool = False) -> list[Unit]:
     """The units of envs made by ``factories`` (one a row): ``group`` envs a unit, a natively batched env a unit
-    of its own (its factory repeated for its rows). Built envs are closed when one fails.
+    of its own (its factory repeated for its rows; not with ``parallel``). Built envs are closed when one fails.
 
     Raises:
-        EnvFailure: a factory raised (phase ``"reset"``, named by its row). ValueError: an env no unit takes.
+        EnvFailure: a factory raised (phase ``"reset"``, named by its row). ValueError: an env no unit takes, or a
+            natively batched env that does not fit ``group``.
     """
     units: list[Unit] = []
     i = 0
@@ -119,17 +121,23 @@ def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_step
                     close_quietly(envs)
                     raise EnvFailure(j, "reset", "env", exc) from exc
                 envs.append(env)
-                if batch_rows(env) > 1:
+                batch = batch_rows(env)
+                if batch is not None:
+                    if parallel:
+                        close_quietly(envs)
+                        raise ValueError(f"parallel_steps=True steps each env in a pool thread; a natively batched "
+                                         f"env steps its {batch} envs in one call: leave parallel_steps out")
+                    if len(factories) % batch or group != batch:
+                        close_quietly(envs)
+                        raise ValueError(
+                            f"the env factory makes a natively batched env of {batch} envs, stepped in one call: "
+                            f"num_envs ({len(factories)}) must be a multiple of {batch} and envs_per_thread "
+                            f"({group}) equal to it; pass envs_per_thread={batch}")
                     break
-            rows = batch_rows(envs[0]) if len(envs) == 1 else len(envs)
             units.append(make_unit(envs, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys))
-            i += rows
-        if i != len(factories):
-            raise ValueError(f"the env factory makes natively batched envs of {units[-1].rows} envs: num_envs "
-                             f"({len(factories)}) must be a multiple of that")
+            i += units[-1].rows
     except BaseException:
-        for u in units:
-            close_quietly([u])
+        close_quietly(units)
         raise
     return units
 
