@@ -329,6 +329,7 @@ class PolicyCall:
         self._pin = threading.Condition()
         self._pinned_by: list[int] = []
         self._deferred: list[Any] = []
+        self._waiting = 0
         self.failure: PolicyError | None = None
         self._bounded_calls = _Bounded(f"lightning_rollout-{name}-policy")
         self.calls = 0
@@ -516,13 +517,16 @@ class PolicyCall:
         """One version for the block: updates from other threads wait for it to end; those made in this thread
         (an event processor) are applied when it ends (a rejected one is reported as a ``RuntimeWarning``)."""
         me = threading.get_ident()
-        with self._pin:
-            self._pinned_by.append(me)
-        try:
+        try:  # registered inside the try: a Ctrl-C anywhere leaves no pin behind
+            with self._pin:
+                while self._waiting and not self._pinned_by:  # updates made before the span go first
+                    self._pin.wait(_POLL_S)
+                self._pinned_by.append(me)
             yield
         finally:
             with self._pin:
-                self._pinned_by.remove(me)
+                if me in self._pinned_by:
+                    self._pinned_by.remove(me)
                 if not self._pinned_by:
                     deferred, self._deferred = self._deferred, []
                     for state in deferred:
@@ -533,15 +537,21 @@ class PolicyCall:
                                           f"when applied after it: {exc}", RuntimeWarning, stacklevel=3)
                     self._pin.notify_all()
 
-    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None
-               ) -> int:
+    @property
+    def pending_updates(self) -> int:
+        """Updates made and not applied yet (waiting for a pinned span to end)."""
+        return len(self._deferred) + self._waiting
+
+    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None,
+               wait: bool = True) -> int:
         """Replace the weights; returns the new :attr:`version` (+1 an update).
 
         ``state``: a ``state_dict``, a module of the same architecture, a ``TensorDict`` of weights, the acting
         policy itself (only the version moves), or for a callable without ``load_state_dict`` any object (kept,
         returned by :meth:`state`). Non-persistent buffers travel with a module, a TensorDict, or ``buffers_from``
         for a ``state_dict``. While pinned (:meth:`pinned`) the update waits for the span to end (up to
-        ``timeout`` s); made from the pinning thread, it is applied when the span ends.
+        ``timeout`` s); made from the pinning thread, or with ``wait=False``, it is applied when the span ends
+        (the version it will then have is returned).
 
         Raises:
             ValueError: the policy rejected ``state`` (the version is unchanged). CollectionError: still pinned
@@ -557,15 +567,20 @@ class PolicyCall:
             state = (state, _non_persistent_buffers(buffers_from))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._pin:
-            if threading.get_ident() in self._pinned_by:
+            if self._pinned_by and (threading.get_ident() in self._pinned_by or not wait):
                 self._deferred.append(state)
                 return self.version + len(self._deferred)
-            while self._pinned_by:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise CollectionError(f"policy update not applied within {timeout} s: an on-policy collection "
-                                          "call held the weights")
-                self._pin.wait(_POLL_S)
-            self._apply(state)
+            self._waiting += 1
+            try:
+                while self._pinned_by:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise CollectionError(f"policy update not applied within {timeout} s: an on-policy "
+                                              "collection call held the weights")
+                    self._pin.wait(_POLL_S)
+                self._apply(state)
+            finally:
+                self._waiting -= 1
+                self._pin.notify_all()
             return self.version
 
     def _apply(self, state: Any) -> None:
@@ -787,7 +802,28 @@ class AutobatchPolicy:
 
     @property
     def num_flushes(self) -> int:
+        """Calls made since creation."""
         return self.call.calls
+
+    @property
+    def num_rows(self) -> int:
+        """Rows answered since creation."""
+        return self.call.rows
+
+    @property
+    def pending_updates(self) -> int:
+        """Updates made and not applied yet (queued behind requests, or waiting for a pinned span)."""
+        return len(self._updates) + self.call.pending_updates
+
+    def updates_held(self) -> contextlib.AbstractContextManager[None]:
+        """Pin the weights for a ``with`` block: every answer meanwhile has one version (see
+        :meth:`PolicyCall.pinned`)."""
+        return self.call.pinned()
+
+    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> dict[NestedKey, tuple[tuple[int, ...],
+                                                                                                np.dtype]]:
+        """Call the policy once on ``obs`` and fix the outputs every answer carries (see :meth:`PolicyCall.probe`)."""
+        return self.call.probe(obs, rows)
 
     def state(self) -> Any:
         return self.call.state()
@@ -906,8 +942,8 @@ class AutobatchPolicy:
                     self._answer(group)
             elif update is not None:
                 (state, buffers_from), marker = update
-                try:
-                    self.call.update(state, buffers_from=buffers_from)
+                try:  # never waits here: a pinned span applies it when it ends
+                    self.call.update(state, buffers_from=buffers_from, wait=False)
                 except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
                     marker.error = exc
                 marker.done.set()
