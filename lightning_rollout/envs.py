@@ -65,7 +65,12 @@ class EnvFailure(Exception):
         kind: ``"env"``, or ``"action"`` when the policy's action was invalid.
         cause: the exception (or a :class:`RemoteTraceback`).
         process: the worker process the env runs in (``None``: this process).
+        completed: rows of the failing call whose step ended before it (their results are written);
+            ``lost``: rows of that call that will never answer.
     """
+
+    completed: np.ndarray = np.empty(0, dtype=np.int64)
+    lost: np.ndarray = np.empty(0, dtype=np.int64)
 
     def __init__(self, row: int, phase: str, kind: str, cause: BaseException, process: int | None = None) -> None:
         if isinstance(cause, RemoteTraceback):
@@ -82,7 +87,16 @@ class EnvFailure(Exception):
         failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause, self.process)
         if process is not None:
             failure.process = process
+        failure.completed, failure.lost = self.completed + offset, self.lost + offset
         return failure
+
+    def within(self, rows: Sequence[int] | range) -> EnvFailure:
+        """This failure of a call on ``rows`` (in order): those before the failing one completed (and the failing one
+        when its step ended and its reset failed), the others lost."""
+        rows = np.asarray(list(rows), dtype=np.int64)
+        at = int(np.flatnonzero(rows == self.row)[0]) + (self.phase == "reset") if self.row in rows else 0
+        self.completed, self.lost = rows[:at], rows[at:]
+        return self
 
 
 class CheckFailed(Exception):
@@ -406,23 +420,37 @@ class GymUnit(Unit):
         rows = range(self.rows) if rows is None else rows
         actions = self._actions(s.inputs["action"], rows)
         nxt, reward, terminated, truncated = s.next, s.reward, s.terminated, s.truncated
-        for i, action in zip(rows, actions):
-            try:
-                obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-            except Exception as exc:
-                raise EnvFailure(i, "step", "env", exc) from exc
-            self._write(nxt, i, obs, info, "step")
-            self.count[i] += 1
-            if self.cap is not None and self.count[i] >= self.cap:
-                truncated[i] = True
-            s.reset[i] = False
-            if terminated[i] or truncated[i]:
-                self.reset([i], [None])
+        try:
+            for i, action in zip(rows, actions):
+                try:
+                    obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
+                except Exception as exc:
+                    raise EnvFailure(i, "step", "env", exc) from exc
+                self._write(nxt, i, obs, info, "step")
+                self.count[i] += 1
+                if self.cap is not None and self.count[i] >= self.cap:
+                    truncated[i] = True
+                s.reset[i] = False
+                if terminated[i] or truncated[i]:
+                    self.reset([i], [None])
+        except EnvFailure as failure:
+            raise failure.within(rows) from failure.cause
+        if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
+            rows = np.asarray(list(rows))
+            values = nxt["observation"][rows]
+            total = values.sum()
+            if total != total:
+                bad = np.isnan(values.reshape(len(rows), -1)).any(1)
+                failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
+                                     CheckFailed("entry 'observation' contains NaN"))
+                failure.completed, failure.lost = rows[~bad], rows[bad]
+                raise failure
 
     def _actions(self, action: np.ndarray, rows: Sequence[int] | range) -> list[Any]:
         """Rows ``rows`` of ``action`` -> what ``env.step`` takes, converted (and checked) at once where the space
         allows it. Raises :class:`EnvFailure` (kind ``"action"``) for the first invalid row."""
         action = action[rows] if not isinstance(rows, range) else action
+        rows = list(rows)
         if self._n > 1 and action.ndim == 2 and action.shape[1] == self._n:  # one-hot rows
             index = action.argmax(1) + self._start
             return list(index.astype(self.action_space.dtype, copy=False))
@@ -434,7 +462,7 @@ class GymUnit(Unit):
             try:
                 out.append(self._action(row))
             except ActionError as exc:
-                raise EnvFailure(i, "step", "action", exc) from exc
+                raise EnvFailure(i, "step", "action", exc).within(rows) from exc
         return out
 
     def _action(self, action: np.ndarray) -> Any:
@@ -587,14 +615,20 @@ class TorchRLUnit(Unit):
             try:
                 out, root = env.step_and_maybe_reset(self._td({k: v[a:b] for k, v in s.inputs.items()}))
             except Exception as exc:
-                raise EnvFailure(a, "step", "env", exc) from exc
+                failure = EnvFailure(a, "step", "env", exc)
+                failure.completed = np.arange(a) if rows is None else rows[rows < a]
+                failure.lost = np.arange(a, self.rows) if rows is None else rows[rows >= a]
+                raise failure from exc
             nxt = self._rows_of(out.get("next"), list(self.keys.next))
             if self.validate:
                 problem = check_entries(nxt, self._checked_next, rows=self.size)
                 if problem is not None:
                     bad = next((i for i in range(self.size) if check_entries(
                         {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
-                    raise EnvFailure(a + bad, "check", "env", CheckFailed(problem))
+                    failure = EnvFailure(a + bad, "check", "env", CheckFailed(problem))
+                    failure.completed = np.arange(a) if rows is None else rows[rows < a]
+                    failure.lost = np.arange(a, self.rows) if rows is None else rows[rows >= a]
+                    raise failure
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)

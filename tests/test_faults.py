@@ -36,7 +36,8 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
 from conftest import CATCH_SIGINT, ArgmaxNet, CountingPolicy, MockEnv, called_from_probe, mock_envs
-from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, MultiEnvLoop, PolicyError,
+from lightning_rollout import (AutobatchPolicy, CollectionError, EnvError, EnvLoop, EventProcessor, MultiEnvLoop,
+                               PolicyError,
                                StepTimeoutError, ThreadedCollector)
 from reliability_helpers import assert_no_rollout_threads, bounded, rollout_threads
 
@@ -125,9 +126,8 @@ MODES = ["run_steps", "run_env_steps"]
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("parallel_steps", [False, True, "free"], ids=["sequential", "parallel_steps", "free"])
 def test_env_raises_at_random_step(mode, lookahead, parallel_steps):
-    """``exc.partial`` keeps the steps made before the fault: ``run_steps`` every step of env ``bad``;
-    ``run_env_steps`` the steps every env completed (``None`` when the scheduler had not yet run one env's
-    thread: its own thread per env, ``autobatch_size=2`` lets the others go on without it)."""
+    """``exc.partial`` keeps every step made before the fault, every step of env ``bad`` among them, flat in
+    arrival order whether the call was ``run_steps`` or ``run_env_steps``."""
     rng = random.Random(f"{mode}{lookahead}")
     num_envs, bad, k = 3, rng.randrange(3), rng.randrange(1, 30)
     envs: list[MockEnv] = []
@@ -140,18 +140,10 @@ def test_env_raises_at_random_step(mode, lookahead, parallel_steps):
     assert (exc.env_id, exc.step, exc.phase) == (bad, k, "step")
     assert f"env {bad}" in str(exc) and f"step {k}" in str(exc) and "exploded" in str(exc)
     assert isinstance(exc.__cause__, RuntimeError)  # the original traceback is kept
-    completed = min(e.num_steps for e in envs)
-    if mode == "run_steps":  # every step env `bad` made before the fault was delivered
-        assert exc.partial is not None
-        check_prefix(exc.partial, bad, k)
-    elif parallel_steps:  # one block (free-running envs: the others caught up) delivers `bad`'s k complete steps
-        assert exc.partial is not None and exc.partial.shape == (num_envs, k)
-    elif completed == 0:
-        assert exc.partial is None
-    else:  # a rectangle: every step each env completed, its steps ahead included
-        assert exc.partial is not None and exc.partial.shape == (num_envs, completed)
-    if exc.partial is not None:
-        check_stream(exc.partial)
+    # every step env `bad` made before the fault is delivered, in arrival order ([n]), whatever the call's layout
+    assert exc.partial is not None and exc.partial.batch_dims == 1
+    check_prefix(exc.partial, bad, k)
+    check_stream(exc.partial)
     assert_no_rollout_threads()
 
 
@@ -213,12 +205,7 @@ def test_env_bad_observation(kind, words, mode, parallel_steps):
     assert words in str(exc) and "env 2" in str(exc) and f"step {at}" in str(exc)
     assert exc.partial is not None
     check_stream(exc.partial)
-    if mode == "run_steps":
-        check_prefix(exc.partial, 2, at)
-    else:  # the steps every env delivered (the other block may be behind), settled as any batch's steps
-        steps = exc.partial.shape[1]
-        assert exc.partial.shape[0] == 4 and steps <= at
-        assert exc.partial["next", "step_count"][:, :, 0].tolist() == [list(range(1, steps + 1))] * 4
+    check_prefix(exc.partial, 2, at)  # in arrival order, whatever the call
     assert_no_rollout_threads()
 
 
@@ -255,7 +242,7 @@ def test_a_nan_observation_is_reported_before_a_later_error_of_the_same_quota(la
     exc = bounded(collect, BOUND)
     assert isinstance(exc, EnvError) and (exc.env_id, exc.step, exc.phase) == (2, at, "check")
     assert "NaN" in str(exc)
-    assert exc.partial.shape == (4, at)
+    check_prefix(exc.partial, 2, at)
     check_stream(exc.partial)
     assert_no_rollout_threads()
 
@@ -314,9 +301,7 @@ def test_policy_fault_on_kth_call_single_env(kind, words, lookahead):
                                          ("row_shape", "shape (3,)"), ("no_action", "'action'")])
 @pytest.mark.parametrize("mode", MODES)
 def test_policy_fault_on_kth_call_many_envs(kind, words, mode):
-    """``exc.partial`` holds every granted step an env completed (``run_steps``: all but at most the one step
-    each env thread wrote ahead), or the steps every env completed (``run_env_steps``: a rectangle, ``None`` when
-    one env completed none; which envs the first calls served depends on the scheduler)."""
+    """``exc.partial`` holds every step the envs completed before the failing policy call, in arrival order."""
     envs: list[MockEnv] = []
     factories = [lambda f=f: envs.append(f()) or envs[-1] for f in long_envs(4)]
     loop = MultiEnvLoop(factories, FaultyPolicy(6, kind), autobatch_size=2, envs_per_thread=1)
@@ -327,48 +312,9 @@ def test_policy_fault_on_kth_call_many_envs(kind, words, mode):
     assert words in str(exc), str(exc)
     assert exc.env_ids and set(exc.env_ids) <= set(range(4)) and exc.step is not None
     assert f"at step {exc.step}" in str(exc)
-    completed = [e.num_steps for e in envs]  # steps each env completed
-    if mode == "run_steps":
-        assert exc.partial is not None and sum(completed) - 4 <= exc.partial.shape[0] <= sum(completed)
-    elif min(completed) == 0:
-        assert exc.partial is None
-    else:
-        assert exc.partial is not None and exc.partial.shape == (4, min(completed))
-    if exc.partial is not None:
-        check_stream(exc.partial)
-    assert_no_rollout_threads()
-
-
-class _UnreadRequests:
-    """A worker's request queue whose messages the worker never gets, as if its thread had not woken yet."""
-
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def put(self, message: object) -> None:
-        self.sent.append(message)
-
-    def get(self, timeout: float | None = None) -> object:
-        threading.Event().wait(timeout)  # the worker's poll interval; it then checks the loop's stop flag
-        raise queue.Empty
-
-
-def test_a_failure_keeps_the_step_a_worker_took_ahead_of_a_grant_it_had_not_read_yet():
-    """Double batching: each env thread takes its next step before the driver's grant for it arrives. When a
-    failure elsewhere closes the loop before a thread has read its grant, the step it took ahead was still
-    granted and settled: ``exc.partial`` keeps it (it was dropped when the failure won that race)."""
-    loop = MultiEnvLoop(mock_envs(2), FaultyPolicy(3, "raise"), num_envs=2, autobatch_size=1)
-    first = loop._workers[0]
-    deadline = time.monotonic() + BOUND
-    while first._ring.t0 < 1 and time.monotonic() < deadline:  # its step ahead, taken at start, settled
-        threading.Event().wait(0.001)
-    assert first._ring.t0 == 1
-    first.requests = _UnreadRequests()  # env 0 makes no further policy call: the 3rd call is env 1's 2nd step
-    with pytest.raises(PolicyError, match="policy exploded") as info:
-        bounded(lambda: loop.run_env_steps(4), BOUND)
-    assert first.requests.sent  # the grant was sent, never read
-    assert info.value.partial is not None and info.value.partial.batch_size == (2, 1)
-    check_stream(info.value.partial)
+    completed = [e.num_steps for e in envs]  # steps each env completed: every one is in the partial batch
+    assert exc.partial is not None and exc.partial.shape[0] == sum(completed)
+    check_stream(exc.partial)
     assert_no_rollout_threads()
 
 
@@ -448,9 +394,7 @@ def test_step_timeout_on_hung_env(release, mode):
     assert "step_timeout=0.5" in str(exc) and "lightning_rollout-loop-env1" in str(exc) and "env 1" in str(exc)
     assert exc.partial is not None
     check_stream(exc.partial)
-    check_prefix(exc.partial, 1, 4)  # the hung env's complete steps are kept (its thread never settled them)
-    if mode == "run_env_steps":
-        assert exc.partial.shape == (3, 4)
+    check_prefix(exc.partial, 1, 4)  # the hung env's complete steps are kept
     # the stuck thread is the only one left (a daemon); the others were shut down
     assert [t.name for t in rollout_threads()] == ["lightning_rollout-loop-env1"]
     assert all(t.daemon for t in rollout_threads())
@@ -677,8 +621,8 @@ def test_ctrl_c_inside_a_lock_entry_of_the_driver_leaves_no_thread_blocked(monke
 
 def test_ctrl_c_while_a_collection_call_claims_the_loop_leaves_no_claim_behind(monkeypatch):
     """A collection call claims the loop (one driver at a time). A ``KeyboardInterrupt`` landing inside the
-    claim, or inside the call, must leave the loop unclaimed: the next call runs instead of being refused as
-    'already collecting'."""
+    claim must leave the loop unclaimed (the next call runs instead of being refused as 'already collecting');
+    one landing inside the call leaves it unclaimed and closed."""
     loop = MultiEnvLoop(mock_envs(2), CountingPolicy(), num_envs=2)
     me, real = threading.current_thread(), threading.current_thread
     fired: list[bool] = []
@@ -698,15 +642,15 @@ def test_ctrl_c_while_a_collection_call_claims_the_loop_leaves_no_claim_behind(m
         assert fired and not loop.collecting
         assert loop.run_steps(4).numel() == 4
 
-        def interrupted(*args: object) -> None:
-            raise KeyboardInterrupt
+        class Interrupting(EventProcessor):  # inside the call, past the claim
+            wants_timesteps = True
 
-        monkeypatch.setattr(loop, "_run_grants", interrupted)  # inside the call, past the claim
+            def on_timestep(self, step) -> None:
+                raise KeyboardInterrupt
+
         with pytest.raises(KeyboardInterrupt):
-            loop.run_env_steps(2)
-        monkeypatch.undo()
-        assert not loop.collecting
-        assert loop.run_env_steps(2).numel() == 4
+            loop.run_steps(2, processor=Interrupting())
+        assert not loop.collecting and loop.closed  # a call cut at an arbitrary point closes the loop
     finally:
         monkeypatch.undo()
         loop.close()

@@ -18,6 +18,7 @@ import functools
 import math
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -60,7 +61,6 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                 raise CollectionError(f"the loop {self.name!r} is closed")
             self._driver = threading.current_thread()
             self.collecting = True
-            self._idle.clear()
         delivery = getattr(self, "_delivery", None)
         if delivery is not None:  # counts set from outside between calls (a resume) are the ones to continue
             delivery.frames, delivery.episodes = self.frames, self.episodes
@@ -85,7 +85,6 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                 self.frames, self.episodes, self.next_traj_id = delivery.frames, delivery.episodes, delivery.next_traj
             self._driver = None
             self.collecting = False
-            self._idle.set()
 
     return wrapper
 
@@ -175,8 +174,6 @@ class MultiEnvLoop:
         self.collecting = False  # a collection call runs, in some thread
         self.frames = self.episodes = 0  # transitions and episodes delivered by training calls
         self.next_traj_id = traj_id_start  # the id the next new trajectory will get
-        self._idle = threading.Event()
-        self._idle.set()
         self._stop = threading.Event()
         self.closed = self._shut = self._closed_by_other = False
         self._shutdown_lock = threading.Lock()
@@ -274,7 +271,8 @@ class MultiEnvLoop:
 
     # -- collection calls ---------------------------------------------------------------------------------
     def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool:
-        """Run the stepper; a failure attaches what ``partial`` gathers and closes the loop."""
+        """Run the stepper; a failure attaches what ``partial`` gathers (every complete step not handed out yet, in
+        arrival order, ``[n]``) and closes the loop."""
         mode = self.exploration_type
         if mode is None:
             from torchrl.envs.utils import exploration_type
@@ -319,7 +317,7 @@ class MultiEnvLoop:
         arrived(*delivery.pending(main))
         stopped = interrupter is not None and interrupter.should_stop()
         done = stopped or self._run(FlatRule(n, exact=not self.lookahead, arrived=arrived), interrupter,
-                                    lambda: delivery.flat(main, min(n, main.available())))
+                                    lambda: delivery.flat(main, main.available()))
         batch = delivery.flat(main, min(n, main.available()))
         if done and not stopped:
             self._stepper.finish(self.lookahead)
@@ -341,7 +339,7 @@ class MultiEnvLoop:
         common = lambda: min(steps_per_env, int((main.t - main.consumed).min()))  # noqa: E731
         stopped = interrupter is not None and interrupter.should_stop()
         done = stopped or self._run(EnvTimeRule(self._stepper, steps_per_env), interrupter,
-                                    lambda: self._delivery.env_time(main, common(), None))
+                                    lambda: self._delivery.flat(main, main.available()))
         batch = self._delivery.env_time(main, 0 if stopped else common(), processor)
         if done and not stopped:
             self._stepper.finish(self.lookahead)
@@ -464,14 +462,16 @@ class MultiEnvLoop:
         driver = self._driver
         if driver is not None and driver is not threading.current_thread():
             self._closed_by_other = True
-            self._idle.wait(self.join_timeout)
+            deadline = time.monotonic() + self.join_timeout
+            while self._driver is not None and time.monotonic() < deadline:  # the call sees the flag and ends
+                time.sleep(0.005)
         self._shutdown()
 
     def _shutdown(self) -> None:
         with self._shutdown_lock:
             if self._shut:
                 return
-            self._shut = self.closed = True
+            self.closed = True
             self._stop.set()
             stuck: list[str] = []
             if self._envs is not None:
@@ -483,6 +483,7 @@ class MultiEnvLoop:
             delivery = getattr(self, "_delivery", None)
             if delivery is not None:
                 delivery.pool.clear()
+            self._shut = True  # only now: a close cut short (Ctrl-C) is finished by the next one
         if stuck:
             warn_user(f"threads {stuck} are stuck in an env call (past step_timeout, or still running after "
                       f"join_timeout={self.join_timeout} s); they are daemons and are abandoned", RuntimeWarning)

@@ -78,8 +78,8 @@ class Envs:
         """
         raise NotImplementedError
 
-    def stuck(self, timeout: float) -> tuple[int, str] | None:
-        """``(row, phase)`` of an env call running for over ``timeout`` seconds, else ``None``."""
+    def stuck(self, timeout: float) -> tuple[int, str, str] | None:
+        """``(row, phase, thread or process name)`` of an env call running for over ``timeout`` s, else ``None``."""
         return None
 
     def close(self, timeout: float) -> list[str]:
@@ -229,7 +229,11 @@ class SerialEnvs(_Local):
             try:
                 self.units[u].step(local)
             except EnvFailure as failure:
-                raise failure.shifted(int(self.bounds[u])) from failure.cause
+                failed = failure.shifted(int(self.bounds[u]))
+                a = self.bounds[u]
+                failed.completed = np.concatenate([rows[rows < a], failed.completed])
+                failed.lost = np.concatenate([failed.lost, rows[rows >= self.bounds[u + 1]]])
+                raise failed from failure.cause
         return rows
 
 
@@ -302,7 +306,10 @@ class ThreadEnvs(_Local):
             return None
         a = int(self.bounds[u])
         if isinstance(result, EnvFailure):
-            raise result.shifted(a) from result.cause
+            failure = result.shifted(a)
+            failure.completed = np.concatenate([*self._ready, failure.completed])  # answers before it stay
+            self._ready, self._count = [], 0
+            raise failure from result.cause
         return kind, (np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
@@ -334,13 +341,13 @@ class ThreadEnvs(_Local):
             return np.empty(0, dtype=np.int64)
         return ready[0] if len(ready) == 1 else np.sort(np.concatenate(ready))
 
-    def stuck(self, timeout: float) -> tuple[int, str] | None:
+    def stuck(self, timeout: float) -> tuple[int, str, str] | None:
         now = time.perf_counter()
         for thread, a in zip(self.pool, self.bounds):
             since = thread.since
             if since and now - since > timeout:
                 self._abandoned.add(thread.thread)  # close() will not wait for it
-                return int(a), thread.phase
+                return int(a), thread.phase, thread.thread.name
         return None
 
     def close(self, timeout: float) -> list[str]:

@@ -135,10 +135,12 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
             _send(conn, ("ok", kind, rows))
     except EnvFailure as failure:
         _send(conn, ("failed", failure.row, failure.phase, failure.kind,
-                     f"{failure}\n\n{''.join(traceback.format_exception(failure.cause))}".rstrip()))
+                     f"{failure}\n\n{''.join(traceback.format_exception(failure.cause))}".rstrip(),
+                     failure.completed, failure.lost))
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
         try:
-            _send(conn, ("failed", 0, "step", "env", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+            _send(conn, ("failed", 0, "step", "env", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}",
+                         np.empty(0, np.int64), np.arange(envs.num_envs if envs else 0)))
         except Exception:  # noqa: S110 - the pipe is gone: the parent sees the death
             pass
     if envs is not None:
@@ -198,8 +200,10 @@ class _Child:
         except (EOFError, OSError) as exc:
             raise self.death() from exc
         if message[0] == "failed":
-            _, row, phase, kind, text = message
-            raise EnvFailure(self.a + row, phase, kind, RemoteTraceback(text), self.index)
+            _, row, phase, kind, text, completed, lost = message
+            failure = EnvFailure(self.a + row, phase, kind, RemoteTraceback(text), self.index)
+            failure.completed, failure.lost = np.asarray(completed) + self.a, np.asarray(lost) + self.a
+            raise failure
         return message
 
 
@@ -377,7 +381,11 @@ class ProcessEnvs(Envs):
             answered = wait_for(list(busy), timeout)
             for conn in answered:
                 child = busy[conn]
-                got = self._answer(child)[1]
+                try:
+                    got = self._answer(child)[1]
+                except EnvFailure as failure:
+                    failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
+                    raise
                 if not child.calls:
                     del busy[conn]
                 ready.append(got)
@@ -388,11 +396,11 @@ class ProcessEnvs(Envs):
             return np.empty(0, dtype=np.int64)
         return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
 
-    def stuck(self, timeout: float) -> tuple[int, str] | None:
+    def stuck(self, timeout: float) -> tuple[int, str, str] | None:
         now = time.perf_counter()
         for child in self.children:
             if child.calls and now - child.since > timeout:
-                return child.a, child.phase
+                return child.a, child.phase, child.process.name
         return None
 
     def close(self, timeout: float) -> list[str]:

@@ -239,7 +239,11 @@ class Stepper:
                 return False
             send = rule.select(self, ~self.flying)
             if len(send):
-                self.send(send)
+                try:
+                    self.send(send)
+                except PolicyError:  # the steps in flight elsewhere still land
+                    self._salvage(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+                    raise
             if not self.flying.any():
                 raise CollectionError("the loop has nothing in flight and the call is not complete (a bug)")
             ready = self._recv(interrupter)
@@ -276,7 +280,7 @@ class Stepper:
             outputs, version = self.policy(inputs, len(ids), self.mode)
         except PolicyError as exc:
             error = PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]]))
-            raise error from exc.__cause__ or exc
+            raise error from exc
         for k, shape in self.out_shapes.items():
             value = outputs.get(k)
             if value is None or value.shape[1:] != shape:
@@ -306,8 +310,7 @@ class Stepper:
             try:
                 rows = self.envs.recv(need - count, wait)
             except EnvFailure as failure:
-                if got:  # the rows that arrived before the failure are settled: they stay
-                    self.settle(np.concatenate(got))
+                self._salvage(np.concatenate([*got, failure.completed]).astype(np.int64), failure.lost)
                 raise self.failure_error(failure) from failure.cause
             if len(rows):
                 got.append(rows)
@@ -323,10 +326,25 @@ class Stepper:
             if self.step_timeout is not None:
                 stuck = self.envs.stuck(self.step_timeout)
                 if stuck is not None:
-                    row, phase = stuck
-                    raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; the env's {phase} "
-                                           "is stuck and its thread or process is abandoned",
+                    row, phase, where = stuck
+                    raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
+                                           f"inside the env's {phase} and is abandoned",
                                            env_id=row, step=self.steps_of(row), phase=phase)
+
+    def _salvage(self, completed: np.ndarray, lost: np.ndarray, within: float = 0.5) -> None:
+        """After a failure, keep every step that ended: ``completed`` ones, and those still in flight elsewhere that
+        end within ``within`` seconds (``lost`` ones never will; a further failure's are handled alike)."""
+        self.settle(completed)
+        self.flying[lost] = False
+        end = time.perf_counter() + within
+        while self.flying.any() and time.perf_counter() < end:
+            try:
+                rows = self.envs.recv(int(self.flying.sum()), POLL_S)
+            except EnvFailure as other:
+                self.settle(other.completed)
+                self.flying[other.lost] = False
+                continue
+            self.settle(rows)
 
     def steps_of(self, e: int) -> int:
         """Env ``e``'s steps so far (its episode cursor's while it runs an episode)."""
