@@ -234,3 +234,119 @@ def test_a_loop_given_one_env_a_unit_over_worker_processes_runs_it_as_given():
         batch = loop.run_env_steps(3)
     assert batch.batch_size[:2] == (4, 3)
     assert batch["next", "observation"][..., 2].tolist() == [[1.0, 2.0, 3.0]] * 4  # CountEnv: [env_id, episode, t]
+
+
+# -- the rule (loop/auto.py's module docstring, docs/tuning.rst) -------------------------------------------
+CHEAP = auto.EnvTiming(step_s=10e-6, gil_release=0.0)  # CartPole
+GIL_BOUND = auto.EnvTiming(step_s=100e-6, gil_release=0.05)  # a pure-Python simulator
+MUJOCO = auto.EnvTiming(step_s=60e-6, gil_release=float("nan"))  # HalfCheetah: under cheap_s, not measured
+RELEASING_SLOW = auto.EnvTiming(step_s=2e-3, gil_release=0.98)
+RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
+
+
+@pytest.mark.parametrize("num_envs, timing, kwargs, expected", [
+    (16, CHEAP, {}, (1, 16, False)),  # 80 us a step for another process: less than a round trip
+    (32, CHEAP, {}, (1, 32, False)),  # 160 us: not worth it either
+    (32, CHEAP, {"cores": 16}, (1, 32, False)),
+    (16, GIL_BOUND, {}, (2, 8, False)),  # this process and one worker, half the envs each
+    (16, GIL_BOUND, {"cores": 5}, (4, 4, False)),  # a process a core, as many as divide the envs
+    (16, MUJOCO, {}, (2, 8, False)),  # 480 us a step for the other process: worth it
+    (4, MUJOCO, {}, (1, 4, False)),  # 120 us: less than a round trip
+    (16, MUJOCO, {"round_trip_s": 1e-3}, (1, 16, False)),
+    (16, GIL_BOUND, {"expected_frames": 20_000}, (1, 16, False)),  # 1 s saved: under the start-up cost
+    (4, GIL_BOUND, {"cores": 16, "share_s": 50e-6}, (4, 1, False)),  # at most one process an env
+    (8, GIL_BOUND, {"cores": 16}, (4, 2, False)),  # at most a process a share of 200 us of env time
+    (16, GIL_BOUND, {"cores": 16}, (8, 2, False)),
+    (64, GIL_BOUND, {"cores": 16}, (16, 4, False)),  # 6.4 ms a step: a process a core
+    (16, MUJOCO, {"cores": 16}, (4, 4, False)),
+    (3, GIL_BOUND, {"cores": 16}, (1, 3, False)),  # no divisor of 3 but 3 itself, over the shares' bound
+    (16, GIL_BOUND, {"cores": 1}, (1, 16, False)),  # one core: no worker process
+    (16, GIL_BOUND, {"picklable": False}, (1, 16, False)),
+    (16, RELEASING_SLOW, {}, (1, 1, True)),  # a pool thread an env
+    (16, RELEASING_FAST, {}, (2, 8, False)),  # 200 us of C a step: under 500 us, processes
+    (16, RELEASING_FAST, {"cores": 1}, (1, 16, False)),
+    (16, GIL_BOUND, {"cores": 3, "num_workers": 1}, (1, 16, False)),  # a given num_workers is kept
+    (16, GIL_BOUND, {"cores": 3, "num_workers": 2}, (2, 8, False)),
+    (16, auto.EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=8), {}, (1, 8, False)),  # native
+])
+def test_auto_layout_rule(num_envs, timing, kwargs, expected):
+    choice = auto.choose_layout(num_envs, timing, **{"cores": 2, **kwargs})
+    assert _layout(choice) == expected, choice.reason
+    if choice.num_workers > 1 and "num_workers" not in kwargs:
+        assert f"{choice.num_workers} processes on" in choice.reason
+    assert choice.reason
+
+
+def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        collector = ThreadedCollector("CartPole-v1", None, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert choice is not None and _layout(choice) == (1, 4, False)  # cheap: the stepping thread
+        assert not list(collector.loop.threads())
+        assert "num_workers=1, envs_per_thread=4" in caplog.text
+    finally:
+        collector.shutdown()
+
+
+def test_auto_keeps_envs_of_an_unpicklable_factory_in_this_process(monkeypatch, caplog):
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: auto.EnvTiming(step_s=300e-6, gil_release=0.0))
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        collector = ThreadedCollector([lambda: CountEnv()] * 4, zero_policy, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert (choice.num_workers, collector.loop.num_workers) == (1, 1)
+        assert "cannot be pickled" in caplog.text
+    finally:
+        collector.shutdown()
+
+
+def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factory(monkeypatch):
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: auto.EnvTiming(step_s=300e-6, gil_release=0.0))
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
+    choice = _auto(functools.partial(CountEnv), 4)
+    assert _layout(choice) == (2, 2, False) and "2 processes on 3 cores" in choice.reason  # 2 divides 4, 3 does not
+    short = _auto(functools.partial(CountEnv), 4, expected_frames=1000)  # 0.15 s saved: under the start-up cost
+    assert short.num_workers == 1
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> float | None:
+    """:func:`cgroup_cpu_limit` of a process whose ``/proc/self/cgroup`` reads ``proc``, over ``files``."""
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(proc)
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return auto.cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+
+
+def test_cgroup_cpu_limit_reads_v2_and_v1_quotas_and_none_without_one(tmp_path):
+    v2 = "0::/kubepods/pod1\n"
+    assert _cgroup(tmp_path / "a", v2, {"kubepods/pod1/cpu.max": "150000 100000\n"}) == 1.5
+    assert _cgroup(tmp_path / "b", v2, {"kubepods/pod1/cpu.max": "max 100000\n"}) is None
+    assert _cgroup(tmp_path / "c", "0::/\n", {"cpu.max": "200000 100000"}) == 2.0  # a container: its own root
+    v1 = "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"  # hybrid: the cpu controller is v1
+    assert _cgroup(tmp_path / "d", v1, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
+                                        "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}) == 3.0
+    unlimited_v1 = {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    assert _cgroup(tmp_path / "e", "3:cpu:/\n", unlimited_v1) is None
+    assert _cgroup(tmp_path / "f", v1, {}) is None  # no cgroup files
+    assert _cgroup(tmp_path / "g", v2, {"kubepods/pod1/cpu.max": "garbage"}) is None
+    # the kernel enforces every ancestor's limit: the smallest applies
+    assert _cgroup(tmp_path / "h", v2, {"kubepods/pod1/cpu.max": "max 100000", "kubepods/cpu.max": "400000 100000",
+                                        "cpu.max": "800000 100000"}) == 4.0
+    assert auto.cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path)) is None  # not Linux
+
+
+def test_usable_cores_are_capped_by_a_containers_cpu_limit(monkeypatch):
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: None)
+    affinity = auto.usable_cores()  # the CPU affinity alone
+    assert affinity >= 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1.5)  # --cpus=1.5: one whole core
+    assert auto.usable_cores() == 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 0.5)
+    assert auto.usable_cores() == 1  # at least one
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1000.0)
+    assert auto.usable_cores() == affinity  # a limit above the affinity changes nothing
