@@ -118,7 +118,7 @@ def test_the_policy_sees_the_info_entries_of_each_row():
 def test_bad_info_keys_are_refused_with_what_to_do():
     def refused(env, info_keys, match: str) -> None:
         with pytest.raises(ValueError, match=match):
-            MultiEnvLoop(env, zero_policy, num_envs=2, info_keys=info_keys)
+            MultiEnvLoop(env, zero_policy, num_envs=2, info_keys=info_keys).close()
 
     refused(InfoEnv, ["is_success"], "not in the info of the env's first reset.*is_success")
     refused(InfoEnv, ["observation"], "clashes with an observation entry")
