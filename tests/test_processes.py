@@ -214,10 +214,9 @@ def test_collector_with_worker_processes_yields_torchrl_batches():
         collector.shutdown()
     assert [tuple(b.shape) for b in batches] == [(4, 8), (4, 8)]
     assert torch.equal(batches[0]["collector", "traj_ids"][:, 0], torch.arange(4))
-    obs = batches[0]["observation"]
-    assert torch.equal(batches[0]["next", "observation"][:, :-1][~batches[0]["next", "done"][:, :-1, 0]],
-                       obs[:, 1:][~batches[0]["next", "done"][:, :-1, 0]])
-    assert obs[2:].abs().sum() > 0, "the worker process's envs deliver their observations"
+    for batch in batches:  # a CartPole observation is never all zeros: every env's steps arrive, 2-3's included
+        assert (batch["next", "observation"].abs().sum(-1) > 0).all()
+        assert (batch["next", "reward"] == 1).all()
 
 
 _ORPHAN_SCRIPT = """
