@@ -1,5 +1,5 @@
 """The ``"auto"`` layout: the same env gets the same choice every time, on a loaded machine too; a step that
-holds the GIL never gets a helper thread per env, picklable factory or not; the documented rule is short.
+holds the GIL never gets a pool thread per env, picklable factory or not; the documented rule is short.
 
 The envs are far from every threshold of the rule (a 2 ms step against 500 us, a share of the step without
 the GIL near 0 or 1 against one half), so the assertions hold on a loaded machine: the measure reads shares of
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 import time
 import types
 from pathlib import Path
@@ -76,43 +75,48 @@ def _layout(choice: auto.LayoutChoice) -> tuple[int, int, bool]:
     return choice.num_workers, choice.envs_per_thread, choice.parallel_steps
 
 
+def _auto(factory, num_envs: int, **kwargs) -> auto.LayoutChoice:
+    choice = auto.resolve_layout(factory, num_envs, **{"num_workers": "auto", "envs_per_thread": "auto", **kwargs})
+    assert choice is not None
+    return choice
+
+
 @pytest.mark.parametrize("factory, expected", [
-    (RELEASES, (1, 4, True)),  # one block, each env in its own helper thread
-    (HOLDS, (2, 4, False)),  # the main process and one worker process, driven by one thread
-    (CountEnv, (1, 4, False)),  # cheap: every env in one thread
+    (RELEASES, (1, 1, True)),  # each env in a pool thread of its own
+    (HOLDS, (2, 2, False)),  # this process steps one half, one worker process the other
+    (CountEnv, (1, 4, False)),  # cheap: every env in the stepping thread
 ], ids=["releases the GIL", "holds the GIL", "cheap"])
 def test_the_same_env_gets_the_same_layout_every_time_with_every_core_loaded(monkeypatch, loaded_cores, factory,
                                                                               expected):
     monkeypatch.setattr(auto, "usable_cores", lambda: 2)
-    choices = [auto.auto_layout(factory, 4, num_workers="auto", envs_per_thread="auto") for _ in range(REPEATS)]
+    choices = [_auto(factory, 4) for _ in range(REPEATS)]
     assert [_layout(c) for c in choices] == [expected] * REPEATS, [c.reason for c in choices]
 
 
-def test_a_gil_holding_env_of_an_unpicklable_factory_gets_threads_without_helpers_and_the_reason_says_why(
+def test_a_gil_holding_env_of_an_unpicklable_factory_stays_in_the_stepping_thread_and_the_log_says_why(
         monkeypatch, caplog, loaded_cores):
     monkeypatch.setattr(auto, "usable_cores", lambda: 2)
     for _ in range(REPEATS):
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="lightning_rollout"):
             collector = ThreadedCollector([lambda: _SpinEnv(2e-3)] * 4, zero_policy, frames_per_batch=8,
                                           num_envs=4)
         try:
             choice = collector.layout_choice
-            assert _layout(choice) == (1, 1, False), choice.reason  # 2 ms a step: one env per thread of ~1 ms
+            assert _layout(choice) == (1, 4, False), choice.reason  # no pool thread for a step holding the GIL
             assert collector.loop.num_workers == 1 and not collector.loop.parallel_steps
-            assert "cannot be pickled" in choice.reason and "holds the GIL" in choice.reason
-            assert "no helper thread per env" in choice.reason
+            assert not list(collector.loop.threads())
+            assert "cannot be pickled" in caplog.text  # logged at INFO
         finally:
             collector.shutdown()
-    assert caplog.text.count("cannot be pickled") == REPEATS  # logged at INFO, with the reason
 
 
-def test_a_gil_holding_env_in_a_daemonic_process_gets_threads_and_the_reason_says_why(monkeypatch):
-    """A daemonic process (a DataLoader worker) may not start worker processes: "auto" keeps to threads."""
+def test_a_gil_holding_env_in_a_daemonic_process_stays_in_this_process(monkeypatch):
+    """A daemonic process (a DataLoader worker) may not start worker processes: "auto" keeps to this one."""
     monkeypatch.setattr(auto, "usable_cores", lambda: 2)
     monkeypatch.setattr(auto.mp, "current_process", lambda: types.SimpleNamespace(daemon=True))
-    choice = auto.auto_layout(HOLDS, 4, num_workers="auto", envs_per_thread="auto")
-    assert _layout(choice) == (1, 1, False), choice.reason  # what the same env gets with an unpicklable factory
-    assert "daemonic process" in choice.reason and "holds the GIL" in choice.reason
+    choice = _auto(HOLDS, 4)
+    assert _layout(choice) == (1, 4, False), choice.reason  # what the same env gets with an unpicklable factory
 
 
 def test_num_workers_kept_at_one_for_an_env_that_processes_would_speed_up_is_warned_about_with_what_to_pass(
@@ -120,13 +124,13 @@ def test_num_workers_kept_at_one_for_an_env_that_processes_would_speed_up_is_war
     from lightning_rollout import LayoutWarning
 
     monkeypatch.setattr(auto, "usable_cores", lambda: 2)
-    kept = auto.auto_layout(HOLDS, 4, num_workers=1, envs_per_thread="auto")
-    assert (kept.num_workers, kept.envs_per_thread) == (1, 1)  # as asked: threads of this process
+    kept = _auto(HOLDS, 4, num_workers=1)
+    assert (kept.num_workers, kept.envs_per_thread) == (1, 4)  # as asked: every env in this process
     assert kept.warning is not None and "num_workers='auto' would step them in 2 processes" in kept.warning
-    assert "holds the GIL" in kept.warning  # the measured reason, from the "auto" rule
-    assert auto.auto_layout(HOLDS, 4, num_workers="auto", envs_per_thread="auto").warning is None  # chosen
-    assert auto.auto_layout(CountEnv, 4, num_workers=1, envs_per_thread="auto").warning is None  # cheap: 1 anyway
-    unpicklable = auto.auto_layout(lambda: _SpinEnv(2e-3), 4, num_workers=1, envs_per_thread="auto")
+    assert "without the GIL" in kept.warning and "num_workers='auto' (or 2)" in kept.warning  # why, what to pass
+    assert _auto(HOLDS, 4).warning is None  # chosen
+    assert _auto(CountEnv, 4, num_workers=1).warning is None  # cheap: 1 anyway
+    unpicklable = _auto(lambda: _SpinEnv(2e-3), 4, num_workers=1)
     assert unpicklable.warning is None  # "auto" could not have used processes either
 
     with pytest.warns(LayoutWarning, match="num_workers=1 keeps every env in this process") as record:
@@ -158,50 +162,12 @@ def test_the_documented_rule_is_short_and_states_the_thresholds_the_code_uses():
     assert "pickled" in rule and "never" in rule
 
 
-@pytest.mark.parametrize("num_envs, envs_per_thread, num_workers", [(16, 16, 2), (16, 8, 1), (16, 1, 1), (1, 1, 1)])
-def test_one_env_thread_or_no_worker_process_is_never_warned_about(num_envs, envs_per_thread, num_workers):
-    assert auto.layout_warning(num_envs, envs_per_thread, num_workers, cores=2) is None
-
-
-def test_more_env_threads_than_worker_processes_are_warned_about_whatever_the_cores():
-    for cores in (2, 64):
-        message = auto.layout_warning(16, 1, 2, cores=cores)
-        assert message is not None
-        assert "16 env threads over 2 worker processes" in message and "up to 8 blocks" in message
-        assert "envs_per_thread=16" in message  # what to pass instead
-    assert "envs_per_thread=8" in auto.layout_warning(16, 1, 2, cores=64)  # a block a process, with a core each
-    assert "envs_per_thread=8" not in auto.layout_warning(16, 1, 2, cores=2)  # 3 busy processes on 2 cores
-
-
-def test_worker_processes_and_env_threads_warned_about_only_when_they_outnumber_the_cores():
-    message = auto.layout_warning(16, 8, 2, cores=2)
-    assert message is not None and "3 busy processes on 2 cores" in message and "envs_per_thread=16" in message
-    assert "num_workers=3" in (auto.layout_warning(16, 8, 4, cores=4) or "")
-    assert "num_workers=3" not in (auto.layout_warning(16, 4, 4, cores=4) or "")  # 4 blocks over 3: warned too
-    assert auto.layout_warning(16, 8, 2, cores=3) is None
-    assert auto.layout_warning(16, 4, 4, cores=16) is None
-
-
-@pytest.mark.parametrize("cores", [2, 3, 4, 8, 16])
-def test_every_alternative_a_warning_offers_is_not_warned_about_itself(cores):
-    for num_envs in (4, 6, 12, 16):
-        for ept in (e for e in range(1, num_envs + 1) if num_envs % e == 0):
-            for workers in range(2, num_envs + 1):
-                message = auto.layout_warning(num_envs, ept, workers, cores=cores)
-                if message is None:
-                    continue
-                for knob, value in re.findall(r"(envs_per_thread|num_workers)=(\d+)", message):
-                    ept_2, workers_2 = (int(value), workers) if knob == "envs_per_thread" else (ept, int(value))
-                    assert auto.layout_warning(num_envs, ept_2, workers_2, cores=cores) is None, (
-                        num_envs, ept, workers, message)
-
-
 def test_a_collector_given_one_env_a_thread_warns_with_what_to_pass_and_runs_it_as_given():
     import warnings
 
     from lightning_rollout import LayoutWarning
 
-    with pytest.warns(LayoutWarning, match="envs_per_thread=1 runs 4 env threads of one env each") as record:
+    with pytest.warns(LayoutWarning, match="steps each of the 4 envs in a pool thread of its own") as record:
         collector = ThreadedCollector(CountEnv, zero_policy, num_envs=4, envs_per_thread=1, num_workers=1,
                                       frames_per_batch=8, total_frames=8)
     warned = next(w for w in record if issubclass(w.category, LayoutWarning))
@@ -209,10 +175,11 @@ def test_a_collector_given_one_env_a_thread_warns_with_what_to_pass_and_runs_it_
     assert warned.filename == __file__  # it points at the line that built the collector
     try:
         assert (collector.loop.envs_per_thread, collector.loop.num_workers) == (1, 1)
+        assert len(list(collector.loop.threads())) == 4
         assert next(iter(collector)).numel() == 8
     finally:
         collector.shutdown()
-    with warnings.catch_warnings():  # blocks of several envs, one env, the loop's default: no warning
+    with warnings.catch_warnings():  # groups of several envs, one env, the loop's default: no warning
         warnings.simplefilter("error", LayoutWarning)
         for num_envs, ept in ((4, 2), (1, 1)):
             ThreadedCollector(CountEnv, zero_policy, num_envs=num_envs, envs_per_thread=ept, num_workers=1,
@@ -230,16 +197,16 @@ def test_a_datamodule_given_one_env_a_thread_warns_at_the_users_fit_line_not_ins
 
     dm = RolloutDataModule("CartPole-v1", num_envs=4, envs_per_thread=1, num_workers=1, frames_per_batch=8)
     trainer = make_trainer(max_steps=1)
-    with pytest.warns(LayoutWarning, match="envs_per_thread=1 runs 4 env threads") as record:
+    with pytest.warns(LayoutWarning, match="steps each of the 4 envs in a pool thread") as record:
         fit_line = sys._getframe().f_lineno + 1
         trainer.fit(Agent(), datamodule=dm)  # the collector is built inside Lightning's hooks
     warned = next(w for w in record if issubclass(w.category, LayoutWarning))
     assert (warned.filename, warned.lineno) == (__file__, fit_line)
 
 
-def test_a_collector_given_a_layout_two_rules_warn_about_gets_one_warning_with_what_to_pass(monkeypatch):
-    """One env a thread over worker processes: the loop's warning (several blocks a process) says what to pass;
-    the collector does not add its own one-env-a-thread warning on top."""
+def test_worker_processes_given_one_env_a_unit_are_not_warned_about_pool_threads(monkeypatch):
+    """With worker processes every env is stepped by its process's own loop, one after the other: there is no
+    pool thread to warn about, whatever ``envs_per_thread`` says; the layout runs as given."""
     import warnings
 
     from lightning_rollout import LayoutWarning
@@ -249,17 +216,137 @@ def test_a_collector_given_a_layout_two_rules_warn_about_gets_one_warning_with_w
         warnings.simplefilter("always")
         collector = ThreadedCollector(functools.partial(CountEnv), zero_policy, num_envs=4, envs_per_thread=1,
                                       num_workers=2, frames_per_batch=8, total_frames=8)
-    collector.shutdown()
+    try:
+        assert (collector.loop.num_workers, collector.loop.envs_per_thread) == (2, 1)
+        assert not list(collector.loop.threads())
+        assert next(iter(collector)).batch_size == (4, 2)
+    finally:
+        collector.shutdown()
     layout = [str(w.message) for w in record if issubclass(w.category, LayoutWarning)]
-    assert len(layout) == 1 and "4 env threads over 2 worker processes" in layout[0], layout
+    assert not [m for m in layout if "pool thread" in m], layout
 
 
-def test_a_loop_given_a_warned_layout_warns_and_runs_it_as_given():
-    from lightning_rollout import LayoutWarning, MultiEnvLoop
+def test_a_loop_given_one_env_a_unit_over_worker_processes_runs_it_as_given():
+    from lightning_rollout import MultiEnvLoop
 
-    with pytest.warns(LayoutWarning, match="4 env threads over 2 worker processes"):
-        loop = MultiEnvLoop(functools.partial(CountEnv), zero_policy, num_envs=4, envs_per_thread=1, num_workers=2)
-    with loop:
+    with MultiEnvLoop(functools.partial(CountEnv), zero_policy, num_envs=4, envs_per_thread=1, num_workers=2) as loop:
         assert (loop.num_workers, loop.envs_per_thread) == (2, 1)
         batch = loop.run_env_steps(3)
     assert batch.batch_size[:2] == (4, 3)
+    assert batch["next", "observation"][..., 2].tolist() == [[1.0, 2.0, 3.0]] * 4  # CountEnv: [env_id, episode, t]
+
+
+# -- the rule (loop/auto.py's module docstring, docs/tuning.rst) -------------------------------------------
+CHEAP = auto.EnvTiming(step_s=10e-6, gil_release=0.0)  # CartPole
+GIL_BOUND = auto.EnvTiming(step_s=100e-6, gil_release=0.05)  # a pure-Python simulator
+MUJOCO = auto.EnvTiming(step_s=60e-6, gil_release=float("nan"))  # HalfCheetah: under cheap_s, not measured
+RELEASING_SLOW = auto.EnvTiming(step_s=2e-3, gil_release=0.98)
+RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
+
+
+@pytest.mark.parametrize("num_envs, timing, kwargs, expected", [
+    (16, CHEAP, {}, (1, 16, False)),  # 80 us a step for another process: less than a round trip
+    (32, CHEAP, {}, (1, 32, False)),  # 160 us: not worth it either
+    (32, CHEAP, {"cores": 16}, (1, 32, False)),
+    (16, GIL_BOUND, {}, (2, 8, False)),  # this process and one worker, half the envs each
+    (16, GIL_BOUND, {"cores": 5}, (4, 4, False)),  # a process a core, as many as divide the envs
+    (16, MUJOCO, {}, (2, 8, False)),  # 480 us a step for the other process: worth it
+    (4, MUJOCO, {}, (1, 4, False)),  # 120 us: less than a round trip
+    (16, MUJOCO, {"round_trip_s": 1e-3}, (1, 16, False)),
+    (16, GIL_BOUND, {"expected_frames": 20_000}, (1, 16, False)),  # 1 s saved: under the start-up cost
+    (4, GIL_BOUND, {"cores": 16, "share_s": 50e-6}, (4, 1, False)),  # at most one process an env
+    (8, GIL_BOUND, {"cores": 16}, (4, 2, False)),  # at most a process a share of 200 us of env time
+    (16, GIL_BOUND, {"cores": 16}, (8, 2, False)),
+    (64, GIL_BOUND, {"cores": 16}, (16, 4, False)),  # 6.4 ms a step: a process a core
+    (16, MUJOCO, {"cores": 16}, (4, 4, False)),
+    (3, GIL_BOUND, {"cores": 16}, (1, 3, False)),  # no divisor of 3 but 3 itself, over the shares' bound
+    (16, GIL_BOUND, {"cores": 1}, (1, 16, False)),  # one core: no worker process
+    (16, GIL_BOUND, {"picklable": False}, (1, 16, False)),
+    (16, RELEASING_SLOW, {}, (1, 1, True)),  # a pool thread an env
+    (16, RELEASING_FAST, {}, (2, 8, False)),  # 200 us of C a step: under 500 us, processes
+    (16, RELEASING_FAST, {"cores": 1}, (1, 16, False)),
+    (16, GIL_BOUND, {"cores": 3, "num_workers": 1}, (1, 16, False)),  # a given num_workers is kept
+    (16, GIL_BOUND, {"cores": 3, "num_workers": 2}, (2, 8, False)),
+    (16, auto.EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=8), {}, (1, 8, False)),  # native
+])
+def test_auto_layout_rule(num_envs, timing, kwargs, expected):
+    choice = auto.choose_layout(num_envs, timing, **{"cores": 2, **kwargs})
+    assert _layout(choice) == expected, choice.reason
+    if choice.num_workers > 1 and "num_workers" not in kwargs:
+        assert f"{choice.num_workers} processes on" in choice.reason
+    assert choice.reason
+
+
+def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        collector = ThreadedCollector("CartPole-v1", None, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert choice is not None and _layout(choice) == (1, 4, False)  # cheap: the stepping thread
+        assert not list(collector.loop.threads())
+        assert "num_workers=1, envs_per_thread=4" in caplog.text
+    finally:
+        collector.shutdown()
+
+
+def test_auto_keeps_envs_of_an_unpicklable_factory_in_this_process(monkeypatch, caplog):
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: auto.EnvTiming(step_s=300e-6, gil_release=0.0))
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
+    with caplog.at_level("INFO", logger="lightning_rollout"):
+        collector = ThreadedCollector([lambda: CountEnv()] * 4, zero_policy, frames_per_batch=16, num_envs=4)
+    try:
+        choice = collector.layout_choice
+        assert (choice.num_workers, collector.loop.num_workers) == (1, 1)
+        assert "cannot be pickled" in caplog.text
+    finally:
+        collector.shutdown()
+
+
+def test_auto_picks_worker_processes_for_a_gil_bound_env_with_a_picklable_factory(monkeypatch):
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: auto.EnvTiming(step_s=300e-6, gil_release=0.0))
+    monkeypatch.setattr(auto, "usable_cores", lambda: 3)
+    choice = _auto(functools.partial(CountEnv), 4)
+    assert _layout(choice) == (2, 2, False) and "2 processes on 3 cores" in choice.reason  # 2 divides 4, 3 does not
+    short = _auto(functools.partial(CountEnv), 4, expected_frames=1000)  # 0.15 s saved: under the start-up cost
+    assert short.num_workers == 1
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]) -> float | None:
+    """:func:`cgroup_cpu_limit` of a process whose ``/proc/self/cgroup`` reads ``proc``, over ``files``."""
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(proc)
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return auto.cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "fs"))
+
+
+def test_cgroup_cpu_limit_reads_v2_and_v1_quotas_and_none_without_one(tmp_path):
+    v2 = "0::/kubepods/pod1\n"
+    assert _cgroup(tmp_path / "a", v2, {"kubepods/pod1/cpu.max": "150000 100000\n"}) == 1.5
+    assert _cgroup(tmp_path / "b", v2, {"kubepods/pod1/cpu.max": "max 100000\n"}) is None
+    assert _cgroup(tmp_path / "c", "0::/\n", {"cpu.max": "200000 100000"}) == 2.0  # a container: its own root
+    v1 = "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"  # hybrid: the cpu controller is v1
+    assert _cgroup(tmp_path / "d", v1, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000",
+                                        "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"}) == 3.0
+    unlimited_v1 = {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    assert _cgroup(tmp_path / "e", "3:cpu:/\n", unlimited_v1) is None
+    assert _cgroup(tmp_path / "f", v1, {}) is None  # no cgroup files
+    assert _cgroup(tmp_path / "g", v2, {"kubepods/pod1/cpu.max": "garbage"}) is None
+    # the kernel enforces every ancestor's limit: the smallest applies
+    assert _cgroup(tmp_path / "h", v2, {"kubepods/pod1/cpu.max": "max 100000", "kubepods/cpu.max": "400000 100000",
+                                        "cpu.max": "800000 100000"}) == 4.0
+    assert auto.cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path)) is None  # not Linux
+
+
+def test_usable_cores_are_capped_by_a_containers_cpu_limit(monkeypatch):
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: None)
+    affinity = auto.usable_cores()  # the CPU affinity alone
+    assert affinity >= 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1.5)  # --cpus=1.5: one whole core
+    assert auto.usable_cores() == 1
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 0.5)
+    assert auto.usable_cores() == 1  # at least one
+    monkeypatch.setattr(auto, "cgroup_cpu_limit", lambda: 1000.0)
+    assert auto.usable_cores() == affinity  # a limit above the affinity changes nothing

@@ -1,6 +1,11 @@
-"""Batch memory: a batch's columns are recycled (``BatchPool``) only once nothing references them, with the
-values of fresh arrays; the entries a step carries to the next (images, recurrent states) are read from the
-rows the last step wrote, and hold what it wrote, whichever way the envs are stepped."""
+"""Batch memory: a batch's memory is reused for a later batch only once nothing references it (no value a caller
+holds ever changes), dropped batches' memory is reused, so memory use stays bounded; the entries a step carries
+to the next (images, recurrent states) are read from the rows the last step wrote, and hold what it wrote,
+whichever way the envs are stepped.
+
+Recycling is observed through the batches alone: the address of a column's memory (``data_ptr``) and the values
+a caller keeps.
+"""
 
 from __future__ import annotations
 
@@ -9,99 +14,98 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from lightning_rollout.envs import GymMaker
-from lightning_rollout.loop.buffers import BatchPool
 from collector_helpers import balance_policy
 from conftest import assert_batches_equal
 from process_helpers import frame_envs
 
 
-class _Columns:
-    """A stand-in layout: a float column of 3 per row and a flag column."""
-
-    def allocate(self, lead: tuple[int, ...]) -> dict[str, np.ndarray]:
-        return {"x": np.empty((*lead, 3)), "flag": np.empty(lead, dtype=bool)}
+def _cartpoles(**kwargs: Any) -> MultiEnvLoop:
+    return MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **{"num_envs": 4, "envs_per_thread": 4, "seed": 5,
+                                                                     **kwargs})
 
 
-def test_columns_come_back_only_once_nothing_references_them():
-    pool = BatchPool(_Columns())  # type: ignore[arg-type]
-    first = pool.allocate(4)
-    held = TensorDict({"x": torch.from_numpy(first["x"])}, [4])  # what a batch's TensorDict holds
-    first_x = first["x"]
-    del first
-    second = pool.allocate(4)
-    assert second["x"] is not first_x and pool.reused == 0, "a referenced batch is not handed out again"
-    del held, first_x, second
-    third = pool.allocate(4)
-    assert pool.reused == 1 and third["x"].shape == (4, 3)
+def _poison(batch: TensorDict) -> None:
+    """Overwrite every byte of a batch the caller is done with: memory handed out again must be written in full."""
+    for key in batch.keys(True, True):
+        batch.get(key).view(torch.uint8).fill_(0xA7)
+
+
+def test_a_dropped_batchs_memory_is_reused_and_a_held_ones_never_is():
+    with _cartpoles() as loop:
+        first = loop.run_steps(40)
+        address = first["observation"].data_ptr()
+        kept = first.clone()
+        second = loop.run_steps(40)
+        assert second["observation"].data_ptr() != address, "a batch the caller holds is not handed out again"
+        del first
+        third = loop.run_steps(40)
+        assert third["observation"].data_ptr() == address, "the memory of a dropped batch is reused"
+        assert third["observation"].data_ptr() != second["observation"].data_ptr()
+        del second, third
+    assert kept["observation"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("hold", [
-    lambda a: a[1:],
-    lambda a: torch.from_numpy(a)[0],
-    lambda a: torch.from_numpy(a).numpy(),
-    lambda a: torch.from_numpy(a).view(-1),
+    lambda t: t.numpy()[1:],
+    lambda t: t[0],
+    lambda t: t.numpy(),
+    lambda t: t.view(-1),
 ], ids=["numpy slice", "tensor row", "tensor .numpy()", "tensor view"])
-def test_any_view_of_a_batch_keeps_its_memory_from_being_written_again(hold: Callable[[np.ndarray], Any]):
-    pool = BatchPool(_Columns())  # type: ignore[arg-type]
-    columns = pool.allocate(4)
-    keep = hold(columns["x"])
-    x = columns["x"]
-    x[...] = 7.0
-    del columns, x
-    for _ in range(3):  # the held batch is skipped: one fresh batch, then that one again and again
-        pool.allocate(4)["x"][...] = -1.0
-    assert pool.reused == 2
-    assert (np.asarray(keep) == 7.0).all()
+def test_any_view_of_a_batch_keeps_its_memory_from_being_written_again(hold: Callable[[torch.Tensor], Any]):
+    with _cartpoles() as loop:
+        batch = loop.run_steps(40)
+        keep = hold(batch["observation"])
+        address = torch.as_tensor(keep).data_ptr()
+        expected = torch.as_tensor(keep).clone()
+        del batch
+        for _ in range(3):  # the held batch is skipped: later batches get other memory, and write theirs
+            later = loop.run_steps(40)
+            assert not (later["observation"].data_ptr() <= address
+                        < later["observation"].data_ptr() + later["observation"].nbytes)
+            _poison(later)
+            del later
+    assert torch.equal(torch.as_tensor(keep), expected)
 
 
-def test_kept_batches_are_bounded_and_matched_by_shape():
-    pool = BatchPool(_Columns(), keep=2)  # type: ignore[arg-type]
-    for rows in (4, 5, 4, 6):  # the second 4 reuses the first; the 5 is then the oldest and let go
-        pool.allocate(rows)
-    assert pool.reused == 1
-    assert [shape for shape, _ in pool._kept] == [(4,), (6,)]
-    never = BatchPool(_Columns(), keep=0)  # type: ignore[arg-type]
-    for _ in range(3):
-        never.allocate(4)
-    assert never.reused == 0 and not never._kept
+def test_memory_stays_bounded_over_batches_of_two_sizes_that_are_dropped():
+    addresses: dict[int, set[int]] = {40: set(), 24: set()}
+    with _cartpoles() as loop:
+        for i in range(20):
+            frames = 40 if i % 2 else 24
+            batch = loop.run_steps(frames)
+            addresses[frames].add(batch["observation"].data_ptr())
+            del batch
+    assert all(len(a) <= 2 for a in addresses.values()), addresses
 
 
-def _poison(loop: MultiEnvLoop) -> None:
-    """Fill every kept batch's columns with garbage (the caller dropped them): a recycled batch must
-    overwrite every value it returns."""
-    for _, columns in loop._batches._kept:
-        for array in columns.values():
-            array.view(np.uint8).fill(0xA7)
-
-
-# A flat batch from several env threads is in delivery order (not reproducible): one thread there.
 @pytest.mark.parametrize(("call", "envs_per_thread", "num_workers"), [
-    ("run_env_steps", 2, 1), ("run_steps", 4, 1), ("run_env_steps", 4, 2)],
-    ids=["env_time", "flat", "env_time, worker process"])
+    ("run_env_steps", 2, 1), ("run_steps", 4, 1), ("run_env_steps", 2, 2)],
+    ids=["env_time, pool threads", "flat", "env_time, worker process"])
 def test_recycled_batches_equal_fresh_ones_value_for_value(call: str, envs_per_thread: int, num_workers: int):
-    def batches(recycle: bool) -> list[TensorDict]:
-        out = []
-        with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_envs=4, envs_per_thread=envs_per_thread,
-                          num_workers=num_workers, seed=5) as loop:
-            if not recycle:
-                loop._batches.keep = 0
+    """The same seeded calls, once with every batch held (each one in fresh memory) and once with every batch
+    copied, overwritten with garbage and dropped (their memory reused): the same values."""
+    def batches(hold: bool) -> tuple[list[TensorDict], set[int]]:
+        out, held, addresses = [], [], set()
+        with _cartpoles(envs_per_thread=envs_per_thread, num_workers=num_workers) as loop:
             for _ in range(6):
                 batch = getattr(loop, call)(24 if call == "run_env_steps" else 40)
                 out.append(batch.clone())
+                addresses.add(batch["observation"].data_ptr())
+                if hold:
+                    held.append(batch)
+                else:
+                    _poison(batch)
                 del batch
-                if recycle:
-                    _poison(loop)
-            assert (loop._batches.reused >= 4) if recycle else loop._batches.reused == 0
-        return out
+        return out, addresses
 
-    recycled, fresh = batches(True), batches(False)
+    (recycled, reused), (fresh, distinct) = batches(hold=False), batches(hold=True)
+    assert len(distinct) == 6 and len(reused) < 6
     assert any(b["next", "done"].any() for b in fresh), "episodes end (resets inside batches) are covered"
     assert_batches_equal(recycled, fresh)
 
@@ -109,16 +113,19 @@ def test_recycled_batches_equal_fresh_ones_value_for_value(call: str, envs_per_t
 def test_batches_a_training_loop_keeps_are_never_overwritten_and_dropped_ones_are_reused():
     collector = ThreadedCollector(GymMaker("CartPole-v1"), balance_policy, num_envs=4, envs_per_thread=2,
                                   frames_per_batch=64, total_frames=64 * 12, seed=1)
-    kept: list[tuple[TensorDict, TensorDict]] = []
+    kept: list[tuple[int, TensorDict, TensorDict]] = []
+    addresses = []
     try:
         for i, batch in enumerate(collector):
+            addresses.append(batch["observation"].data_ptr())
             if i % 3 == 0:  # keep some (as a list of rollouts would), drop the others
-                kept.append((batch, batch.clone()))
-        assert collector.loop._batches.reused > 0
+                kept.append((i, batch, batch.clone()))
     finally:
         collector.shutdown()
     assert len(kept) == 4
-    for batch, copy in kept:
+    assert len(set(addresses)) < len(addresses), "dropped batches' memory is reused"
+    for i, batch, copy in kept:
+        assert addresses[i] not in addresses[i + 1:], "a kept batch's memory is never handed out again"
         for key in copy.keys(True, True):
             assert torch.equal(batch[key], copy[key]), key
 
@@ -180,9 +187,9 @@ def _by_env(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     ("run_steps", {}),
     ("run_env_steps", {"envs_per_thread": 4, "parallel_steps": True}),
     ("run_env_steps", {"envs_per_thread": 4, "parallel_steps": "free"}),
-    ("run_env_steps", {"envs_per_thread": 4, "num_workers": 2}),
-], ids=["env_time", "no lookahead", "env_time, one thread", "flat, one thread", "flat, two threads",
-        "helpers", "free-running helpers", "worker process"])
+    ("run_env_steps", {"envs_per_thread": 2, "num_workers": 2}),
+], ids=["env_time, two pool threads", "no lookahead", "env_time, stepping thread", "flat, stepping thread",
+        "flat, two pool threads", "a pool thread an env", "free-running pool threads", "worker process"])
 def test_each_steps_observation_is_the_last_steps_next_one_or_a_fresh_episodes_first(call: str,
                                                                                       kwargs: dict[str, Any]):
     """What the next step reads of the last one's rows (the carried entries) is what that step wrote, through

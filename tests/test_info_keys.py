@@ -20,7 +20,7 @@ from torchrl.envs import GymWrapper, default_info_dict_reader
 
 from lightning_helpers import Agent
 from lightning_rollout import EventProcessor, MultiEnvLoop, ThreadedCollector
-from lightning_rollout.envs import GymAdapter, GymMaker, make_adapter
+from lightning_rollout.envs import GymMaker
 from lightning_rollout.lightning import RolloutDataModule
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,16 +116,15 @@ def test_the_policy_sees_the_info_entries_of_each_row():
 
 
 def test_bad_info_keys_are_refused_with_what_to_do():
-    with pytest.raises(ValueError, match="not in the info of the env's first reset.*is_success"):
-        GymAdapter(InfoEnv(), info_keys=["is_success"])
-    with pytest.raises(ValueError, match="clashes with an observation entry"):
-        GymAdapter(InfoEnv(), info_keys=["observation"])
-    with pytest.raises(ValueError, match=r"info_keys=\['t'\]"):
-        GymAdapter(InfoEnv(), info_keys="t")
-    with pytest.raises(ValueError, match="TensorSpec"):
-        GymAdapter(InfoEnv(), info_keys={"t": "int"})
-    with pytest.raises(ValueError, match="set_info_dict_reader"):
-        make_adapter(GymWrapper(InfoEnv()), info_keys=["t"])
+    def refused(env, info_keys, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            MultiEnvLoop(env, zero_policy, num_envs=2, info_keys=info_keys).close()
+
+    refused(InfoEnv, ["is_success"], "not in the info of the env's first reset.*is_success")
+    refused(InfoEnv, ["observation"], "clashes with an observation entry")
+    refused(InfoEnv, "t", r"info_keys=\['t'\]")
+    refused(InfoEnv, {"t": "int"}, "TensorSpec")
+    refused(lambda: GymWrapper(InfoEnv()), ["t"], "set_info_dict_reader")
     with pytest.raises(ValueError, match="info_keys"):
         RolloutDataModule(InfoEnv, frames_per_batch=8, info_keys="t")
 

@@ -14,7 +14,11 @@ with ``update_policy_weights_`` between batches). The mock env's observation is
 * nothing duplicated, nothing missing: each ``(env, episode, t)`` is delivered at most
   once over all calls, every step-mode episode is delivered from ``t = 0`` without gaps,
   every ``run_episodes`` episode is complete;
-* ``traj_ids``: one id per ``(env, episode)`` and one ``(env, episode)`` per id;
+* ``traj_ids``: one id per ``(env, episode)`` and one ``(env, episode)`` per id; and exactly TorchRL's
+  numbering: an env keeps its id until a done row, new ids are handed out in delivery order
+  (arrival order for ``run_steps``, time then env for ``run_env_steps``);
+* counters: ``step_count`` is the step's index in its episode and ``("next", "episode_reward")``
+  the episode's return up to and including the step;
 * every call returns within a bound, checked by a watchdog thread that dumps every
   thread's stack on a hang (:func:`reliability_helpers.bounded`).
 """
@@ -28,10 +32,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ArgmaxNet, MockEnv
+from conftest import ArgmaxNet, MockEnv, default_reward
 from lightning_rollout import MultiEnvLoop, ThreadedCollector
 from reliability_helpers import assert_no_rollout_threads, bounded
 
@@ -104,8 +108,10 @@ def rows_of(td) -> list[dict]:
     env = obs[:, 0].astype(int) if env_ids is None else env_ids.reshape(-1).numpy()  # MockEnv: obs[0] is the env
     version = td["policy_version"].reshape(-1).numpy()
     step_count = td["step_count"].reshape(-1).numpy()
+    returns = td["next", "episode_reward"].reshape(-1).numpy()
     return [dict(obs=tuple(int(x) for x in obs[r]), next=tuple(int(x) for x in nxt[r]), done=bool(done[r]),
-                 traj=int(traj[r]), env=int(env[r]), version=int(version[r]), step_count=int(step_count[r]))
+                 traj=int(traj[r]), env=int(env[r]), version=int(version[r]), step_count=int(step_count[r]),
+                 ret=float(returns[r]))
             for r in range(len(obs))]
 
 
@@ -123,6 +129,9 @@ class Ledger:
         env_id, episode, t = row["obs"]
         assert env_id == row["env"], row
         assert row["step_count"] == t, row
+        if "ret" in row:  # MockEnv's rewards, summed as the episode goes (float32 in the batch)
+            expected = sum(default_reward(env_id, episode, k) for k in range(t + 1))
+            assert abs(row["ret"] - expected) <= 1e-6 * max(1.0, expected), row
         assert (env_id, episode, t) not in self.seen, f"duplicate transition {row['obs']}"
         self.seen.add((env_id, episode, t))
         if not row["done"]:
@@ -198,7 +207,7 @@ def test_multi_env_loop_keeps_its_promises(cfg, ops):
                 assert new == version + 1 == loop.policy_version
                 continue
             # policy versions: never from the future; on-policy never from the past;
-            # lookahead lags by at most one step (one block) per env and call
+            # lookahead lags by at most one step per env and call
             versions = [r["version"] for r in rows]
             assert all(v <= loop.policy_version for v in versions)
             if op != "episodes":
@@ -309,10 +318,9 @@ def test_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
         parallel, flat_extra):
     """Mid-quota interrupts resume without losing or duplicating a step; mid-quota env errors arrive within the
     bound with ``exc.partial`` holding only complete, continuous steps, and leave no thread behind. With
-    ``parallel_steps="free"`` a block's envs run free within the quota (each at its own pace), and the same holds.
-    ``flat_extra`` (not None): the calls are ``run_steps(steps_per_env * num_envs + flat_extra)`` instead, whose
-    whole rounds one env thread (``epts="all"``) writes as one quota (free-running too), the extra rows of a
-    block kept for the next call."""
+    ``parallel_steps="free"`` the envs run free within the quota (each at its own pace), and the same holds.
+    ``flat_extra`` (not None): the calls are ``run_steps(steps_per_env * num_envs + flat_extra)`` instead, the
+    steps taken beyond them (whole groups of ``envs_per_thread`` envs step together) kept for the next call."""
     from lightning_rollout import EnvError, Interrupter
 
     epts = num_envs if epts == "all" else epts
@@ -346,7 +354,8 @@ def test_quota_cut_by_an_interrupt_or_an_env_error_keeps_every_promise(
                 assert mode == "env_error" and exc.env_id == fail_env
                 if exc.partial is not None and flat_extra is None:  # complete steps only: a rectangle
                     assert exc.partial.batch_dims == 2 and exc.partial.shape[0] == num_envs
-                    ledger.step_rows(rows_of(exc.partial.transpose(0, 1).reshape(-1)))
+                    if exc.partial.batch_size.numel():  # (tensordict cannot reshape(-1) an empty batch)
+                        ledger.step_rows(rows_of(exc.partial.transpose(0, 1).reshape(-1)))
                 elif exc.partial is not None:
                     ledger.step_rows(rows_of(exc.partial))
                 assert loop.closed
@@ -371,76 +380,53 @@ class _TrajIds:
     """The definition of trajectory ids, env by env: an env keeps its id until a done row, then takes the
     next new id; new ids are handed out in delivery order."""
 
-    def __init__(self, num_envs: int) -> None:
-        self._cur_traj = np.arange(num_envs, dtype=np.int64)
-        self._next_traj = num_envs
+    def __init__(self, num_envs: int, start: int) -> None:
+        self.cur = list(range(start, start + num_envs))
+        self.next = start + num_envs
 
-    def reference(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
-        traj = np.empty(len(env_ids), dtype=np.int64)
-        for row, (env, is_done) in enumerate(zip(env_ids, done)):
-            traj[row] = self._cur_traj[env]
+    def assign(self, env_ids: list[int], done: list[bool]) -> list[int]:
+        traj = []
+        for env, is_done in zip(env_ids, done):
+            traj.append(self.cur[env])
             if is_done:
-                self._cur_traj[env] = self._next_traj
-                self._next_traj += 1
+                self.cur[env] = self.next
+                self.next += 1
         return traj
 
-    assign = MultiEnvLoop._assign_traj
-
 
 @SETTINGS
-@given(num_envs=st.integers(1, 8), batches=st.lists(st.lists(st.tuples(st.integers(0, 7), st.booleans()),
-                                                             max_size=40), min_size=1, max_size=4))
-def test_vectorised_trajectory_ids_match_their_definition(num_envs, batches):
-    ours, reference = _TrajIds(num_envs), _TrajIds(num_envs)
-    for rows in batches:
-        env_ids = np.array([e % num_envs for e, _ in rows], dtype=np.int64)
-        done = np.array([d for _, d in rows], dtype=bool)
-        assert ours.assign(env_ids, done).tolist() == reference.reference(env_ids, done).tolist()
-        assert ours._cur_traj.tolist() == reference._cur_traj.tolist() and ours._next_traj == reference._next_traj
-
-
-def _counts_step_by_step(rewards, done, step_count, episode_reward):
-    """TorchRL's StepCounter and RewardSum the way a loop that bookkeeps every step computes them."""
-    count, total = step_count.astype(np.int64).copy(), episode_reward.astype(np.float64).copy()
-    counts, returns, befores = [], [], []
-    for r, d in zip(rewards, done):
-        counts.append(count.copy())
-        befores.append(total.copy())
-        count += 1
-        total += r
-        returns.append(total.copy())
-        count[d], total[d] = 0, 0.0
-    return np.array(counts), np.array(returns), np.array(befores)
-
-
-@SETTINGS
-@given(steps=st.integers(1, 40), envs=st.integers(1, 5), seed=st.integers(0, 2 ** 16), end_rate=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
-def test_settled_episode_counts_equal_the_step_by_step_ones_bit_for_bit(steps, envs, seed, end_rate):
-    from lightning_rollout.loop.worker import _episode_counts
-
-    rng = np.random.default_rng(seed)
-    rewards = rng.normal(size=(steps, envs)) * 10 ** rng.uniform(-3, 3, size=(steps, envs))
-    done = rng.random((steps, envs)) < end_rate
-    step_count = rng.integers(0, 1000, size=envs)
-    episode_reward = rng.normal(size=envs) * 100
-    got = _episode_counts(rewards, done, step_count, episode_reward)
-    want = _counts_step_by_step(rewards, done, step_count, episode_reward)
-    for g, w in zip(got, want):
-        assert g.shape == (steps, envs)
-        assert np.array_equal(g, w)  # exact: the running sums add the same floats in the same order
-
-
-@SETTINGS
-@given(num_envs=st.integers(1, 6), batches=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2 ** 16)),
-                                                    min_size=1, max_size=4))
-def test_env_time_trajectory_ids_are_those_of_the_rows_in_delivery_order(num_envs, batches):
-    # run_env_steps delivers every env's steps in time order, env by env within a step: its ids must be the
-    # ones the general assignment gives those rows in that order.
-    ours, general = _TrajIds(num_envs), _TrajIds(num_envs)
-    for steps, seed in batches:
-        done = np.random.default_rng(seed).random((num_envs, steps)) < 0.3
-        got = MultiEnvLoop._assign_traj_env_time(ours, done)
-        env_ids = np.tile(np.arange(num_envs), steps)  # time-major rows: env 0..N-1 at each step
-        want = general.assign(env_ids, done.T.reshape(-1)).reshape(steps, num_envs).T
-        assert got.shape == (num_envs, steps) and got.tolist() == want.tolist()
-        assert ours._cur_traj.tolist() == general._cur_traj.tolist() and ours._next_traj == general._next_traj
+@given(num_envs=st.integers(1, 6), epts=st.sampled_from([1, 2, "all"]), lookahead=st.booleans(),
+       traj_id_start=st.integers(0, 50), length_seed=st.integers(0, 10 ** 6), max_len=st.integers(1, 6),
+       truncate_at=st.one_of(st.none(), st.integers(1, 4)),
+       ops=st.lists(st.tuples(st.sampled_from(["steps", "env_steps"]), st.integers(0, 12)), min_size=1, max_size=5))
+# a flat call that hands out one env's step of a group of two, then steps of every env
+@example(num_envs=2, epts=2, lookahead=False, traj_id_start=0, length_seed=0, max_len=1, truncate_at=None,
+         ops=[("steps", 1), ("env_steps", 1)])
+def test_trajectory_ids_of_batches_are_those_of_their_definition_in_delivery_order(
+        num_envs, epts, lookahead, traj_id_start, length_seed, max_len, truncate_at, ops):
+    """Batches of both calls, through done steps (terminated or truncated) and across calls: every row's id is
+    the one the definition gives it, rows taken in delivery order, and ``next_traj_id`` follows."""
+    epts = num_envs if epts == "all" or num_envs % epts else epts
+    length = length_fn_for(length_seed, max_len)
+    factories = [lambda i=i: MockEnv(i, length_fn=length, truncate_at=truncate_at) for i in range(num_envs)]
+    reference = _TrajIds(num_envs, traj_id_start)
+    loop = MultiEnvLoop(factories, ArgmaxNet(), envs_per_thread=epts, lookahead=lookahead,
+                        traj_id_start=traj_id_start)
+    try:
+        assert loop.next_traj_id == traj_id_start
+        for op, arg in ops:
+            if op == "steps":
+                td = bounded(lambda: loop.run_steps(arg), BOUND, f"run_steps({arg})")
+                env_ids = td["collector", "env_id"].tolist()
+                done = td["next", "done"].reshape(-1).tolist()
+                got = td["collector", "traj_ids"].tolist()
+            else:
+                td = bounded(lambda: loop.run_env_steps(arg), BOUND, f"run_env_steps({arg})")
+                env_ids = [e for _ in range(arg) for e in range(num_envs)]  # time-major: env 0..N-1 each step
+                done = td["next", "done"][..., 0].T.reshape(-1).tolist()
+                got = td["collector", "traj_ids"].T.reshape(-1).tolist()
+            assert got == reference.assign(env_ids, done), (op, arg)
+            assert loop.next_traj_id == reference.next
+    finally:
+        bounded(loop.close, BOUND, "close")
+    assert_no_rollout_threads()

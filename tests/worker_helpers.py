@@ -7,7 +7,7 @@ way, in the process that runs it:
   ``KeyboardInterrupt``: not ``Exception`` subclasses).
 * :class:`KilledEnv`: env ``bad`` sends itself a signal while being built or at step ``at``.
 * :class:`ClosingEnv`: every ``close()`` leaves a file ``closed-<env_id>-<pid>`` in a folder (counted
-  across processes); env ``bad`` has a space no adapter supports.
+  across processes); env ``bad`` has a space the loop cannot store.
 * :class:`WrongShapeEnv`: env ``bad`` returns an observation of the wrong shape from step ``at`` on.
 * :class:`ForkingEnv`: starts (and joins) a process of its own when built.
 * :class:`FdStarvedEnv`: lowers its process's file-descriptor limit to the descriptors open, so that the
@@ -61,7 +61,7 @@ class ClosingEnv(CountEnv):
         super().__init__(env_id)
         self.marks = marks
         if env_id == bad:
-            self.observation_space = gym.spaces.Text(5)  # no adapter supports it: the env is refused
+            self.observation_space = gym.spaces.Text(5)  # the loop cannot store it: the env is refused
 
     def close(self) -> None:
         Path(self.marks, f"closed-{self.env_id}-{os.getpid()}").touch()
