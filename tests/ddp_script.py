@@ -14,6 +14,10 @@ plain gymnasium id) into two spawned processes. Each rank writes, from
 
 ``rollout/fps`` is measured with a fake clock that advances one second per call
 (``on_train_start``, then once per batch), so its value is exact.
+
+The fit saves ``last.ckpt``; then every rank resumes from it for one more batch (``ddp``: twice,
+``resumed_B`` and ``resumed_C``; ``ddp_spawn``: once, ``resumed_B``) and writes the observation of
+its first batch after the resume to ``obs_rank{r}_resumed_{B,C}.pt``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import os
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from tensordict.nn import TensorDictModule
 from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
@@ -35,8 +40,9 @@ MAX_STEPS = 3
 
 
 class Agent(pl.LightningModule):
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, tag: str = "") -> None:
         super().__init__()
+        self.tag = tag
         net = TensorDictModule(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"],
                                out_keys=["logits"])
         self.actor = ProbabilisticActor(net, in_keys=["logits"], distribution_class=OneHotCategorical)
@@ -45,7 +51,8 @@ class Agent(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.steps == 0:
-            torch.save(batch["observation"].clone(), os.path.join(self.out_dir, f"obs_rank{self.global_rank}.pt"))
+            path = os.path.join(self.out_dir, f"obs_rank{self.global_rank}{self.tag}.pt")
+            torch.save(batch["observation"].clone(), path)
         self.steps += 1
         logits = self.actor(batch.select("observation").clone())["logits"]
         return -logits.log_softmax(-1).mean()
@@ -112,10 +119,21 @@ def main() -> None:
     dm = RolloutDataModule("CartPole-v1", num_envs=NUM_ENVS, frames_per_batch=FRAMES_PER_BATCH, seed=0,
                            eval_every_n_frames=2 * FRAMES_PER_BATCH, eval_episodes=2, eval_max_episode_steps=40)
     trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False,
-                         callbacks=[Reporter(args.out), EpisodeStatsLogger(clock=TickClock())],
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                         num_sanity_val_steps=0)
+                         callbacks=[Reporter(args.out), EpisodeStatsLogger(clock=TickClock()),
+                                    ModelCheckpoint(dirpath=args.out, save_last=True, save_top_k=0)],
+                         enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0)
     trainer.fit(Agent(args.out), datamodule=dm)
+    for tag in ("_resumed_B", "_resumed_C") if args.strategy == "ddp" else ("_resumed_B",):
+        resume(args.out, args.strategy, tag)
+
+
+def resume(out: str, strategy: str, tag: str) -> None:
+    """Resume from ``last.ckpt`` for one more batch, with a new DataModule and Trainer (no evaluation)."""
+    dm = RolloutDataModule("CartPole-v1", num_envs=NUM_ENVS, frames_per_batch=FRAMES_PER_BATCH, seed=0,
+                           eval_episodes=0)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=MAX_STEPS + 1, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(Agent(out, tag), datamodule=dm, ckpt_path=os.path.join(out, "last.ckpt"))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@
   returns exactly ``4 * k`` per episode (``4 * k`` for training episodes too, up to
   the policy version that acted them).
 * :class:`EventCounter`, :class:`EpisodesPerBatch`: callbacks that record events.
-* :func:`read_scalars`: every scalar of a TensorBoard event file.
+* :func:`read_scalars`: every scalar of a TensorBoard event file; :func:`read_csv_rows`: the rows of a CSV log.
 """
 
 from __future__ import annotations
 
+import csv
 import glob
 import threading
 from pathlib import Path
@@ -198,6 +199,13 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(files[0])
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_csv_rows(log_dir: Path) -> list[dict[str, str]]:
+    """The rows of the single ``metrics.csv`` a ``CSVLogger`` wrote under ``log_dir``."""
+    (path,) = log_dir.glob("**/metrics.csv")
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 FPB = 16  # frames per batch of the Climber tests: 2 envs x 8 steps

@@ -25,6 +25,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import ProbabilisticActor
 
 from conftest import MockEnv
+from ddp_script import Agent as DDPAgent
 from lightning_helpers import Agent, EventCounter, make_actor, make_trainer, rollout_threads
 from lightning_rollout import EnvError, RolloutCallback, RolloutDataModule
 
@@ -278,14 +279,20 @@ def test_a_second_fit_with_the_same_datamodule_continues_the_counts():
 
 # -- DDP ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(tmp_path, strategy):
+@pytest.fixture(scope="module", params=["ddp", "ddp_spawn"])
+def ddp_run(request, tmp_path_factory) -> Path:
+    """The folder ``tests/ddp_script.py`` wrote into, run once per strategy for the tests below."""
     # ddp_spawn pickles the trainer, the module and a DataModule built from a plain gym id into its processes
-    out = tmp_path / "ddp"
-    proc = subprocess.run([sys.executable, "tests/ddp_script.py", "--out", str(out), "--strategy", strategy],
-                          cwd=str(REPO), capture_output=True, text=True, timeout=150)
+    out = tmp_path_factory.mktemp(request.param)
+    proc = subprocess.run([sys.executable, "tests/ddp_script.py", "--out", str(out), "--strategy", request.param],
+                          cwd=str(REPO), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(ddp_run):
+    out = ddp_run
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1] and all(r["world_size"] == 2 for r in reports)
     assert all(r["steps"] == 3 and r["frames"] == 3 * 32 for r in reports)
@@ -316,6 +323,23 @@ def test_ddp_two_cpu_ranks_collect_distinct_streams_and_log_reduced_metrics(tmp_
     assert [len(r["eval_rounds"]) for r in reports] == [1, 1]
     first_eval = reports[0]["eval_rounds"][0] + reports[1]["eval_rounds"][0]
     assert m0["eval/episode_reward"] == pytest.approx(sum(first_eval) / len(first_eval), rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_ranks_resumed_from_a_ddp_checkpoint_collect_different_reproducible_streams(ddp_run):
+    # the checkpoint holds global rank zero's counters, and every rank resumes from it
+    resumed = {(r, run): torch.load(str(path), weights_only=True) for r in (0, 1) for run in "BC"
+               if (path := ddp_run / f"obs_rank{r}_resumed_{run}.pt").exists()}
+    assert not torch.equal(resumed[0, "B"][:, 0], resumed[1, "B"][:, 0])  # the first observations of each env
+    for r in (0, 1):
+        assert not torch.equal(resumed[r, "B"], torch.load(str(ddp_run / f"obs_rank{r}.pt"), weights_only=True))
+        if (r, "C") in resumed:  # ddp (one process a rank) resumed twice
+            assert torch.equal(resumed[r, "B"], resumed[r, "C"])
+    # rank 0 collects what one process resumed from the same checkpoint collects
+    dm = RolloutDataModule("CartPole-v1", num_envs=2, frames_per_batch=32, seed=0, eval_episodes=0)
+    make_trainer(max_steps=4).fit(DDPAgent(str(ddp_run), "_resumed_here"), datamodule=dm,
+                                  ckpt_path=str(ddp_run / "last.ckpt"))
+    assert torch.equal(torch.load(str(ddp_run / "obs_rank0_resumed_here.pt"), weights_only=True), resumed[0, "B"])
 
 
 # -- bad configuration -------------------------------------------------------------------------------------------

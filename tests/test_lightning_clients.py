@@ -18,7 +18,6 @@ batches its evaluation episodes return ``4 k``.
 from __future__ import annotations
 
 import ast
-import csv
 import io
 import os
 import re
@@ -38,6 +37,7 @@ from lightning_helpers import (
     climber_dm,
     eval_return,
     make_trainer,
+    read_csv_rows,
     rollout_threads,
 )
 from lightning_rollout import EpisodeStatsLogger, RolloutDataModule, RolloutEvaluation
@@ -137,12 +137,6 @@ class LoggingClimber(Climber):
         loss = super().training_step(batch, batch_idx)
         self.log("train/level", float(self.actor.module.level), batch_size=1)
         return loss
-
-
-def read_csv_rows(log_dir: Path) -> list[dict[str, str]]:
-    (path,) = log_dir.glob("**/metrics.csv")
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.parametrize("step", ["frames", "batches"])

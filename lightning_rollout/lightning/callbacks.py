@@ -1,47 +1,30 @@
 """Lightning callbacks that play the seed's event processor and metrics renderer.
 
-* :class:`RolloutCallback` is the base class: subclass it and override the
-  ``on_rollout_*`` / ``on_episode_end`` / ``on_eval_*`` hooks; put it in
-  ``Trainer(callbacks=[...])``. :class:`~lightning_rollout.lightning.RolloutDataModule`
-  dispatches the collector's events to every such callback.
-* :class:`EpisodeStatsLogger` logs episode return/length, frames, throughput and
-  policy lag after every training batch, against frames by default.
-* :class:`RolloutEvaluation` logs each evaluation round of the validation loop as
-  ``eval/...`` (so ``ModelCheckpoint(monitor="eval/episode_reward")`` and
-  ``EarlyStopping`` act on it at validation end) and, with ``record_video=``, writes a
-  video of one evaluation episode every N rounds (:class:`~lightning_rollout.lightning.VideoRecording`).
-* :class:`RolloutProgressBar` (TQDM) and :class:`RolloutRichProgressBar` (Rich) show frames,
-  frames/s and returns on one line (80 columns for TQDM, 100 for Rich).
-* :class:`EvalRound` is what the DataModule's ``val_dataloader()`` / ``test_dataloader()`` yields.
+:class:`RolloutCallback` is the base class of callbacks receiving collection events (put one in
+``Trainer(callbacks=[...])``); :class:`EpisodeStatsLogger` logs episode and throughput figures after every
+batch; :class:`RolloutEvaluation` logs each evaluation round as ``eval/...`` (so ``ModelCheckpoint`` /
+``EarlyStopping`` act on it) and records videos; :class:`RolloutProgressBar` (TQDM) and
+:class:`RolloutRichProgressBar` (Rich) show the RL figures; :class:`EvalRound` is what the validation loop receives.
 
-When hooks run: collection events are dispatched in the training process's main
-thread while the DataModule fetches a batch, i.e. *before* ``training_step`` of
-that batch, where Lightning forbids ``self.log``. So callbacks that log keep
-what they saw and log it from ``on_train_batch_end`` (or, for evaluation,
-``on_validation_batch_end``), where logging is allowed. Values are reduced across
-DDP ranks there (every rank calls the same collectives in the same order), so
-logged metrics are global.
+When hooks run: collection events are dispatched in the training process's main thread while the DataModule
+fetches a batch, i.e. *before* ``training_step`` of that batch, where Lightning forbids ``self.log``. So
+callbacks that log keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
+reduced across DDP ranks there (every rank calls the same collectives in the same order). Rollout metrics go to
+``self.log(..., logger=False)`` (for ``callback_metrics`` and the bar) and straight to every logger once per batch,
+whatever ``log_every_n_steps``; evaluation metrics are epoch-level validation (test) metrics Lightning writes.
 
-Rollout metrics exist only at some batches and are cheap, so they are not sent to
-the loggers through ``self.log`` (which would write them only at the steps
-``log_every_n_steps`` selects). They go to ``self.log(..., logger=False)``
-(``callback_metrics``, so ``ModelCheckpoint`` / ``EarlyStopping`` see them, and the
-progress bar) and straight to every logger's ``log_metrics``, once per batch.
-Evaluation metrics are validation (or test) metrics of the epoch kind, written by
-Lightning once per round (and returned by ``Trainer.validate`` / ``Trainer.test``).
-
-One x-axis for every row a logger receives, chosen by the callbacks' ``step``
-option: ``"frames"`` (default) writes rollout, evaluation *and* Lightning's own
-rows (``self.log`` values of the module) at the total frames collected by all
-ranks (the DataModule sets the step Lightning writes at); ``"batches"`` writes
-everything at Lightning's own step. The DataModule refuses callbacks that ask for
-both.
+One x-axis for every row a logger receives, chosen by the callbacks' ``step`` option: ``"frames"`` (default),
+the total frames collected by all ranks, for every row, rollout, evaluation, Lightning's own (``self.log``) and
+its callbacks' (``LearningRateMonitor``), as the DataModule sets each logger's step; ``"batches"``, Lightning's
+own step. The DataModule refuses callbacks that ask for both.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -51,6 +34,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+from lightning.pytorch.utilities import rank_zero_info
 from tensordict import TensorDictBase
 
 from .._checks import warn_user
@@ -215,11 +199,8 @@ class EpisodeStatsLogger(RolloutCallback):
     Args:
         prefix: metric name prefix.
         prog_bar: show the episode return, frames and fps in the progress bar.
-        step: x-axis of what is written to the loggers: ``"frames"`` (total frames
-            collected, all ranks; as SB3 / CleanRL curves) or ``"batches"``
-            (Lightning's step). The DataModule writes Lightning's own rows (what the
-            module logs itself) at the same axis, and refuses a :class:`RolloutEvaluation`
-            with another one.
+        step: x-axis of every row the loggers receive: ``"frames"`` (total frames collected, all ranks; as
+            SB3 / CleanRL curves) or ``"batches"`` (Lightning's step); the same as :class:`RolloutEvaluation`'s.
         clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
 
     Raises:
@@ -323,28 +304,19 @@ class RolloutEvaluation(RolloutCallback):
     """Log each evaluation round of the validation (or test) loop as ``eval/...`` (``test/...``) metrics, and
     record videos.
 
-    The rounds themselves are run by :class:`~lightning_rollout.lightning.RolloutDataModule`
-    when Lightning validates (see its ``eval_every_n_frames`` and the Trainer's
-    ``val_check_interval`` / ``check_val_every_n_epoch``; ``Trainer.validate`` and
-    ``Trainer.test`` run one round): fresh deterministic episodes with the module's
-    current weights. This callback reduces them across ranks and logs
-    ``eval/episode_reward`` (mean), ``eval/episode_reward_min``,
-    ``eval/episode_reward_max``, ``eval/episode_length`` and ``eval/seconds`` (mean
-    over ranks) as epoch-level validation metrics: they are in
-    ``trainer.callback_metrics`` when ``ModelCheckpoint`` and ``EarlyStopping`` run
-    at validation end, in what ``Trainer.validate`` returns, and Lightning writes them
-    to every logger once per round, at the x-axis ``step`` names. A round of
-    ``Trainer.test`` is logged the same way under ``test_prefix``. The DataModule adds
-    one unless the trainer has one.
+    The :class:`~lightning_rollout.lightning.RolloutDataModule` runs the rounds (fresh deterministic episodes
+    with the module's current weights) when Lightning validates, and one in ``Trainer.validate`` /
+    ``Trainer.test``. This callback reduces them across ranks and logs ``eval/episode_reward`` (mean),
+    ``_min``, ``_max``, ``eval/episode_length`` and ``eval/seconds`` (mean over ranks) as epoch-level
+    validation metrics: in ``trainer.callback_metrics`` when ``ModelCheckpoint`` and ``EarlyStopping`` run at
+    validation end, in what ``Trainer.validate`` returns, written by Lightning once per round at the x-axis
+    ``step`` names; a ``Trainer.test`` round under ``test_prefix``. The DataModule adds one unless the trainer has one.
 
-    With ``record_video``, one episode of the evaluation rounds ``0, N, 2N, ...`` is
-    rendered (``render_mode="rgb_array"``, in the evaluation env's thread, global rank
-    zero only) and written, by a background thread while training goes on, as
-    ``videos/<prefix>-<step axis>-<step>.mp4`` in the trainer's ``log_dir`` and as the
-    video summary ``<prefix>/video`` of every ``TensorBoardLogger``. The DataModule
-    then builds its evaluation envs with ``render_mode="rgb_array"`` from a gymnasium
-    id; an env factory must return a ``gymnasium.Env`` made with
-    ``render_mode="rgb_array"`` itself. ``fit`` waits for the last clip at its end.
+    With ``record_video``, one episode of the rounds ``0, N, 2N, ...`` (global rank zero) is written, in the
+    background, as ``videos/<prefix>-<step axis>-<step>.mp4`` in the trainer's ``log_dir`` and as the video
+    summary ``<prefix>/video`` of every ``TensorBoardLogger`` (:mod:`~lightning_rollout.lightning.video`); an env
+    factory must then return a ``gymnasium.Env`` made with ``render_mode="rgb_array"``. ``fit`` waits for the
+    last clip.
 
     Args:
         prefix: metric name prefix of validation rounds.
@@ -463,21 +435,15 @@ class RolloutEvaluation(RolloutCallback):
 
 
 def _summary_writers(trainer: pl.Trainer) -> list[Any]:
-    """The ``torch.utils.tensorboard.SummaryWriter`` of every TensorBoard logger of the trainer."""
+    """The ``torch.utils.tensorboard.SummaryWriter`` of every TensorBoard logger of the trainer (warns about others)."""
     from lightning.pytorch.loggers import TensorBoardLogger
     from torch.utils.tensorboard import SummaryWriter
 
-    writers = []
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            experiment = logger.experiment
-            if isinstance(experiment, SummaryWriter):
-                writers.append(experiment)
-            else:
-                warn_user(f"record_video: the TensorBoard logger writes with {type(experiment).__name__}, not "
-                          "torch.utils.tensorboard.SummaryWriter; its video summary is skipped (the MP4 is written)",
-                          RuntimeWarning)
-    return writers
+    experiments = [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+    for other in {type(e).__name__ for e in experiments if not isinstance(e, SummaryWriter)}:
+        warn_user(f"record_video: the TensorBoard logger writes with {other}, not torch.utils.tensorboard."
+                  "SummaryWriter; its video summary is skipped (the MP4 is written)", RuntimeWarning)
+    return [e for e in experiments if isinstance(e, SummaryWriter)]
 
 
 def _figure(value: float) -> str:
@@ -553,10 +519,8 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
     """Lightning's Rich bar showing RL figures, on one line of 100 columns.
 
-    Lightning picks ``RichProgressBar`` as its default bar when the ``rich`` package is
-    installed; the DataModule then swaps that stock bar for this one (as it does
-    :class:`RolloutProgressBar` for the TQDM bar; ``RolloutDataModule(progress_bar=False)``
-    keeps the stock one). The training bar reads
+    The DataModule makes Lightning's stock ``RichProgressBar`` (its default when ``rich`` is installed) this
+    one, as it does :class:`RolloutProgressBar` for the TQDM bar. The training bar reads
     ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``:
     the same figures as :class:`RolloutProgressBar` (:meth:`shown`), after the share of the epoch
     done and the elapsed time, as the TQDM bar shows them. Batches/s, the batch count, the
@@ -582,6 +546,38 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
         self.rollout_prefix = rollout_prefix
         self.eval_prefix = eval_prefix
 
+    _rerouted: list[tuple[logging.StreamHandler, Any]] = []  # (handler, its own stream) while the bar is live
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the bar; until teardown, the logging handlers that write to the bar's terminal print through its
+        console, so that a line logged meanwhile (Lightning's ``Trainer.fit stopped``) goes above the bar, not
+        onto its line."""
+        super().on_train_start(trainer, pl_module)
+        if self.progress is None or self._rerouted:
+            return
+        from rich.file_proxy import FileProxy
+
+        console = self.progress.console
+        terminal = {id(sys.__stdout__), id(sys.__stderr__), id(console.file)}
+        loggers = [logging.root, *logging.Logger.manager.loggerDict.values()]  # (placeholders among them)
+        self._rerouted = [(h, h.setStream(FileProxy(console, h.stream))) for log in loggers
+                          for h in getattr(log, "handlers", ()) if type(h) is logging.StreamHandler
+                          and id(h.stream) in terminal]
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Draw the round just logged now (the bar left on screen shows the last evaluation)."""
+        super().on_validation_end(trainer, pl_module)
+        self.refresh(hard=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        for handler, stream in self._rerouted:
+            handler.setStream(stream)
+        self._rerouted = []
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
     def configure_columns(self, trainer: pl.Trainer) -> list:
         """Description, a narrow bar, the share of the epoch done and the elapsed time; the metrics column
         follows (Lightning appends it)."""
@@ -597,37 +593,72 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
         ]
 
 
-class _LastCheckpointAtFitEnd(pl.Callback):
-    """Makes every ``ModelCheckpoint(save_last=...)`` hold the last step when ``fit`` ends.
+class _FitEnd(pl.Callback):
+    """Added by the DataModule, run before the checkpoint callbacks (Lightning puts them last): when ``fit`` ends,
+    says what stopped it (INFO, as Lightning's ``Trainer.fit stopped``; :func:`_stop_reason`) and saves the last
+    checkpoint of every ``ModelCheckpoint(save_last=...)`` whose last save is older than the current step.
 
-    ``ModelCheckpoint`` saves ``last.ckpt`` along with its other saves (at validation end,
-    every ``every_n_train_steps``...) and, at the end of ``fit``, only if it never saved one.
-    A run that stops between two of its saves (``max_steps``, ``max_time``, an endless
-    collector's epoch limit) would leave ``last.ckpt`` at an older step, and a resume from it
-    would repeat the batches since. This callback (added by the DataModule; Lightning runs it
-    before the checkpoint callbacks, which come last) saves the last checkpoint of each
-    ``ModelCheckpoint`` whose last save is older than the current step, through the
-    ``ModelCheckpoint`` itself (its file name, version counter and removal of the previous
-    ``last``). With ``save_last="link"`` it writes the file instead of linking to the older
-    checkpoint. Nothing is saved under ``fast_dev_run``, as ``ModelCheckpoint`` saves nothing then.
+    ``ModelCheckpoint`` writes ``last.ckpt`` with its other saves and, at the end of ``fit``, only if it never
+    wrote one: a run stopped between two of its saves would resume from an older step. The save goes through
+    the ``ModelCheckpoint`` (its file name, version counter, removal of the previous ``last``; a file where
+    ``save_last="link"`` would link an older checkpoint), with an epoch the stop cut short counted as in
+    progress, as a save at its last batch counts it, so that a resume continues that epoch. Nothing is saved
+    under ``fast_dev_run``, as ``ModelCheckpoint`` saves nothing then.
     """
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.fast_dev_run:
             return
-        for checkpoint in trainer.checkpoint_callbacks:
-            if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.save_last:
-                continue
-            saved_at = getattr(checkpoint, "_last_global_step_saved", None)  # its last save's step
-            if saved_at is None or saved_at == trainer.global_step:
-                continue
-            candidates = checkpoint._monitor_candidates(trainer)
-            if checkpoint.save_last == "link":
-                path = checkpoint.format_checkpoint_name(candidates, checkpoint.CHECKPOINT_NAME_LAST)
-                if trainer.is_global_zero and os.path.islink(path):
-                    os.remove(path)  # a link to an older checkpoint: the file is written in its place
-                trainer.strategy.barrier()
-                checkpoint.last_model_path = path
-                checkpoint._save_checkpoint(trainer, path)
-            else:
-                checkpoint._save_last_checkpoint(trainer, candidates)
+        reason = _stop_reason(trainer)
+        if reason:
+            rank_zero_info(reason)
+        stale = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.save_last
+                 and getattr(c, "_last_global_step_saved", trainer.global_step) != trainer.global_step]
+        if not stale:
+            return
+        progress = trainer.fit_loop.epoch_progress
+        cut = not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # Lightning counted the epoch done
+        counts = (progress.current, progress.total) if cut else ()
+        for count in counts:
+            count.processed, count.completed = count.processed - 1, count.completed - 1
+        try:
+            for checkpoint in stale:
+                _save_last(trainer, checkpoint)
+        finally:
+            for count in counts:
+                count.processed, count.completed = count.processed + 1, count.completed + 1
+
+
+def _save_last(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> None:
+    """Save ``checkpoint``'s last checkpoint now (a file, where ``save_last="link"`` would link an older one)."""
+    candidates = {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
+                  "step": torch.tensor(trainer.global_step)}
+    if checkpoint.save_last != "link":
+        checkpoint._save_last_checkpoint(trainer, candidates)
+        return
+    path = checkpoint.format_checkpoint_name(candidates, checkpoint.CHECKPOINT_NAME_LAST)
+    if trainer.is_global_zero and os.path.islink(path):
+        os.remove(path)  # a link to an older checkpoint: the file is written in its place
+    trainer.strategy.barrier()
+    checkpoint.last_model_path = path
+    trainer.save_checkpoint(path, weights_only=checkpoint.save_weights_only)
+
+
+def _stop_reason(trainer: pl.Trainer) -> str | None:
+    """What ended ``fit``, in the unit of the limit reached (``None``: no RolloutDataModule, or nothing known)."""
+    dm = trainer.datamodule
+    if not hasattr(dm, "frames_per_batch"):
+        return None
+    frames, step, epochs = dm.frames, trainer.global_step, trainer.max_epochs
+    batches = frames // dm.frames_per_batch
+    per_batch = f", {step / batches:g} a batch here" if batches and step != batches else ""
+    reason = next((text for reached, text in (
+        (0 < dm.total_frames <= frames, f"RolloutDataModule(total_frames={dm.total_frames}) reached (frames per rank)"),
+        (-1 < trainer.max_steps <= step, f"Trainer(max_steps={trainer.max_steps}) reached; it counts optimizer steps"
+                                         f"{per_batch} (RolloutDataModule(total_frames=...) counts frames per rank)"),
+        (epochs not in (None, -1) and trainer.current_epoch >= epochs,
+         f"Trainer(max_epochs={epochs}) reached (an epoch is {trainer.num_training_batches} batches)"),
+        (trainer.should_stop, "trainer.should_stop was set (by EarlyStopping, Trainer(max_time=...) or a callback)"),
+    ) if reached), None)
+    return reason and (f"Training stopped after {batches} batch{'es' * (batches != 1)} ({frames} frames per rank, "
+                       f"global_step={step}): {reason}")

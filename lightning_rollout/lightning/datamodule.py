@@ -1,47 +1,19 @@
 """RolloutDataModule: ``Trainer.fit(model, datamodule=RolloutDataModule(...))`` trains an RL agent.
 
-What it does for you:
+Its training dataloader yields the batches of a :class:`~lightning_rollout.ThreadedCollector` (one per DDP
+rank, built once Lightning moved the module to its device, with seeds of its own), the actor's weights pulled
+from the module before every batch; its validation (and test) loop runs evaluation episodes, one
+:class:`EvalRound` a round. It adds the built-in callbacks, puts every logger row on one x-axis, says what
+stopped ``fit`` and keeps ``last.ckpt`` current, saves its counters in checkpoints (once), closes every env
+thread on teardown, exceptions and Ctrl-C, and pickles for ``ddp_spawn`` (threads stay behind, counters
+travel). ``docs/lightning.rst`` says what each does for the user.
 
-* builds a :class:`~lightning_rollout.ThreadedCollector` in ``train_dataloader()``
-  (after Lightning moved the module to its device; one per DDP rank, with
-  distinct env seeds), acting with the policy found on the LightningModule;
-* before every batch, pulls the actor's weights from the module (the seed's
-  ``update_policy``), so an on-policy batch is acted by the weights of the latest
-  optimizer step; the dataloader has a length, so Lightning does not prefetch a
-  batch ahead (which would act it with the weights of one step before);
-* runs **evaluation as Lightning's validation loop**: ``val_dataloader()``
-  yields one :class:`EvalRound` (fresh deterministic episodes, already run) each
-  time Lightning validates, so ``ModelCheckpoint`` / ``EarlyStopping`` act on
-  ``eval/...`` at validation end, scheduled by ``eval_every_n_frames`` or by the
-  Trainer's own ``val_check_interval`` / ``check_val_every_n_epoch``;
-  ``Trainer.validate`` runs one round and returns its ``eval/...`` metrics,
-  ``Trainer.test`` the same under ``test/...`` (``test_dataloader()``);
-* dispatches collection events to every :class:`RolloutCallback` in
-  ``trainer.callbacks`` and adds :class:`EpisodeStatsLogger`,
-  :class:`RolloutEvaluation` and the RL progress bar (:class:`RolloutProgressBar`
-  for Lightning's TQDM bar, :class:`RolloutRichProgressBar` for its Rich bar) unless
-  told not to;
-* puts every row the loggers receive on one x-axis: with the callbacks' default
-  ``step="frames"``, Lightning's own rows (what the module logs with ``self.log``)
-  are written at the total frames collected, as the rollout and evaluation rows are;
-* makes every ``ModelCheckpoint(save_last=...)`` hold the last step when ``fit`` ends,
-  whatever ended it;
-* when a ``RolloutEvaluation(record_video=...)`` is among the callbacks, builds the
-  evaluation envs (global rank zero) so that they render ``rgb_array`` frames and can be
-  recorded (see :mod:`lightning_rollout.lightning.video`);
-* saves its counters (frames, episodes, trajectory ids, seed, policy version)
-  in Lightning checkpoints, once, through ``state_dict``; resumes them, mid-epoch
-  included;
-* closes every env thread on teardown, on exceptions and on ``KeyboardInterrupt``;
-* pickles (``strategy="ddp_spawn"``): the env factory it builds from a gymnasium
-  id is picklable, and threads and collectors stay behind (the counters travel).
-
-Threading: the collector is driven from Lightning's main thread; nothing here
-is called from env threads.
+Threading: the collector is driven from Lightning's main thread; nothing here is called from env threads.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import signal
@@ -52,15 +24,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, Timer, TQDMProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
+from .._batched import is_batched, split_batched_env, splittable
 from .._checks import check_int, warn_user
 from ..collector import ThreadedCollector
-from ..envs import EnvFactory, InfoKeys, info_key_list, resolve_env_factory
+from ..envs import EnvFactory, InfoKeys, close_env_quietly, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
 from ..loop.auto import check_knobs
@@ -72,7 +45,7 @@ from .callbacks import (
     RolloutProgressBar,
     RolloutRichProgressBar,
     StepAxis,
-    _LastCheckpointAtFitEnd,
+    _FitEnd,
     overrides,
 )
 from .video import VideoRecorder
@@ -107,32 +80,20 @@ class _Dispatcher(EventProcessor):
         self.call("on_eval_episode_end", episode)
 
 
-class _Batches:
-    """What ``train_dataloader()`` returns.
+class _Loader:
+    """What the DataModule's dataloaders return: ``iterate()`` with a length, so that Lightning does not prefetch
+    a training batch ahead (acted by the weights of one step before), and an empty ``state_dict``: the DataModule
+    saves the collector's counters, once; the empty state tells Lightning that this iterable resumes."""
 
-    Sized (so Lightning does not prefetch a batch ahead). For a finite collector
-    the length counts the batches of this epoch that ran before a mid-epoch
-    checkpoint Lightning resumes from, plus those left: Lightning's restored batch
-    counter and the collector's restored frame counter then agree, and Lightning
-    fetches exactly the batches left. Iteration stops early when the collector is
-    exhausted. ``state_dict`` is empty: the DataModule saves the collector's
-    counters, once; the empty state only tells Lightning that this iterable
-    resumes (the DataModule restores it), so it does not warn that it cannot.
-    """
-
-    def __init__(self, dm: RolloutDataModule, num_batches: int) -> None:
-        self._dm = dm
-        self._num_batches = num_batches
+    def __init__(self, iterate: Callable[[], Iterator[Any]], length: int) -> None:
+        self.iterate = iterate
+        self.length = length
 
     def __len__(self) -> int:
-        return self._num_batches
+        return self.length
 
-    def __iter__(self) -> Iterator[TensorDictBase]:
-        for _ in range(self._num_batches):  # Lightning stops fetching at the length (minus what a resume skipped)
-            batch = self._dm._next_batch()
-            if batch is None:
-                return
-            yield batch
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterate()
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -141,33 +102,9 @@ class _Batches:
         """Nothing to load: the DataModule's own state (frames, episodes...) is restored by Lightning."""
 
 
-class _EvalRounds:
-    """What ``val_dataloader()`` (``test_dataloader()``) returns: one :class:`EvalRound` per validation (test) run.
-
-    The episodes run when Lightning fetches the round, inside its validation (test) loop
-    (module in ``eval()`` mode, gradients off). During Lightning's sanity check the
-    evaluation envs are built and the policy probed, but no episode runs.
-    """
-
-    def __init__(self, dm: RolloutDataModule) -> None:
-        self._dm = dm
-
-    def __len__(self) -> int:
-        return 1
-
-    def __iter__(self) -> Iterator[EvalRound]:
-        trainer = self._dm.trainer
-        if trainer is not None and trainer.sanity_checking:
-            self._dm._eval_envs()
-            return
-        yield self._dm._eval_round()
-
-
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
-    """The ``validation_step`` (or ``test_step``) a :class:`RolloutDataModule` lends, for the length of ``fit``,
-    ``validate`` or ``test``, to a module without one: Lightning runs its validation (test) loop only for
-    modules that have one. The episodes already ran when the round was fetched; :class:`RolloutEvaluation`
-    logs them."""
+    """The ``validation_step`` (``test_step``) lent for ``fit`` / ``validate`` / ``test`` to a module without one
+    (Lightning validates only modules with one); the round already ran, :class:`RolloutEvaluation` logs it."""
     return None
 
 
@@ -211,9 +148,9 @@ class RolloutDataModule(pl.LightningDataModule):
     and whose validation (and test) loop runs evaluation episodes.
 
     Args:
-        env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or an
-            unbatched torchrl ``EnvBase`` (picklable for ``strategy="ddp_spawn"``:
-            a module-level function or class, not a lambda).
+        env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or a torchrl ``EnvBase`` (a batched
+            one is stepped as the collector steps it; evaluation runs the single envs of one it takes apart),
+            picklable for ``strategy="ddp_spawn"`` (a module-level function or class, not a lambda).
 
     Keyword Args:
         num_envs: envs per rank.
@@ -363,7 +300,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._dispatcher: _Dispatcher | None = None
         self._eval_loop: MultiEnvLoop | None = None
         self._lent: list[tuple[pl.LightningModule, str]] = []  # (module, step name) lent for this stage
-        self._axis_connector: Any = None  # the Trainer's logger connector while it writes at frames
+        self._axis_loggers: list[Any] = []  # the Trainer's loggers while they write at frames
         self._pending_state: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
 
@@ -375,15 +312,39 @@ class RolloutDataModule(pl.LightningDataModule):
         Lightning attaches it at the start of ``fit`` / ``validate`` / ``test``, before it checks that
         the module has a ``validation_step`` / ``test_step``; for ``validate`` and ``test`` the DataModule
         lends the module one then (see :meth:`setup` for ``fit``).
+
+        Warns:
+            UserWarning: ``fit`` of an endless collector with no ``max_steps`` / ``max_epochs`` / ``max_time``
+                (Lightning's default of 1000 epochs then stops it; the warning says after how many frames).
+
+        Raises:
+            RuntimeError: ``Trainer.predict`` (an RL agent has no dataset to predict on; the message
+                names ``validate`` / ``test``).
+            ValueError: ``Trainer.validate`` / ``test`` with ``eval_episodes=0``.
         """
         return self.__dict__.get("_trainer")
 
     @trainer.setter
     def trainer(self, trainer: pl.Trainer | None) -> None:
         self.__dict__["_trainer"] = trainer
-        if trainer is None or not self.__dict__.get("eval_episodes"):
+        if trainer is None or "eval_episodes" not in self.__dict__:  # (Lightning's __init__ sets None first)
             return
-        step = _EVAL_STEPS.get(trainer.state.fn)
+        fn = trainer.state.fn
+        if fn == TrainerFn.PREDICTING:
+            raise RuntimeError("Trainer.predict runs the module's forward over a dataset, which an RL agent has not: "
+                               "use trainer.validate(model, datamodule=dm) (eval/... metrics of episodes run with the "
+                               "policy) or trainer.test(...) (test/...), no step method needed")
+        if (fn == TrainerFn.FITTING and self.total_frames == -1 and trainer.max_steps == -1
+                and trainer.max_epochs is None and not any(isinstance(c, Timer) for c in trainer.callbacks)):
+            frames = 1000 * (self.batches_per_epoch or 1000) * self.frames_per_batch
+            warn_user(f"RolloutDataModule(total_frames=-1) collects endlessly and the Trainer has no max_steps, "
+                      f"max_epochs or max_time: Lightning's default of 1000 epochs of {self.batches_per_epoch or 1000} "
+                      f"batches stops it after {frames:,} frames per rank. Pass total_frames= (frames per rank), or "
+                      "Trainer(max_steps=...) (optimizer steps) / max_epochs=...")
+        step = _EVAL_STEPS.get(fn)
+        if step is not None and not self.evaluates:
+            raise ValueError(f"Trainer.{fn.value} runs evaluation episodes, and this RolloutDataModule has "
+                             f"eval_episodes=0 (evaluation off): pass eval_episodes=N >= 1 (no {step} is needed)")
         selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
         module = getattr(selector, "model", None)  # the module being attached along with this DataModule
         if step is not None and isinstance(module, pl.LightningModule):
@@ -410,10 +371,9 @@ class RolloutDataModule(pl.LightningDataModule):
         (applied when the copy builds its collector)."""
         state = self.__dict__.copy()
         counters = self.state_dict()
-        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_final_state", "_trainer",
-                    "_axis_connector"):
+        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_final_state", "_trainer"):
             state[key] = None
-        state["_lent"] = []
+        state["_lent"], state["_axis_loggers"] = [], []
         state["_pending_state"] = counters or None
         state["last_collect_seconds"] = 0.0
         return state
@@ -450,20 +410,16 @@ class RolloutDataModule(pl.LightningDataModule):
         if stage == "fit":
             if self.log_stats and not any(isinstance(c, EpisodeStatsLogger) for c in callbacks):
                 callbacks.insert(0, EpisodeStatsLogger(step=axis))
-            if not any(isinstance(c, _LastCheckpointAtFitEnd) for c in callbacks):
-                callbacks.insert(0, _LastCheckpointAtFitEnd())
+            if not any(isinstance(c, _FitEnd) for c in callbacks):
+                callbacks.insert(0, _FitEnd())
             _warn_about_checkpoint_names(trainer)
         if self.evaluates and not any(isinstance(c, RolloutEvaluation) for c in callbacks):
             callbacks.insert(0, RolloutEvaluation(step=axis))
         if self.progress_bar:
-            for i, c in enumerate(callbacks):  # Lightning's stock bars (not a subclass of the user's)
-                if type(c) is TQDMProgressBar:
-                    callbacks[i] = RolloutProgressBar(refresh_rate=c.refresh_rate,
-                                                      process_position=c.process_position,
-                                                      leave=getattr(c, "_leave", False))
-                elif type(c) is RichProgressBar:
-                    callbacks[i] = RolloutRichProgressBar(refresh_rate=c.refresh_rate, leave=c._leave,
-                                                          theme=c.theme, console_kwargs=c._console_kwargs)
+            for c in callbacks:  # Lightning's stock bars (not a subclass of the user's) become the RL ones, as they are
+                rl_bar = {TQDMProgressBar: RolloutProgressBar, RichProgressBar: RolloutRichProgressBar}.get(type(c))
+                if rl_bar is not None:
+                    c.__class__ = rl_bar
         self._set_axis(trainer, axis)
         if stage == "fit" and self.evaluates:
             self._set_eval_schedule(trainer)
@@ -483,34 +439,26 @@ class RolloutDataModule(pl.LightningDataModule):
                 "autocast) or '32-true'")
 
     def _set_axis(self, trainer: pl.Trainer, axis: StepAxis) -> None:
-        """With ``axis="frames"``, make Lightning write its own rows (``self.log`` values, epoch-level
-        evaluation metrics) at the frames collected by all ranks, instead of at its batch counter.
-
-        Lightning's logger connector picks the step of every row it writes (its ``log_metrics``); this
-        wraps that method of this Trainer's connector, until teardown. A row that logs a ``"step"`` value
-        of its own keeps it, as Lightning does.
-        """
+        """With ``axis="frames"``, make every logger of the Trainer write every row at the frames collected by
+        all ranks, until teardown: Lightning's own rows (``self.log`` values, epoch-level evaluation metrics)
+        and those its callbacks write at its batch counter (``LearningRateMonitor``, ``DeviceStatsMonitor``)
+        included, whatever step they were written at. Wraps each logger's ``log_metrics``."""
         self._restore_axis()
-        connector = getattr(trainer, "_logger_connector", None)
-        if axis != "frames" or connector is None or not callable(getattr(connector, "log_metrics", None)):
+        if axis != "frames":
             return
-        write = connector.log_metrics
-        dm = self
+        for logger in trainer.loggers:
+            write = logger.log_metrics
 
-        def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
-            if "step" not in metrics:
-                if step is None:  # Lightning adds the epoch to the rows it steps itself
-                    metrics = {**metrics, "epoch": trainer.current_epoch}
-                step = dm.frames * trainer.world_size
-            write(metrics, step=step)
+            def log_metrics(metrics: dict[str, Any], step: int | None = None, write: Callable = write) -> None:
+                write(metrics, step=self.frames * trainer.world_size)
 
-        connector.log_metrics = log_metrics
-        self._axis_connector = connector
+            logger.log_metrics = log_metrics  # type: ignore[method-assign]
+            self._axis_loggers.append(logger)
 
     def _restore_axis(self) -> None:
-        if self._axis_connector is not None:
-            self._axis_connector.__dict__.pop("log_metrics", None)
-            self._axis_connector = None
+        for logger in self._axis_loggers:
+            logger.__dict__.pop("log_metrics", None)
+        self._axis_loggers.clear()
 
     def _set_eval_schedule(self, trainer: pl.Trainer) -> None:
         if self.eval_every_n_steps is not None:
@@ -578,26 +526,25 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._dispatcher
 
     # -- training batches ------------------------------------------------------------------------
-    def train_dataloader(self) -> _Batches:
-        """The batches of this rank's collector (created on first call).
-
-        Returns an iterable with a length (``batches_per_epoch`` for an endless
-        collector, the batches up to ``total_frames`` for a finite one) and an empty
-        ``state_dict``. A later ``fit`` with the same DataModule gets a fresh collector
-        that continues the counts (or those of its ``ckpt_path``).
-        """
+    def train_dataloader(self) -> _Loader:
+        """The batches of this rank's collector (created on first call; a later ``fit`` gets a fresh one that
+        continues the counts, or those of its ``ckpt_path``), with a length: ``batches_per_epoch`` for an endless
+        collector; for a finite one, the batches up to ``total_frames`` plus those of this epoch that ran before
+        a mid-epoch checkpoint Lightning resumes from (so that Lightning fetches exactly the batches left)."""
         if self.collector is not None and self.collector.is_shut_down:
             if self._pending_state is None and self._final_state is not None:
-                self._pending_state = {"collector": dict(self._final_state), "episodes": self.collector.loop.episodes}
+                self._pending_state = {"collector": dict(self._final_state), "rank": self._rank,
+                                       "episodes": self.collector.loop.episodes}
             self.collector = None
             self._final_state = None
         if self.collector is None:
             self._build_collector()
         assert self.collector is not None
+        count = self.batches_per_epoch or 1000
         if self.total_frames > 0:
             left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
-            return _Batches(self, self._batches_done_this_epoch() + left)
-        return _Batches(self, self.batches_per_epoch or 1000)
+            count = self._batches_done_this_epoch() + left
+        return _Loader(functools.partial(self._batches, count), count)
 
     def _batches_done_this_epoch(self) -> int:
         """Batches of the current epoch that ran before the checkpoint Lightning resumes from (else 0)."""
@@ -613,36 +560,45 @@ class RolloutDataModule(pl.LightningDataModule):
             seed=self.seed + self._rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
             name=f"rank{self._rank}", **self.collector_kwargs)
         if self._pending_state is not None:
-            self.collector.load_state_dict(self._pending_state["collector"])
-            self.collector.loop.episodes = int(self._pending_state.get("episodes", 0))
+            self._load_counters(self._pending_state)
             self._pending_state = None
         self._iterator = iter(self.collector)
 
-    def _next_batch(self) -> TensorDictBase | None:
+    def _load_counters(self, state: dict[str, Any]) -> None:
+        """Give the collector the counters of ``state`` with this rank's seed: a checkpoint holds those of
+        global rank zero, and every rank resumes from it, so each rank's seed moves by its distance to the
+        saving rank (resumed ranks collect different streams, reproducibly)."""
+        assert self.collector is not None
+        counters = dict(state["collector"])
+        if counters.get("seed", -1) >= 0:
+            counters["seed"] += (self._rank - int(state.get("rank", 0))) * _RANK_SEED_STRIDE
+        self.collector.load_state_dict(counters)
+        self.collector.loop.episodes = int(state.get("episodes", 0))
+
+    def _batches(self, count: int) -> Iterator[TensorDictBase]:
+        """At most ``count`` batches (Lightning stops fetching at the length, less what a resume skipped), fewer
+        when the collector is exhausted; before each, the actor's weights go to the collector."""
         assert self.collector is not None and self._iterator is not None
-        self.collector.update_policy_weights_(self._actor())
-        start = time.perf_counter()
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            batch = None
-        self.last_collect_seconds = time.perf_counter() - start
-        if batch is None:
-            if self.trainer is not None:
-                self.trainer.should_stop = True
-            return None
-        if self.trainer is not None and 0 < self.total_frames <= self.collector.frames:
-            # the last batch: stop after it, rather than running one more (empty) epoch to find out
-            # (Lightning then validates once more: the final evaluation round)
-            self.trainer.should_stop = True
-        events = self._events()
-        if events is not None:
-            events.call("on_rollout_batch", batch)
-        return batch
+        for _ in range(count):
+            self.collector.update_policy_weights_(self._actor())
+            start = time.perf_counter()
+            batch = next(self._iterator, None)
+            self.last_collect_seconds = time.perf_counter() - start
+            trainer = self.trainer
+            if trainer is not None and (batch is None or 0 < self.total_frames <= self.collector.frames):
+                # the last batch: stop after it, rather than running one more (empty) epoch to find out
+                # (Lightning then validates once more: the final evaluation round)
+                trainer.should_stop = True
+            if batch is None:
+                return
+            events = self._events()
+            if events is not None:
+                events.call("on_rollout_batch", batch)
+            yield batch
 
     # -- evaluation ------------------------------------------------------------------------------
     @property
-    def val_dataloader(self) -> Callable[[], _EvalRounds] | None:  # type: ignore[override]
+    def val_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
         """The evaluation rounds, one per validation run (``None`` while no validation loop can run).
 
         Lightning asks whether a DataModule defines ``val_dataloader`` before the DataModule's
@@ -653,7 +609,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._eval_rounds if self._has_step("validation_step") else None
 
     @property
-    def test_dataloader(self) -> Callable[[], _EvalRounds] | None:  # type: ignore[override]
+    def test_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
         """The evaluation round of ``Trainer.test`` (the same fresh deterministic episodes as a validation
         round, logged as ``test/...``); ``None`` while no test loop can run."""
         return self._eval_rounds if self._has_step("test_step") else None
@@ -663,17 +619,43 @@ class RolloutDataModule(pl.LightningDataModule):
         module = trainer.lightning_module if trainer is not None else None
         return self.evaluates and module is not None and is_overridden(step, module)
 
-    def _eval_rounds(self) -> _EvalRounds:
-        return _EvalRounds(self)
+    def _eval_rounds(self) -> _Loader:
+        return _Loader(self._rounds, 1)
+
+    def _rounds(self) -> Iterator[EvalRound]:
+        """One :class:`EvalRound`; its episodes run when Lightning fetches it, inside its validation (test) loop
+        (module in ``eval()`` mode, gradients off). During Lightning's sanity check the evaluation envs are built
+        and the policy probed, but no episode runs."""
+        if self.trainer is not None and self.trainer.sanity_checking:
+            self._eval_envs()
+            return
+        yield self._eval_round()
 
     def _eval_envs(self) -> MultiEnvLoop:
-        """The evaluation loop, built on first use (envs created, policy probed), closed on teardown."""
+        """The evaluation loop, built on first use (envs created, policy probed), closed on teardown. It runs
+        whole episodes of single envs: those a batched env batches when the collector can take it apart.
+
+        Raises:
+            ValueError: the factory makes a natively batched env, which cannot run episodes one env at a time.
+        """
         if self._eval_loop is None:
             n = self.eval_num_envs or max(1, min(self.eval_episodes, self.num_envs))
             recorder = self._video_recorder()
             factory = self.env_factory if recorder is None else recorder.wrap_factory(self.env_factory)
+            first = factory()
+            if not is_batched(first):
+                factories = [lambda: first] + [factory] * (n - 1)
+            elif splittable(first):
+                singles = split_batched_env(first).factories
+                factories = [singles[i % len(singles)] for i in range(n)]
+            else:
+                close_env_quietly(first)
+                raise ValueError(
+                    f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
+                    f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "
+                    "evaluate with env.rollout() yourself), or give RolloutDataModule a factory of one env")
             self._eval_loop = MultiEnvLoop(
-                [factory] * n, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
+                factories, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
                 lookahead=False, eval=True, max_episode_steps=self.eval_max_episode_steps,
                 info_keys=self.collector_kwargs["info_keys"],
                 seed=self.seed + _EVAL_SEED_OFFSET + self._rank * _RANK_SEED_STRIDE, name=f"rank{self._rank}-eval")
@@ -748,8 +730,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if "collector" not in state_dict:
             raise ValueError(f"not a RolloutDataModule state (keys: {sorted(state_dict)})")
         if self.collector is not None and not self.collector.is_shut_down:
-            self.collector.load_state_dict(state_dict["collector"])
-            self.collector.loop.episodes = int(state_dict.get("episodes", 0))
+            self._load_counters(state_dict)
         else:
             self._pending_state = dict(state_dict)
 

@@ -1,27 +1,14 @@
 """Video of evaluation episodes: :class:`VideoRecording` and the machinery behind
 ``RolloutEvaluation(record_video=...)``.
 
-How a clip is made:
-
-* when recording is on, :class:`~lightning_rollout.lightning.RolloutDataModule` builds
-  its evaluation envs (global rank zero only) with ``render_mode="rgb_array"`` (for a
-  gymnasium id; a factory must produce such envs itself) and wraps each in a
-  gymnasium wrapper that can capture frames;
-* before an evaluation round that is to be recorded, the callback *arms* the
-  :class:`VideoRecorder`: the first evaluation env reset after that claims the
-  recording and renders its first frame, then one frame after every step, **in that
-  env's own thread**, until the episode ends (terminated, truncated, or cut by the
-  loop) or ``max_frames`` frames are held;
-* after the round (main thread) the callback takes the frames and hands them to one
-  background writer thread, which writes the MP4 file (``imageio-ffmpeg``, H.264)
-  and the TensorBoard summary (an animated GIF, the summary ``SummaryWriter.add_video``
-  writes), so training goes on while the clip is encoded. At most one clip is being
-  written at a time: a new one waits for the previous write.
-
-Frames are held in memory (``H x W x 3`` bytes each: 0.7 MB for CartPole's 600 x 400)
-until written. The optional dependencies are in the ``video`` extra
-(``pip install 'lightning_rollout[video]'``: ``imageio-ffmpeg`` for the MP4 file,
-Pillow for the GIF, and ``pygame`` for gymnasium's classic-control rendering).
+With recording on, the DataModule builds its evaluation envs (global rank zero) rendering ``rgb_array``
+frames, each wrapped so that it can be recorded. Before a recorded round the callback *arms* the
+:class:`VideoRecorder`: the first evaluation env reset after that claims the recording and renders one frame
+after its reset and after every step, **in that env's own thread**, until the episode ends or ``max_frames``
+are held. After the round (main thread) the frames go to one background writer thread (the MP4 file with
+``imageio-ffmpeg``, H.264, and the TensorBoard summary, an animated GIF), one clip at a time, while training
+goes on. Frames are held in memory until written (``H x W x 3`` bytes each: 0.7 MB for CartPole). The
+optional dependencies are the ``video`` extra (``imageio-ffmpeg``, Pillow, ``pygame`` for classic control).
 """
 
 from __future__ import annotations
@@ -118,7 +105,7 @@ class VideoRecorder:
     """Captures one evaluation episode's frames and writes them out (internal to the Lightning layer).
 
     Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` are called from
-    the training process's main thread; the wrapped envs call ``_on_reset`` / ``_on_step``
+    the training process's main thread; the wrapped envs call :meth:`on_reset` / :meth:`on_step`
     from their own threads. A lock guards the shared state; only the env that claimed the
     recording renders.
 
@@ -177,7 +164,7 @@ class VideoRecorder:
         """Frames per second of the clips (the env's ``render_fps`` unless the config sets one)."""
         return self._fps
 
-    def _on_reset(self, env: _RecordingEnv) -> None:
+    def on_reset(self, env: _RecordingEnv) -> None:
         with self._lock:
             if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
                 self._owner = None
@@ -190,7 +177,7 @@ class VideoRecorder:
                 return
         self._add(env, env.render())
 
-    def _on_step(self, env: _RecordingEnv, done: bool) -> None:
+    def on_step(self, env: _RecordingEnv, done: bool) -> None:
         if self._owner is not env:  # unlocked read: only ``env``'s thread sets the owner to env
             return
         self._add(env, env.render() if len(self._frames) < self.config.max_frames else None, step=True)
@@ -232,9 +219,10 @@ class VideoRecorder:
                     write_mp4(mp4_path, frames, fps=fps)
                 if summary_writers:
                     summary = video_summary(tag, frames, fps=fps)
-                    for writer in summary_writers:
-                        writer._get_file_writer().add_summary(summary, step)  # what SummaryWriter.add_video does
-                        writer.flush()
+                    for writer in summary_writers:  # what SummaryWriter.add_video does (a closed writer has none)
+                        if writer.file_writer is not None:
+                            writer.file_writer.add_summary(summary, step)
+                            writer.flush()
             except BaseException as exc:  # reported in the main thread by wait()
                 self._error = exc
 
@@ -296,12 +284,12 @@ class _RecordingEnv(gym.Wrapper):
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         result = self.env.reset(**kwargs)
-        self._recorder._on_reset(self)
+        self._recorder.on_reset(self)
         return result
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         obs, reward, terminated, truncated, info = self.env.step(action)
-        self._recorder._on_step(self, bool(terminated) or bool(truncated))
+        self._recorder.on_step(self, bool(terminated) or bool(truncated))
         return obs, reward, terminated, truncated, info
 
 
