@@ -1,61 +1,64 @@
-"""A batched env given to the collector, as the single envs it batches.
+"""A batched env instance given to the collector: taken apart into single envs, or stepped as it is.
 
-TorchRL's ``Collector`` steps a batched env (``batch_size=[B]`` or more dims) in one call and
-yields ``[*batch_size, T]`` batches. ``ThreadedCollector`` steps single envs in its own threads
-and processes, so a batched env whose single envs can be rebuilt is taken apart into them: one
-factory per env, in the batched env's order (row-major over its batch dims), and the batch
-shape its batches take again at export. The batched env itself is closed (its worker processes
-end): it is never stepped.
+TorchRL's ``Collector`` steps a batched env (``batch_size=[B]`` or more dims) in one call and yields
+``[*batch_size, T]`` batches. ``ThreadedCollector`` steps it the same way (one env thread, one
+``env.step`` a batch: :mod:`lightning_rollout.loop.native`), except where taking it apart into its
+single envs, stepped by its own threads, gives provably the data ``Collector`` computes
+(:func:`takes_apart`, the one rule):
 
-Taken apart:
+* a ``SerialEnv`` or ``ParallelEnv`` (those classes) of unbatched envs: one factory per
+  ``create_env_fn`` with its ``create_env_kwargs``, each building the env the batched env built;
+* such an env inside a ``TransformedEnv`` whose transforms (a ``Compose`` read through) are all in
+  :data:`ROW_TRANSFORMS`: each single env gets its own clone of the transform.
 
-* ``SerialEnv`` / ``ParallelEnv``: their ``create_env_fn`` and ``create_env_kwargs``, one pair a
-  sub-env; a sub-env that is batched itself (``SerialEnv(3, lambda: SerialEnv(2, ...))``, batch
-  ``[3, 2]``) is built once to be taken apart in turn.
-* ``GymEnv(name, num_envs=k)``: ``k`` copies of ``GymEnv(name)`` with the same options.
-* ``TransformedEnv(batched, transform)``: each single env gets its own clone of ``transform``.
-  Transforms that keep one state for the whole batch (``VecNorm``'s running statistics) then
-  keep one state a single env.
-* A gymnasium ``SyncVectorEnv`` / ``AsyncVectorEnv``: its ``env_fns``. Its autoreset mode does
-  not matter: each single env is reset by the loop when it is done, and no reset step is counted
-  as a frame.
+:data:`ROW_TRANSFORMS` keep no state of their own and have no per-row parameter: what they count or
+sum is an entry of the env's tensordict, one per row (``step_count``, ``episode_reward``,
+``is_init``), so a clone per single env computes each row as the batched transform does.
+Anything else is stepped as it is: ``GymEnv(name, num_envs=k)`` (its ``VecGymEnvTransform`` relies
+on the vector env resetting itself), a transform with state or parameters (``CatFrames``,
+``VecNorm``, ``ObservationNorm``...), a ``SerialEnv`` of batched envs, a gymnasium vector env
+(through TorchRL's ``GymWrapper``, as TorchRL steps one), envpool, VMAS, any other batched env.
 
-Every rebuilt single env of a TorchRL batched env is checked against the batched env's specs
-(one row of them); a mismatch is refused with a ``ValueError``. Any other batched env (envpool,
-VMAS, a vector env inside vector wrappers, a natively batched ``EnvBase``) is not taken apart
-(:func:`splittable` says which): the collector steps it as it is, one call for its whole batch
-(:mod:`lightning_rollout.loop.native`). Nothing here holds a thread or a lock.
+A taken-apart env is closed (its worker processes end): it is never stepped. Nothing here holds a
+thread or a lock.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import torch
-from torchrl.envs import EnvBase, TransformedEnv
-from torchrl.envs.batched_envs import BatchedEnvBase
-from torchrl.envs.libs.gym import GymEnv
+from torchrl.envs import (Compose, DoubleToFloat, EnvBase, InitTracker, ParallelEnv, RewardSum, SerialEnv,
+                          StepCounter, Transform, TransformedEnv)
 
 from .envs import EnvFactory, close_quietly
 
-__all__ = ["SplitEnv", "is_batched", "split_batched_env", "splittable"]
+__all__ = ["ROW_TRANSFORMS", "BatchedEnv", "batched_env", "is_batched", "takes_apart"]
+
+ROW_TRANSFORMS: tuple[type[Transform], ...] = (InitTracker, StepCounter, RewardSum, DoubleToFloat)
+"""The transforms around a ``SerialEnv`` / ``ParallelEnv`` that still let it be taken apart (those classes,
+not subclasses): those of TorchRL's sota off-policy scripts (``sota-implementations/td3/utils.py``)."""
+
+_GYM_WRAPPER_MODES = (gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED)
 
 
 @dataclass(frozen=True)
-class SplitEnv:
-    """A batched env as its single envs.
+class BatchedEnv:
+    """A batched env instance as the collector's envs.
 
     Attributes:
-        factories: one factory of an unbatched env per env, row-major over ``batch_size``.
+        factories: one factory per env, row-major over ``batch_size``: of a single env when taken apart,
+            else each returns the batched env itself.
         batch_size: the batched env's batch dims (``len(factories) == batch_size.numel()``).
+        native: stepped as it is, in one call a batch (not taken apart).
     """
 
     factories: list[EnvFactory]
     batch_size: torch.Size
+    native: bool
 
 
 def is_batched(env: Any) -> bool:
@@ -65,22 +68,24 @@ def is_batched(env: Any) -> bool:
     return isinstance(env, gym.vector.VectorEnv)
 
 
-def splittable(env: Any) -> bool:
-    """Whether the batched env instance ``env`` is one :func:`split_batched_env` takes apart (see the module
-    docstring); any other is stepped natively, as it is."""
-    if isinstance(env, TransformedEnv):
-        return splittable(env.base_env)
-    if isinstance(env, BatchedEnvBase):
-        return True
-    if type(env) is GymEnv:
-        return len(env.batch_size) == 1
-    return type(env) in (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv)
+def _transforms(transform: Transform) -> list[Transform]:
+    if type(transform) is Compose:
+        return [t for part in transform.transforms for t in _transforms(part)]
+    return [transform]
+
+
+def takes_apart(env: Any) -> bool:
+    """Whether the batched env instance ``env`` is taken apart into its single envs (see the module docstring)."""
+    if type(env) is TransformedEnv:
+        return (all(type(t) in ROW_TRANSFORMS for t in _transforms(env.transform))
+                and takes_apart(env.base_env))
+    return type(env) in (SerialEnv, ParallelEnv) and len(env.batch_size) == 1
 
 
 class _Transformed:
     """``TransformedEnv(factory(), transform.clone())``: a picklable factory when its parts are."""
 
-    def __init__(self, factory: EnvFactory, transform: Any) -> None:
+    def __init__(self, factory: EnvFactory, transform: Transform) -> None:
         self.factory, self.transform = factory, transform
 
     def __call__(self) -> EnvBase:
@@ -90,35 +95,12 @@ class _Transformed:
         return f"_Transformed({self.factory!r}, {type(self.transform).__name__})"
 
 
-def _unsplittable(env: Any, why: str) -> ValueError:
-    return ValueError(
-        f"got a batched env that cannot be taken apart into single envs ({type(env).__name__}: {why}); pass a "
-        "factory of one env and num_envs (e.g. lambda: GymEnv(...)), or the natively batched env alone")
-
-
-def _split_torchrl(env: EnvBase) -> list[EnvFactory]:
-    """One factory per single env of a batched TorchRL env, row-major over its batch dims."""
+def _singles(env: EnvBase) -> list[EnvFactory]:
+    """One factory per single env of ``env`` (one :func:`takes_apart` takes apart), in its order."""
     if isinstance(env, TransformedEnv):
-        return [_Transformed(f, env.transform) for f in _split_torchrl(env.base_env)]
-    if isinstance(env, BatchedEnvBase):
-        subs = [functools.partial(fn, **kwargs) if kwargs else fn
-                for fn, kwargs in zip(env.create_env_fn, env.create_env_kwargs, strict=True)]
-        if len(env.batch_size) == 1:
-            return subs
-        out: list[EnvFactory] = []
-        for make in subs:  # a batched sub-env: built once to be taken apart (it is never stepped)
-            sub = make()
-            try:
-                out.extend(_split_torchrl(sub))
-            finally:
-                close_quietly([sub])
-        return out
-    if type(env) is GymEnv and len(env.batch_size) == 1:
-        options = {k: v for k, v in env._constructor_kwargs.items() if k != "num_envs"}
-        single = functools.partial(GymEnv, **options, device=env.device, frame_skip=env.frame_skip,
-                                   categorical_action_encoding=env._categorical_action_encoding)
-        return [single] * int(env.batch_size[0])
-    raise _unsplittable(env, f"batch_size={tuple(env.batch_size)} stepped in one call")
+        return [_Transformed(f, env.transform) for f in _singles(env.base_env)]
+    return [functools.partial(fn, **kwargs) if kwargs else fn
+            for fn, kwargs in zip(env.create_env_fn, env.create_env_kwargs, strict=True)]
 
 
 def _leaf_layout(spec: Any) -> dict[Any, tuple[tuple[int, ...], torch.dtype]]:
@@ -129,33 +111,53 @@ def _check_row_specs(env: EnvBase, factory: EnvFactory) -> None:
     """Refuse a rebuilt single env whose entries (keys, shapes, dtypes) are not one row of the batched env's."""
     single = factory()
     try:
-        index = (0,) * len(env.batch_size)
         for part in ("output_spec", "input_spec"):
-            row, mine = _leaf_layout(getattr(env, part)[index]), _leaf_layout(getattr(single, part))
+            row, mine = _leaf_layout(getattr(env, part)[0]), _leaf_layout(getattr(single, part))
             if mine != row:
-                raise _unsplittable(env, f"its rebuilt single env's {part} entries {mine} are not one row of "
-                                         f"its own, {row}")
+                raise ValueError(f"{type(env).__name__}: its rebuilt single env's {part} entries {mine} are not one "
+                                 f"row of its own, {row}; pass a factory of one env and num_envs")
     finally:
         close_quietly([single])
 
 
-def split_batched_env(env: Any) -> SplitEnv:
-    """The single envs of the batched env instance ``env`` (see the module docstring); ``env`` is closed.
+def _close(env: Any) -> None:
+    if isinstance(env, EnvBase):
+        close_quietly([env])
+    else:
+        env.close()
+
+
+def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
+    """The envs of the batched env instance ``env`` (:func:`is_batched`): its single envs when
+    :func:`takes_apart` (``env`` is then closed), else ``env`` itself, stepped as it is.
 
     Raises:
-        ValueError: ``env`` cannot be taken apart (it is closed too, as a refused env is).
+        ValueError: (``env`` closed) a natively stepped env with ``num_workers`` above 1 (it is stepped in this
+            process); a gymnasium vector env in an autoreset mode TorchRL's ``GymWrapper`` does not take; a
+            rebuilt single env whose specs are not one row of ``env``'s.
     """
     try:
-        if isinstance(env, EnvBase):
-            factories = _split_torchrl(env)
+        if takes_apart(env):
+            factories = _singles(env)
             _check_row_specs(env, factories[0])
-            return SplitEnv(factories, torch.Size(env.batch_size))
-        if type(env) in (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv):
-            fns: Sequence[Callable[[], gym.Env]] = env.env_fns
-            return SplitEnv(list(fns), torch.Size([len(fns)]))
-        raise _unsplittable(env, "a vector env other than a plain SyncVectorEnv or AsyncVectorEnv")
-    finally:
-        if isinstance(env, EnvBase):
-            close_quietly([env])
-        else:
-            env.close()
+            _close(env)
+            return BatchedEnv(factories, torch.Size(env.batch_size), native=False)
+        batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
+        if isinstance(num_workers, int) and num_workers > 1:
+            raise ValueError(
+                f"num_workers={num_workers} with a batched env instance ({type(env).__name__}, batch_size="
+                f"{tuple(batch)}) that is stepped as it is, in this process; pass num_workers=1, or a factory of it "
+                f"with num_envs a multiple of {batch.numel()} (each worker process then builds and steps its own)")
+        mode = (getattr(env, "autoreset_mode", None) or env.metadata.get("autoreset_mode")) if isinstance(
+            env, gym.vector.VectorEnv) else None
+        if mode is not None and mode not in _GYM_WRAPPER_MODES:
+            raise ValueError(
+                f"a gymnasium {type(env).__name__} with autoreset_mode={getattr(mode, 'name', mode)}: it is stepped "
+                "as TorchRL's GymWrapper steps a vector env, which takes SAME_STEP or DISABLED only; pass "
+                "gym.make_vec(..., vectorization_mode='sync', vector_kwargs={'autoreset_mode': "
+                "gym.vector.AutoresetMode.SAME_STEP}) (or SyncVectorEnv(..., autoreset_mode=...)), or a factory "
+                "of one env and num_envs")
+        return BatchedEnv([lambda: env] * batch.numel(), batch, native=True)
+    except BaseException:
+        _close(env)
+        raise

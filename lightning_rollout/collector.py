@@ -47,7 +47,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds, warn_user
-from ._batched import is_batched, split_batched_env, splittable
+from ._batched import BatchedEnv, batched_env, is_batched
 from .envs import EnvFactory, InfoKeys, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import EventProcessor, Interrupter
@@ -303,8 +303,8 @@ class ThreadedCollector(BaseCollector):
             (one per env), an unbatched env instance (then ``num_envs`` must be 1),
             or a batched env instance (``SerialEnv``, ``ParallelEnv``,
             ``GymEnv(num_envs=k)``, a ``TransformedEnv`` of one, a gymnasium
-            ``SyncVectorEnv`` / ``AsyncVectorEnv``), taken apart into its single envs
-            and closed, or stepped as it is when natively batched (``docs/torchrl.rst``,
+            vector env), stepped as it is, as ``Collector`` steps it, or taken apart into
+            its single envs and closed where that gives the same data (``docs/torchrl.rst``,
             "Batched envs"). Without ``num_envs``, a lone factory is called once here
             and its env is taken as that instance would be, as TorchRL's ``Collector``
             calls it. The collector owns its envs, as TorchRL's ``Collector`` does:
@@ -503,8 +503,9 @@ class ThreadedCollector(BaseCollector):
             made = create_env_fn()  # as TorchRL's Collector: a lone factory's env is taken as that instance would be
             # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
             create_env_fn = made if isinstance(made, (EnvBase, gym.Env, gym.vector.VectorEnv)) else lambda: made
-        native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
-        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
+        batched = batched_env(create_env_fn, num_workers=num_workers) if is_batched(create_env_fn) else None
+        native = batched is not None and batched.native  # one env thread steps it
+        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, batched)
         num_envs = len(factories)
         if auto_register_policy_transforms and isinstance(policy, torch.nn.Module):
             factories = [_WithPolicyTransforms(f, policy) for f in factories]
@@ -599,20 +600,14 @@ class ThreadedCollector(BaseCollector):
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _factories(create_env_fn: Any, num_envs: int | None,
-                   native: bool) -> tuple[list[EnvFactory], torch.Size | None]:
-        """The factory of each env, and the batch dims of a batched env given as an instance (else ``None``)."""
-        if is_batched(create_env_fn):
-            if native:  # stepped natively, in one call a batch
-                env = create_env_fn
-                batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
-                factories: list[EnvFactory] = [lambda: env] * batch.numel()
-            else:  # split_batched_env closes it: the collector owned it, as TorchRL's does
-                split = split_batched_env(create_env_fn)
-                factories, batch = split.factories, split.batch_size
-            if num_envs not in (None, len(factories)):
-                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(factories)} envs "
-                                 f"(batch_size={tuple(batch)}); leave num_envs out")
-            return factories, batch
+                   batched: BatchedEnv | None) -> tuple[list[EnvFactory], torch.Size | None]:
+        """The factory of each env, and the batch dims of a batched env given as an instance (``batched``, else
+        ``None``)."""
+        if batched is not None:
+            if num_envs not in (None, len(batched.factories)):
+                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(batched.factories)} envs "
+                                 f"(batch_size={tuple(batched.batch_size)}); leave num_envs out")
+            return batched.factories, batched.batch_size
         if isinstance(create_env_fn, (EnvBase, gym.Env)):
             if num_envs not in (None, 1):
                 raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")

@@ -1,11 +1,10 @@
 """A batched env swapped in as is: ``ThreadedCollector(batched_env)`` gives ``Collector(batched_env)``'s batches.
 
-Each form of batched env a TorchRL user hands to ``Collector`` (``SerialEnv``, ``ParallelEnv``, a
-``TransformedEnv`` of one, nested to two batch dims, ``GymEnv(num_envs=k)``) and a gymnasium vector
-env in each autoreset mode is taken apart into its single envs; a natively batched env (one that steps
-its batch in one call: a mock built with a batch size, a vector env inside vector wrappers, envpool,
-VMAS) is stepped as it is, one env thread a batch. With a deterministic env and policy the batches are
-equal, leaf by leaf, to TorchRL's own; otherwise keys, shapes, dtypes and dim names are.
+The forms a TorchRL user hands to ``Collector`` (``SerialEnv``, ``ParallelEnv``, a ``TransformedEnv`` of one,
+nested to two batch dims, a lone factory of one), natively batched envs (a mock built with a batch size, a vector
+env of its own kind, envpool, VMAS) and the layouts they take. With a deterministic env and policy the batches
+are equal, leaf by leaf, to TorchRL's own. Which forms are taken apart into single envs and which are stepped as
+they are: ``tests/test_batched_vs_collector.py``.
 """
 
 from __future__ import annotations
@@ -109,14 +108,6 @@ def test_a_lone_factory_of_a_natively_batched_env_without_num_envs_is_stepped_as
     assert_same_batches(expected, got)
 
 
-def test_gym_env_with_num_envs_gives_the_layout_of_torchrls_collector():
-    expected = first_batches(Collector, GymEnv("CartPole-v1", num_envs=2), None, count=1)[0]
-    got = first_batches(ThreadedCollector, GymEnv("CartPole-v1", num_envs=2), None, count=1)[0]
-    assert got.batch_size == expected.batch_size == (2, 6) and got.names == expected.names
-    assert {k: (v.shape, v.dtype) for k, v in leaves(got).items()} == {
-        k: (v.shape, v.dtype) for k, v in leaves(expected).items()}
-
-
 def test_the_policy_sees_the_batched_envs_shape_as_with_torchrls_collector():
     shapes: dict[str, list[tuple[int, ...]]] = {}
     for cls in (Collector, ThreadedCollector):
@@ -134,42 +125,15 @@ def cartpole() -> gym.Env:
     return gym.make("CartPole-v1")
 
 
-@pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.name)
-@pytest.mark.parametrize("vector", [gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv],
-                         ids=lambda v: v.__name__)
-def test_a_gymnasium_vector_env_is_its_single_envs_in_any_autoreset_mode(vector, mode):
-    # 48 frames of 2 CartPoles: episodes end inside the batch; no autoreset step is counted as a frame
-    got = first_batches(ThreadedCollector, vector([cartpole] * 2, autoreset_mode=mode), None, count=1,
-                        frames_per_batch=96, seed=3)[0]
-    singles = first_batches(ThreadedCollector, [cartpole] * 2, None, count=1, frames_per_batch=96, seed=3)[0]
-    assert got.batch_size == (2, 48) and got.names == [None, "time"]
-    assert got["next", "done"].any()
-    assert (got["next", "reward"] == 1).all()  # CartPole pays 1 for every real step, 0 for an autoreset step
-    assert leaves(got).keys() == leaves(singles).keys()
-    for key, value in leaves(singles).items():
-        assert torch.equal(leaves(got)[key], value), key
-
-
-@pytest.mark.parametrize("mode", [AutoresetMode.SAME_STEP, AutoresetMode.DISABLED], ids=lambda m: m.name)
-def test_a_gymnasium_vector_env_has_the_shape_of_torchrls_wrapper_of_it(mode):
-    # TorchRL's GymWrapper takes these two modes of a vector env (it refuses NEXT_STEP)
-    expected = first_batches(Collector, GymWrapper(gym.vector.SyncVectorEnv([cartpole] * 2, autoreset_mode=mode)),
-                             None, count=1)[0]
-    got = first_batches(ThreadedCollector, gym.vector.SyncVectorEnv([cartpole] * 2, autoreset_mode=mode), None,
-                        count=1)[0]
-    assert got.batch_size == expected.batch_size and got.names == expected.names
-    shared = set(leaves(expected)) & set(leaves(got))
-    assert {("next", "observation"), ("next", "reward"), ("next", "done"), "action"} <= shared
-
-
 def test_num_envs_that_disagrees_with_the_batched_env_is_refused():
     with pytest.raises(ValueError, match="num_envs=4 but the batched env holds 3 envs"):
         ThreadedCollector(SerialEnv(3, counting_env), ones_policy, frames_per_batch=12, num_envs=4)
 
 
 def test_a_wrapped_vector_env_that_torchrl_cannot_wrap_either_is_refused_with_what_to_do():
-    env = gym.wrappers.vector.RecordEpisodeStatistics(gym.vector.SyncVectorEnv([cartpole] * 2))
-    with pytest.raises(ValueError, match="cannot be taken apart.*GymWrapper does not take.*factory of one env"):
+    env = gym.wrappers.vector.RecordEpisodeStatistics(
+        gym.vector.SyncVectorEnv([cartpole] * 2, autoreset_mode=AutoresetMode.SAME_STEP))
+    with pytest.raises(ValueError, match="GymWrapper does not take.*factory of one env"):
         ThreadedCollector(env, None, frames_per_batch=12)
 
 

@@ -21,7 +21,7 @@ import torch
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
-from torchrl.envs import GymEnv
+from torchrl.envs import GymEnv, ParallelEnv
 from torchrl.modules import LSTMModule
 
 from collector_helpers import leaf_keys
@@ -215,8 +215,9 @@ def test_a_batched_env_instance_is_taken_apart_and_its_own_processes_end():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        env = GymEnv("CartPole-v1", num_envs=2)
-        assert len(_new_children(before)) == 2  # the vector env's two worker processes
+        env = ParallelEnv(2, functools.partial(GymEnv, "CartPole-v1"))
+        env.start()
+        assert len(_new_children(before)) == 2  # the ParallelEnv's two worker processes
         collector = ThreadedCollector(env, None, frames_per_batch=4, total_frames=4, **FAST)
     try:
         assert env.is_closed
