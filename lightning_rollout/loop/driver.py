@@ -199,7 +199,8 @@ class MultiEnvLoop:
         eval: an evaluation loop: events go to the ``on_eval_*`` methods.
         max_episode_steps: truncate episodes at this length (``None``: the env's own limit).
         seed: env ``i`` is seeded with ``seed + i`` on its first reset, and the policy this loop
-            wraps samples from its own random stream seeded with ``seed``; ``None``: unseeded.
+            wraps samples from its own random stream seeded with ``seed``; ``None``: unseeded. A
+            sequence: env ``i``'s own seed (the policy's stream seeded with the first).
         random_steps_per_env: the first steps of each env are acted by a random
             policy (the env's action space), with ``policy_version == -1``.
         step_timeout: seconds; an env ``reset``/``step`` that takes longer raises
@@ -255,7 +256,7 @@ class MultiEnvLoop:
         lookahead: bool = True,
         eval: bool = False,
         max_episode_steps: int | None = None,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         random_steps_per_env: int = 0,
         step_timeout: float | None = None,
         policy_timeout: float | None = None,
@@ -328,7 +329,8 @@ class MultiEnvLoop:
         self._pool: WorkerProcesses | None = None
         self._owns_policy = False
         first_roots: dict[int, tuple[int | None, dict[NestedKey, Any]]] = {}  # env -> (seed, root) of the probe
-        seeds = [None if seed is None else seed + i for i in range(num_envs)]
+        seeds = list(seed) if isinstance(seed, Sequence) else [None if seed is None else seed + i
+                                                                for i in range(num_envs)]
         try:
             if num_workers > 1:  # envs in worker processes: they build, reset and describe them
                 self._pool = WorkerProcesses(
@@ -429,7 +431,8 @@ class MultiEnvLoop:
                                   policy_timeout=policy_timeout, name=self.name, action_spec=action_spec,
                                   single_key=data_keys[0] if len(data_keys) == 1 else None)
         return AutobatchPolicy(module, autobatch_size=autobatch_size, max_wait=max_wait, device=device,
-                               name=self.name, seed=self.seed, policy_timeout=policy_timeout)
+                               name=self.name, seed=self.seed[0] if isinstance(self.seed, Sequence) else self.seed,
+                               policy_timeout=policy_timeout)
 
     @staticmethod
     def _first_resets(adapters: Sequence[EnvAdapter | BatchedTorchRLEnv], seeds: Sequence[int | None]
@@ -513,7 +516,7 @@ class MultiEnvLoop:
             self._started = True
             close_at_exit(self)  # threads stopped and joined before the interpreter finalizes
             for worker in self._workers:
-                worker.start(self.seed)
+                worker.start(_EnvSeeds(self.seed) if isinstance(self.seed, Sequence) else self.seed)
 
     # -- construction helpers ------------------------------------------------------------
     @staticmethod
@@ -1195,10 +1198,17 @@ class MultiEnvLoop:
         return (w.thread for w in self._workers)
 
 
+class _EnvSeeds(tuple):
+    """Per-env seeds, read by an env thread as ``seed + env_id`` (its envs' first resets)."""
+
+    def __add__(self, env_id: int) -> int:  # type: ignore[override]
+        return self[env_id]
+
+
 def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: int | str,
                           max_episode_steps: int | None, random_steps_per_env: int, step_timeout: float | None,
                           join_timeout: float, max_wait: float | None, policy_timeout: float | None, device: Any,
-                          traj_id_start: int, env_shape: Sequence[int] | None, seed: int | None,
+                          traj_id_start: int, env_shape: Sequence[int] | None, seed: int | Sequence[int] | None,
                           exploration_type: Any, processor: Any, interrupter: Any, policy: Any,
                           autobatch_size: int | None) -> float:
     """Refuse a bad :class:`MultiEnvLoop` argument with what to change, before any env is built; returns
@@ -1225,7 +1235,10 @@ def _check_loop_arguments(*, num_envs: int, envs_per_thread: int | str, num_work
     check_int("traj_id_start", traj_id_start, 0)
     if env_shape is not None and math.prod(env_shape) != num_envs:
         raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
-    check_int("seed", seed, 0, optional=True)
+    for one_seed in seed if isinstance(seed, Sequence) else [seed]:
+        check_int("seed", one_seed, 0, optional=True)
+    if isinstance(seed, Sequence) and len(seed) != num_envs:
+        raise ValueError(f"got {len(seed)} seeds for {num_envs} envs; pass one seed, or one per env")
     if not isinstance(exploration_type, ExplorationType):
         raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM), "
                          f"got {exploration_type!r}")
