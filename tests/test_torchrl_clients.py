@@ -13,11 +13,12 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.envs import Compose, DoubleToFloat, GymEnv, RewardSum, SerialEnv, StepCounter, Transform, TransformedEnv
 
@@ -271,3 +272,48 @@ def test_no_such_warning_once_the_user_chose(register):
         collector = ThreadedCollector(lambda: GymEnv("CartPole-v1"), actor(), frames_per_batch=4, total_frames=4,
                                       auto_register_policy_transforms=register, **FAST)
     assert ("is_init" in collect(collector)[0].keys()) == register  # True: TorchRL's InitTracker appended
+
+
+# ----------------------------------------------------------------------------------------------------------
+# C2, pending the new core (the loop builds the policy's input and owns the policy_version column): strict
+# xfails for ThreadedCollector, which the new core turns into passes
+
+
+def pending(cls: type, reason: str) -> Any:
+    return pytest.param(cls, marks=pytest.mark.xfail(strict=True, reason=reason)) if cls is ThreadedCollector else cls
+
+
+class _DeviceLessPolicy(TensorDictModuleBase):
+    """TorchRL's ``TestCollectorDevices.DeviceLessPolicy``: no device given, so its input has none."""
+
+    in_keys, out_keys = ["observation"], ["action"]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        assert tensordict.device is None, tensordict.device
+        return tensordict.set("action", torch.nn.functional.one_hot(torch.zeros(tensordict.shape, dtype=torch.long), 2))
+
+
+@pytest.mark.parametrize("cls", [Collector, pending(ThreadedCollector, "the loop builds the policy's input on the "
+                                                                      "policy's device, TorchRL on policy_device")])
+def test_the_policys_input_has_no_device_when_no_policy_device_is_given(cls):
+    collect(cls(lambda: GymEnv("CartPole-v1"), _DeviceLessPolicy(), frames_per_batch=4, total_frames=4))
+
+
+class _VersionStamp(torch.nn.Module):
+    """TorchRL's ``_VersionStampModule``: a constant action, and the module's own ``policy_version``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 5
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        action = torch.nn.functional.one_hot(torch.zeros(observation.shape[:-1], dtype=torch.long), 2)
+        return action, torch.full(observation.shape[:-1], self.version)
+
+
+@pytest.mark.parametrize("cls", [Collector, pending(ThreadedCollector, "the loop's own policy_version column "
+                                                                      "overwrites the policy's entry")])
+def test_a_policy_version_the_policy_writes_itself_is_kept(cls):
+    policy = TensorDictModule(_VersionStamp(), in_keys=["observation"], out_keys=["action", "policy_version"])
+    batch = collect(cls(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=4, total_frames=4))[0]
+    assert (batch["policy_version"] == 5).all()
