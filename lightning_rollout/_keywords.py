@@ -1,5 +1,5 @@
 """The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into one config or refused, and
-``create_env_fn`` / ``create_env_kwargs`` / ``seed`` read as TorchRL reads them.
+``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads them.
 
 :class:`Options` holds every keyword :class:`~lightning_rollout.ThreadedCollector` takes with its meaning (TorchRL's
 ``Collector``'s, its multi-collectors' that carry over, and its own), :data:`TORCHRL_ONLY` the TorchRL keywords whose
@@ -28,10 +28,10 @@ from torchrl.envs.utils import ExplorationType
 
 from ._checks import check_device, check_int, check_seconds, warn_user
 from .envs import EnvFactory, InfoKeys
-from .events import EventProcessor
+from .events import EventProcessor, Interrupter
 
-__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "chained_seeds", "check_options", "env_seeds", "env_source",
-           "frame_budget", "options", "signature", "storing_device"]
+__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chained_seeds", "check_options", "env_seeds",
+           "env_source", "frame_budget", "interrupter", "options", "signature", "storing_device"]
 
 Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
@@ -363,3 +363,46 @@ def env_seeds(seed: int, num_envs: int, chained: bool) -> list[int]:
     for i in range(1, num_envs):
         seeds.append(seed_generator(seeds[-1]) if chained else seed + i)
     return seeds
+
+
+class _TorchRLInterruptor(Interrupter):
+    """A TorchRL ``interruptor`` (``collection_stopped()``) seen as our :class:`Interrupter`."""
+
+    def __init__(self, interruptor: Any) -> None:
+        super().__init__()
+        self._interruptor = interruptor
+
+    def should_stop(self) -> bool:
+        return super().should_stop() or bool(self._interruptor.collection_stopped())
+
+
+def interrupter(interruptor: Any) -> Interrupter | None:
+    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted."""
+    if isinstance(interruptor, Interrupter) or interruptor is None:
+        return interruptor
+    if callable(getattr(interruptor, "collection_stopped", None)):
+        return _TorchRLInterruptor(interruptor)
+    raise ValueError(f"interruptor must be TorchRL's interruptor (collection_stopped()) or a "
+                     f"lightning_rollout.Interrupter, got {type(interruptor).__name__}")
+
+
+def acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
+    """The policy the env threads call, and its device. A module is copied when the learner's must not be the one
+    acting (``on_policy=False``: weights change only at ``update_policy_weights_``) or when it acts on another
+    device; then moved to ``policy_device`` and compiled as asked."""
+    own_device = _param_device(policy)
+    policy_device = o.policy_device or o.device
+    needs_copy = (not o.on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
+    acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
+    if policy_device is not None and isinstance(acting, torch.nn.Module):
+        acting = acting.to(policy_device)
+    if o.compile_policy:
+        acting = torch.compile(acting, **(o.compile_policy if isinstance(o.compile_policy, dict) else {}))
+    return acting, torch.device(policy_device) if policy_device is not None else own_device
+
+
+def _param_device(policy: Any) -> torch.device:
+    if isinstance(policy, torch.nn.Module):
+        for p in policy.parameters():
+            return p.device
+    return torch.device("cpu")

@@ -18,7 +18,6 @@ Threading: iterate from one thread. ``start()`` runs the iteration in a backgrou
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 from collections import OrderedDict
@@ -37,8 +36,8 @@ from torchrl.envs import EnvBase
 
 from ._batched import is_batched, split_batched_env, splittable
 from ._checks import check_int, check_seconds, warn_user
-from ._keywords import (Options, PolicyTransforms, chained_seeds, check_options, env_seeds, env_source, frame_budget,
-                        options, signature, storing_device)
+from ._keywords import (Options, PolicyTransforms, acting_policy, chained_seeds, check_options, env_seeds, env_source,
+                        frame_budget, interrupter, options, signature, storing_device)
 from ._threads import torch_threads, torch_threads_set
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
@@ -49,42 +48,6 @@ from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, layout
 from .specs import key_parts
 
 __all__ = ["ThreadedCollector"]
-
-
-class _TorchRLInterruptor(Interrupter):
-    """A TorchRL ``interruptor`` (``collection_stopped()``) seen as our :class:`Interrupter`."""
-
-    def __init__(self, interruptor: Any) -> None:
-        super().__init__()
-        self._interruptor = interruptor
-
-    def should_stop(self) -> bool:
-        return super().should_stop() or bool(self._interruptor.collection_stopped())
-
-
-def _interrupter(interruptor: Any) -> Interrupter | None:
-    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted."""
-    if isinstance(interruptor, Interrupter) or interruptor is None:
-        return interruptor
-    if callable(getattr(interruptor, "collection_stopped", None)):
-        return _TorchRLInterruptor(interruptor)
-    raise ValueError(f"interruptor must be TorchRL's interruptor (collection_stopped()) or a "
-                     f"lightning_rollout.Interrupter, got {type(interruptor).__name__}")
-
-
-def _acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
-    """The policy the env threads call, and its device. A module is copied when the learner's must not be the one
-    acting (``on_policy=False``: weights change only at ``update_policy_weights_``) or when it acts on another
-    device; then moved to ``policy_device`` and compiled as asked."""
-    own_device = _param_device(policy)
-    policy_device = o.policy_device or o.device
-    needs_copy = (not o.on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
-    acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
-    if policy_device is not None and isinstance(acting, torch.nn.Module):
-        acting = acting.to(policy_device)
-    if o.compile_policy:
-        acting = torch.compile(acting, **(o.compile_policy if isinstance(o.compile_policy, dict) else {}))
-    return acting, torch.device(policy_device) if policy_device is not None else own_device
 
 
 def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, frames_per_batch: int,
@@ -189,7 +152,8 @@ class ThreadedCollector(BaseCollector):
 
     Warns:
         LayoutWarning: a layout likely to run well below the ``"auto"`` layout, with what to pass.
-        UserWarning: a ``SerialEnv`` / ``ParallelEnv`` given started (its envs are rebuilt: pass ``seed=``).
+        UserWarning: at the first batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since (its
+            envs are rebuilt: pass ``seed=`` or call ``set_seed``).
         FutureWarning: TorchRL's, for a TorchRL env lacking transforms the policy needs (unless
             ``auto_register_policy_transforms`` is given).
     """
@@ -204,11 +168,9 @@ class ThreadedCollector(BaseCollector):
         check_options(o)
         create_env_fn = env_source(create_env_fn, o)
         self._chained_seeds = chained_seeds(create_env_fn) and splittable(create_env_fn)
-        if self._chained_seeds and not create_env_fn.is_closed:
-            warn_user(f"the {type(create_env_fn).__name__} given was started (seeded, reset or stepped): "
-                      "ThreadedCollector rebuilds its envs from their create_env_fn, so their state, a seed set "
-                      "with env.set_seed(...) included, is not carried over; pass seed= to ThreadedCollector (it "
-                      "seeds them as env.set_seed(seed) would)")
+        # warned at the first batch unless seeded by then: its envs are rebuilt, a seed set on it is lost
+        self._started_env = (None if not self._chained_seeds or create_env_fn.is_closed or o.seed is not None
+                             else type(create_env_fn).__name__)
         num_envs = o.num_envs
         native = is_batched(create_env_fn) and not splittable(create_env_fn)  # one env thread steps it
         factories, self.env_batch_size = self._factories(create_env_fn, num_envs, native)
@@ -221,7 +183,7 @@ class ThreadedCollector(BaseCollector):
             factories[0], num_envs, o, native=native, frames_per_batch=self.frames_per_batch,
             total_frames=self.total_frames, max_frames_per_traj=self.max_frames_per_traj)
         self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
-        self._acting_policy, self.policy_device = _acting_policy(policy, o)
+        self._acting_policy, self.policy_device = acting_policy(policy, o)
         try:
             with torch_threads_set(_loop_threads(o, num_envs, num_workers, envs_per_thread, parallel_steps)):
                 self._loop = MultiEnvLoop(
@@ -271,7 +233,7 @@ class ThreadedCollector(BaseCollector):
         self._delivery_device = torch.device(self.storing_device or o.env_device or "cpu")
         self.env_device = torch.device(o.env_device) if o.env_device is not None else None
         self.device = torch.device(o.device) if o.device is not None else None
-        self._interrupter = _interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
+        self._interrupter = interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
         self._frames, self._iter, self._seed, self._shut = 0, -1, o.seed, False
         self._background: threading.Thread | None = None
         self._background_stop = threading.Event()
@@ -440,6 +402,12 @@ class ThreadedCollector(BaseCollector):
             self.pre_collect_hook()
         if self.update_at_each_batch:
             self.update_policy_weights_()
+        if self._started_env is not None:
+            warn_user(f"the {self._started_env} given was started (seeded, reset or stepped): ThreadedCollector "
+                      "rebuilds its envs from their create_env_fn, so their state, a seed set with env.set_seed(...) "
+                      "included, is not carried over; pass seed= or call collector.set_seed(...) (they seed the envs "
+                      "as env.set_seed(seed) would)")
+            self._started_env = None
         try:
             if self.reset_at_each_iter and self._iter >= 0:
                 self._loop.reset_envs()
@@ -652,14 +620,10 @@ class ThreadedCollector(BaseCollector):
     ) -> None:
         """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature).
 
-        With no argument the weights are pulled from the policy given at
-        construction. Otherwise pass a module, a ``state_dict`` or a
-        ``TensorDict`` of weights (``TensorDict.from_module(policy)``).
-        Requests already queued are answered with the old weights. With
-        ``on_policy=True`` an update made while a batch is collected (from any
-        thread) applies from the next batch. Non-persistent buffers go with the
-        weights: a ``state_dict`` (which lacks them) takes them from the policy
-        given at construction.
+        No argument: pull them from the policy given at construction; else a module, a ``state_dict`` or a
+        ``TensorDict`` of weights. Requests already queued are answered with the old weights; with
+        ``on_policy=True`` an update made while a batch is collected applies from the next batch. A
+        ``state_dict`` takes the non-persistent buffers it lacks from the policy given at construction.
 
         Raises:
             ValueError: more than one source of weights, or an unknown ``model_id``.
@@ -685,7 +649,7 @@ class ThreadedCollector(BaseCollector):
         running episode is cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility.
         """
         check_int("seed", seed, 0)
-        self._seed = seed
+        self._seed, self._started_env = seed, None
         seeds = env_seeds(seed, self.num_envs, self._chained_seeds)
         if self._loop._started:
             self._loop.reset_envs(seeds=seeds)
@@ -699,12 +663,8 @@ class ThreadedCollector(BaseCollector):
         self._loop.reset_envs(ids)
 
     def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
-        """Counters, seed, policy version and acting weights (``torch.load(weights_only=True)``-safe).
-
-        Args:
-            with_policy: include the acting weights (``False`` when they are saved
-                elsewhere, e.g. in a LightningModule checkpoint).
-        """
+        """Counters, seed, policy version and, ``with_policy``, the acting weights (``torch.load(weights_only=True)``
+        -safe; ``with_policy=False`` when they are saved elsewhere, e.g. in a LightningModule checkpoint)."""
         return OrderedDict(
             frames=self._frames,
             batches=self._iter + 1,
@@ -719,30 +679,22 @@ class ThreadedCollector(BaseCollector):
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
         """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
 
-        Applied whole or not at all: everything is checked before anything changes.
-        ``frames``, ``batches``, ``next_traj_id`` and ``policy_version`` must be ints ``>= 0``
-        and ``seed`` an int ``>= -1`` (``-1``: unseeded); numpy ints are accepted, bools,
-        floats (``1e9`` included), strings and ``None`` are not. ``policy_state_dict`` must
-        be a mapping (a ``state_dict``; empty when no weights were saved) with the acting
-        policy's keys and shapes. The state is applied by the thread that iterates the
-        collector (between batches), or by any thread while none iterates it.
+        Applied whole or not at all, by the iterating thread between batches or by any thread while none
+        iterates: ``frames``, ``batches``, ``next_traj_id``, ``policy_version`` ints ``>= 0`` and ``seed`` ``>= -1``
+        (numpy ints too; not bools, floats, strings or ``None``), ``policy_state_dict`` a mapping (empty: no
+        weights) with the acting policy's keys and shapes.
 
         Raises:
-            ValueError: a foreign or truncated state (missing keys), a field of the wrong
-                type or range, or weights of another architecture; the message names the
-                field and what it got.
-            CollectionError: another thread is iterating the collector (mid-batch or between
-                two of its batches; ``pause()`` a background collection first), a collection
-                call of this thread is running (an event processor calling it), or the
-                collector is shut down.
+            ValueError: a foreign or truncated state, a field of the wrong type or range, or weights of another
+                architecture, named with what it got.
+            CollectionError: another thread iterates the collector (``pause()`` a background collection first),
+                a collection call of this thread is running, or the collector is shut down.
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"not a ThreadedCollector state: expected a dict from state_dict(), got "
-                             f"{type(state_dict).__name__}")
         required = {"frames", "batches", "next_traj_id", "policy_version", "seed", "policy_state_dict"}
-        missing = required - set(state_dict)
-        if missing:
-            raise ValueError(f"not a ThreadedCollector state: missing {sorted(missing)}")
+        missing = required - set(state_dict) if isinstance(state_dict, Mapping) else None
+        if missing is None or missing:
+            got = f"missing {sorted(missing)}" if missing else f"expected a dict from state_dict(), got {state_dict!r}"
+            raise ValueError(f"not a ThreadedCollector state: {got}")
         fields: dict[str, int] = {}
         for field, minimum in (("frames", 0), ("batches", 0), ("next_traj_id", 0), ("policy_version", 0),
                                ("seed", -1)):
@@ -779,12 +731,8 @@ class ThreadedCollector(BaseCollector):
                 self._seed = seed + self._frames
 
     def _check_weights(self, weights: Mapping[str, Any]) -> None:
-        """Refuse a ``state_dict`` the acting policy would take only in part (``load_state_dict`` copies the
-        entries that fit before it raises about the others): same keys, same shapes.
-
-        Raises:
-            ValueError: a missing or unexpected key, or a shape that differs, named.
-        """
+        """Refuse (``ValueError``, naming it) a key or a shape the acting policy would take only in part:
+        ``load_state_dict`` copies the entries that fit before it raises about the others."""
         if not isinstance(self._autobatch.weights, torch.nn.Module):
             return  # a plain callable keeps whatever it is given
         current = self._autobatch.weights.state_dict()
@@ -806,10 +754,3 @@ def _drop_private(batch: TensorDictBase, inplace: bool = False) -> TensorDictBas
     """``batch`` without its ``"_"``-prefixed entries (at any depth)."""
     private = [k for k in batch.keys(True) if any(part.startswith("_") for part in key_parts(k))]
     return batch.exclude(*private, inplace=inplace) if private else batch
-
-
-def _param_device(policy: Any) -> torch.device:
-    if isinstance(policy, torch.nn.Module):
-        for p in policy.parameters():
-            return p.device
-    return torch.device("cpu")

@@ -178,12 +178,24 @@ def test_a_seeded_serial_env_gives_collectors_data_leaf_by_leaf():
     assert torch.equal(collect(late)[0][("next", "observation")], reference[0][("next", "observation")])
 
 
-def test_a_started_serial_env_is_warned_about_its_seed_not_being_carried():
+def started_serial_env() -> SerialEnv:
     env = SerialEnv(2, lambda: GymEnv("CartPole-v1"))
     env.set_seed(1)  # starts it: its envs are built and seeded, and ours are rebuilt from create_env_fn
+    return env
+
+
+def test_a_started_serial_env_is_warned_about_at_the_first_batch_unless_seeded_since():
     with pytest.warns(UserWarning, match=r"SerialEnv given was started.*pass seed="):
-        collector = ThreadedCollector(env, index_actor(), frames_per_batch=4, total_frames=4, **FAST)
-    collector.shutdown()
+        collect(ThreadedCollector(started_serial_env(), index_actor(), frames_per_batch=4, total_frames=4, **FAST))
+    for seeded in ({"seed": 1}, {}):
+        collector = ThreadedCollector(started_serial_env(), index_actor(), frames_per_batch=4, total_frames=4,
+                                      **seeded, **FAST)
+        if not seeded:
+            collector.set_seed(1)  # as TorchRL's sota scripts do after building the collector
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            collect(collector)
+        assert not [w for w in caught if "was started" in str(w.message)]
 
 
 # ----------------------------------------------------------------------------------------------------------
