@@ -1,5 +1,6 @@
 """The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into one config or refused, and
-``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads them.
+``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads
+them.
 
 :class:`Options` holds every keyword :class:`~lightning_rollout.ThreadedCollector` takes with its meaning (TorchRL's
 ``Collector``'s, its multi-collectors' that carry over, and its own), :data:`TORCHRL_ONLY` the TorchRL keywords whose
@@ -30,8 +31,8 @@ from ._checks import check_device, check_int, check_seconds, warn_user
 from .envs import EnvFactory, InfoKeys
 from .events import EventProcessor, Interrupter
 
-__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chained_seeds", "check_options", "env_seeds",
-           "env_source", "frame_budget", "interrupter", "options", "signature", "storing_device"]
+__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chained_seeds", "check_options",
+           "env_seeds", "env_source", "frame_budget", "interrupter", "options", "signature", "storing_device"]
 
 Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
@@ -149,8 +150,9 @@ def options(keywords: dict[str, Any]) -> Options:
         ValueError: a refused value; a keyword of several values (per worker) that are not one.
         TypeError: an unknown keyword, or ``frames_per_batch`` missing.
     """
-    refused = [f"{name}={keywords[name]!r}: " + instead.replace("{value}", repr(keywords[name])) for name, (_, accepts, instead) in TORCHRL_ONLY.items()
-               if name in keywords and not accepts(keywords[name])]
+    refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
+               for name, (_, accepts, instead) in TORCHRL_ONLY.items()
+               if name in keywords and not accepts(value := keywords[name])]
     if refused:
         raise ValueError("ThreadedCollector cannot honour " + "; ".join(refused))
     taken = {k: v for k, v in keywords.items() if k not in TORCHRL_ONLY}
@@ -165,7 +167,6 @@ def options(keywords: dict[str, Any]) -> Options:
         return Options(**taken)
     except TypeError as exc:
         raise TypeError(str(exc).replace("Options.__init__()", "ThreadedCollector()")) from None
-
 
 
 def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
@@ -184,7 +185,6 @@ def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_
     policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
     stored = as_dev(storing_device or device)
     return env_ if stored is None and env_ == policy_ else stored
-
 
 
 def check_options(o: Options) -> None:
@@ -245,7 +245,6 @@ def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
                   f"({frames_per_batch}); {-(-random_frames // frames_per_batch) * frames_per_batch} "
                   "random frames will be collected")
     return int(frames_per_batch), int(total_frames), int(random_frames), max_traj
-
 
 
 def signature() -> inspect.Signature:
