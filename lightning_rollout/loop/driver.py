@@ -29,6 +29,7 @@ from torchrl.envs.utils import ExplorationType
 
 from .._checks import check_device, check_int, check_seconds, warn_user
 from .._exit import close_at_exit
+from .._threads import torch_threads, torch_threads_set
 from ..envs import EnvFactory, EnvFailure, InfoKeys, info_key_list, resolve_env_factory
 from ..errors import CollectionError, PolicyError
 from ..events import EventProcessor, Interrupter
@@ -69,7 +70,7 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
             if self._agent is not None:
                 self._agent.unpark()
             pin = self._call.pinned() if not self.lookahead and self._agent is None else contextlib.nullcontext()
-            with pin:
+            with pin, torch_threads_set(self._torch_threads):
                 return method(self, *args, **kwargs)
         except CollectionError:
             raise
@@ -250,6 +251,11 @@ class MultiEnvLoop:
         self._delivery = Delivery(layout, self.num_envs, traj_id_start=traj_id_start, info_keys=self.info_keys,
                                   eval=self.eval)
         self._stepper.new_trajectory = self._delivery.new_trajectory
+        # the policy's forward passes, in the collecting thread: the constructing thread's torch threads, capped at
+        # the cores that the threads or processes stepping envs meanwhile leave (docs/tuning.rst)
+        overlap = self.lookahead or autobatch_size is not None
+        busy = len(getattr(envs, "pool", ())) or (self.num_workers - 1) if overlap else 0
+        self._torch_threads = torch_threads(runs_policy=True, busy=busy)
 
     def _act(self, inputs: dict[NestedKey, np.ndarray], rows: int, mode: ExplorationType
              ) -> tuple[dict[NestedKey, np.ndarray], int]:
