@@ -37,8 +37,9 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 ALGOS = {"ppo": "ppo_mujoco", "sac": "sac_mujoco"}  # algorithm -> the example module that trains it
 # full runs, learning curves included: ours through Trainer.fit, the same learner in a loop written by hand over
-# ThreadedCollector, the same loop over TorchRL's Collector (the control), Stable-Baselines3
-CONTENDERS = ("ours", "ours-loop", "torchrl", "sb3")
+# ThreadedCollector, the same loop over TorchRL's Collector (the control), Stable-Baselines3 (its DummyVecEnv, and
+# with several envs its SubprocVecEnv)
+CONTENDERS = ("ours", "ours-loop", "torchrl", "sb3", "sb3-subproc")
 # the same gradient steps with no collection (timing only): ours (the example's learner), SB3's own learner
 LEARNER_ONLY = ("ours-learner", "sb3-learner")
 _EVAL_SEED = 1_000_000  # evaluation episode i after training seed s: env seed _EVAL_SEED + 1000 * s + i
@@ -63,9 +64,10 @@ class RunSpec:
             raise ValueError(f"contender must be one of {CONTENDERS + LEARNER_ONLY}, got {self.contender!r}")
 
     @property
-    def key(self) -> tuple[str, str, int, float]:
-        """What identifies a run in a results file: algorithm, contender, seed and UTD (1.0 for PPO)."""
-        return self.algo, self.contender, self.seed, float(self.overrides.get("utd", 1.0))
+    def key(self) -> tuple[str, str, int, float, int]:
+        """What identifies a run in a results file: algorithm, contender, seed, UTD (1.0 for PPO), envs."""
+        return (self.algo, self.contender, self.seed, float(self.overrides.get("utd", 1.0)),
+                int(self.overrides.get("num_envs", 1)))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -185,7 +187,8 @@ def record(spec: RunSpec, cfg: Any, *, wall_s: float, frames: int, grad_steps: i
     """A run's result: what ran, its frames and gradient steps, its wall time without evaluation, frames/s,
     the evaluation history."""
     out = {"algo": spec.algo, "contender": spec.contender, "seed": spec.seed,
-           "utd": float(spec.overrides.get("utd", 1.0)), "frames": int(frames), "grad_steps": int(grad_steps),
+           "utd": float(spec.overrides.get("utd", 1.0)), "num_envs": int(cfg.num_envs), "frames": int(frames),
+           "grad_steps": int(grad_steps),
            "wall_s": round(wall_s, 3), "frames_per_s": round(frames / wall_s, 1) if wall_s > 0 else None,
            "grad_steps_per_s": round(grad_steps / wall_s, 1) if wall_s > 0 else None,
            "eval_s": round(evaluations.seconds, 3) if evaluations is not None else 0.0,

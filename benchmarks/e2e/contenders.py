@@ -13,7 +13,8 @@ Every contender trains with the example's ``Config`` (``examples/ppo_mujoco.py``
 * ``torchrl``: the same loop over TorchRL's ``Collector`` and a ``GymEnv``: the control, our collector
   swapped out;
 * ``sb3``: Stable-Baselines3's PPO / SAC with the same hyperparameters (``VecNormalize`` for PPO, as RL
-  Zoo's ``normalize: true``);
+  Zoo's ``normalize: true``), its envs in a ``DummyVecEnv``; ``sb3-subproc``: the same in a ``SubprocVecEnv``
+  (one process an env);
 * ``ours-learner`` / ``sb3-learner``: the same gradient steps with no collection (timing only).
 
 A run's ``wall_s`` runs from before the model is built to the end of training, evaluation rounds left out.
@@ -45,7 +46,7 @@ def run(spec: RunSpec, *, workdir: str) -> dict[str, Any]:
     torch.set_num_threads(1)  # as the examples: every contender gets one intra-op thread
     pl.seed_everything(spec.seed, verbose=False)
     cfg = example_config(spec, out=workdir)
-    runner = {"ours": _fit, "ours-loop": _loop, "torchrl": _loop, "sb3": _sb3,
+    runner = {"ours": _fit, "ours-loop": _loop, "torchrl": _loop, "sb3": _sb3, "sb3-subproc": _sb3,
               "ours-learner": _ours_learner, "sb3-learner": _sb3_learner}[spec.contender]
     return runner(spec, cfg)
 
@@ -137,9 +138,10 @@ def _sb3_model(spec: RunSpec, cfg: Any) -> tuple[Any, Any]:
     observation."""
     from stable_baselines3 import PPO, SAC
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.vec_env import VecNormalize
+    from stable_baselines3.common.vec_env import SubprocVecEnv, VecNormalize
 
-    env = make_vec_env(cfg.env, n_envs=cfg.num_envs, seed=cfg.seed)
+    env = make_vec_env(cfg.env, n_envs=cfg.num_envs, seed=cfg.seed,
+                       vec_env_cls=SubprocVecEnv if spec.contender == "sb3-subproc" else None)
     if spec.algo == "ppo":
         env = VecNormalize(env, gamma=cfg.gamma)  # RL Zoo's normalize: true, with the algorithm's gamma
         policy_kwargs = dict(log_std_init=cfg.log_std_init, ortho_init=False, activation_fn=torch.nn.ReLU,
@@ -186,6 +188,7 @@ def _sb3(spec: RunSpec, cfg: Any) -> dict[str, Any]:
 
     model.learn(total_timesteps=opts["total_frames"], callback=EvalAtFrames())
     wall = time.perf_counter() - start - evals.seconds
+    model.get_env().close()  # a SubprocVecEnv's processes
     return record(spec, cfg, wall_s=wall, frames=model.num_timesteps,
                   grad_steps=_sb3_grad_steps(spec, model, cfg, model._n_updates), evaluations=evals)
 
