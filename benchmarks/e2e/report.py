@@ -76,6 +76,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "frames": max((r["frames"] for r in ok), default=None),
                 "grad_steps": (stats(r["grad_steps"] for r in ok) or {}).get("mean"),
                 "wall_s": stats(r["wall_s"] for r in ok),
+                "cpu_s": stats(r.get("cpu_s") for r in ok),
                 "frames_per_s": stats(r.get("frames_per_s") for r in ok),
                 "grad_steps_per_s": stats(r.get("grad_steps_per_s") for r in ok),
                 "returns": {p: stats(e["return"] for r in ok for e in r.get("eval", []) if e["frames"] == p)
@@ -117,8 +118,11 @@ def compare(table: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
     key = (table["algo"], table["utd"], table.get("num_envs", 1))
     mine = [r for r in _ok(records) if _table_key(r) == key]
     walls: dict[str, dict[int, float]] = {}
+    cpus: dict[str, dict[int, float]] = {}
     for r in mine:
         walls.setdefault(r["contender"], {})[r["seed"]] = r["wall_s"]
+        if r.get("cpu_s") is not None:
+            cpus.setdefault(r["contender"], {})[r["seed"]] = r["cpu_s"]
     fit = {r["seed"]: r for r in mine if r["contender"] == "ours"}
     loop = {r["seed"]: r for r in mine if r["contender"] == "ours-loop"}
     paired = sorted(set(fit) & set(loop))
@@ -136,6 +140,7 @@ def compare(table: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
     return {
         "speedup_vs_sb3": min(sb3_ratios, default=None),
         "speedup_vs_sb3_subproc": _wall_ratio(walls, "sb3-subproc", "ours"),
+        "cpu_speedup_vs_sb3": _wall_ratio(cpus, "sb3", "ours"),
         "speedup_vs_torchrl": _wall_ratio(walls, "torchrl", "ours"),
         "loop_speedup_vs_torchrl": _wall_ratio(walls, "torchrl", "ours-loop"),
         "lightning_overhead": overhead["mean"] if overhead else None,
@@ -207,6 +212,7 @@ def _ratio_text(key: str, value: Any) -> str:
 _RATIO_LABELS = {
     "speedup_vs_sb3": "Stable-Baselines3's wall time / ours (`Trainer.fit`; SB3's faster vec env)",
     "speedup_vs_sb3_subproc": "Stable-Baselines3 with `SubprocVecEnv` / ours (`Trainer.fit`)",
+    "cpu_speedup_vs_sb3": "CPU time: Stable-Baselines3 (`DummyVecEnv`) / ours (`Trainer.fit`)",
     "speedup_vs_torchrl": "the TorchRL `Collector` control's wall time / ours (`Trainer.fit`)",
     "loop_speedup_vs_torchrl": "the TorchRL `Collector` control / ours (the same loop by hand)",
     "lightning_overhead": "`Trainer.fit` / the loop by hand - 1 (seeds paired)",
@@ -222,12 +228,12 @@ def _results_table(rows: list[dict[str, Any]]) -> list[str]:
     """A row per contender: seeds, return at each evaluation point, wall time, frames/s, gradient steps/s."""
     points = sorted({p for r in rows for p in r["returns"]})
     header = (["contender", "seeds"] + [f"return at {p:,}" for p in points]
-              + ["wall time (s)", "frames/s", "gradient steps/s"])
+              + ["wall time (s)", "CPU time (s)", "frames/s", "gradient steps/s"])
     lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 2)]
     for r in rows:
         cells = ([r["label"], ",".join(map(str, r["seeds"])) or "-"]
                  + [_spread(r["returns"].get(p)) for p in points]
-                 + [_spread(r["wall_s"], 1), "-" if r["contender"] in LEARNER_ONLY else _spread(r["frames_per_s"]),
+                 + [_spread(r["wall_s"], 1), _spread(r["cpu_s"], 1), "-" if r["contender"] in LEARNER_ONLY else _spread(r["frames_per_s"]),
                     _spread(r["grad_steps_per_s"])])
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"{r['contender']} {e}" for r in rows for e in r["errors"]]
