@@ -1,11 +1,20 @@
-"""PPO on MuJoCo HalfCheetah-v5 with PyTorch Lightning, TorchRL losses and lightning_rollout.
+"""PPO on MuJoCo HalfCheetah-v5 with PyTorch Lightning and lightning_rollout.
 
 Read it top to bottom: the config (RL Baselines3 Zoo's tuned PPO hyperparameters for
 HalfCheetah-v4, from `rl_zoo3/hyperparams/ppo.yml` of rl-zoo3 2.9.2, applied to v5), the
-normalisers, the networks, the LightningModule (rewards scaled, GAE, then 20 epochs of
-clipped-PPO minibatch updates per collected batch), and `main`, which wires a
-`RolloutDataModule` into `Trainer.fit` with TensorBoard logging against frames and
-deterministic evaluation episodes as the validation loop.
+normalisers, the networks and the actor the collector acts with, the two learners, the
+LightningModule (rewards scaled, then the learner: GAE and 20 epochs of clipped-PPO minibatch
+updates per collected batch), and `main`, which wires a `RolloutDataModule` into `Trainer.fit`
+with TensorBoard logging against frames and deterministic evaluation episodes as the
+validation loop.
+
+Two learners do the same update on the same minibatches (`--learner`):
+
+* `plain` (the default): GAE and the minibatch step written out in plain PyTorch, CleanRL style;
+* `torchrl`: TorchRL's `GAE` and `ClipPPOLoss` over the same weights.
+
+`--compile true` runs either learner's loss through `torch.compile`. docs/training.rst gives the
+learners' times against Stable-Baselines3's (`python -m benchmarks.e2e.learners`).
 
 Normalisation is Stable-Baselines3's `VecNormalize` (RL Zoo's `normalize: true`), kept in the
 model instead of the env, so that checkpoints carry it, evaluation reads it frozen, and the
@@ -18,6 +27,8 @@ logged returns are the env's own:
 
     pip install "gymnasium[mujoco]"
     python examples/ppo_mujoco.py --frames 200000 --seed 0 --out runs/ppo_mujoco
+    python examples/ppo_mujoco.py --num-envs 8 --steps-per-env 64   # 8 envs, the same 512 frames a batch
+    python examples/ppo_mujoco.py --learner torchrl                 # TorchRL's ClipPPOLoss
     tensorboard --logdir runs/ppo_mujoco
 """
 
@@ -30,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
@@ -121,13 +133,15 @@ class ReturnScaler(nn.Module):
     @torch.no_grad()
     def forward(self, reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         """Scaled rewards of a batch ``[num_envs, T]`` (time along the last dim), the running return carried
-        across batches."""
-        ret = torch.empty_like(reward)
-        for t in range(reward.shape[-1]):
-            self.ret.mul_(self.gamma).add_(reward[:, t])
-            ret[:, t] = self.ret
-            self.ret[done[:, t]] = 0.0
-        self.returns.update(ret.reshape(-1))
+        across batches (CPU tensors: the recursion runs on their numpy views, a few microseconds a step)."""
+        running, rewards, dones = self.ret.numpy(), reward.numpy(), done.numpy()  # running: the buffer itself
+        ret = np.empty_like(rewards)
+        for t in range(rewards.shape[-1]):
+            running *= self.gamma
+            running += rewards[:, t]
+            ret[:, t] = running
+            running[dones[:, t]] = 0.0
+        self.returns.update(torch.from_numpy(ret).reshape(-1))
         return (reward / torch.sqrt(self.returns.var + self.eps)).clamp(-self.clip, self.clip)
 
 
@@ -212,11 +226,12 @@ class PlainPPO:
         cfg = self.cfg
         value = self.value(self.policy.obs_norm(torch.cat([obs, next_obs], 1))).squeeze(-1)
         value, next_value = value.split(obs.shape[1], 1)
-        delta = reward + cfg.gamma * next_value * (~terminated) - value
-        carry = cfg.gamma * cfg.gae_lambda * (~done)
-        adv, last = torch.empty_like(delta), torch.zeros_like(delta[:, 0])
-        for t in reversed(range(delta.shape[1])):
+        delta = (reward + cfg.gamma * next_value * (~terminated) - value).numpy()
+        carry = (cfg.gamma * cfg.gae_lambda * (~done)).numpy()
+        adv, last = np.empty_like(delta), np.zeros_like(delta[:, 0])
+        for t in reversed(range(delta.shape[1])):  # on numpy views: a few microseconds a step
             last = adv[:, t] = delta[:, t] + carry[:, t] * last
+        adv = torch.from_numpy(adv)
         return adv, adv + value
 
     def loss(self, obs: torch.Tensor, action: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor,

@@ -1,9 +1,19 @@
-"""SAC on MuJoCo HalfCheetah-v5 with PyTorch Lightning, TorchRL's SACLoss and replay buffer, and lightning_rollout.
+"""SAC on MuJoCo HalfCheetah-v5 with PyTorch Lightning, a TorchRL replay buffer, and lightning_rollout.
 
-Read it top to bottom: the config, the networks, the LightningModule (each training step adds the
-frames just collected to a TorchRL `ReplayBuffer` and takes the gradient steps they are due), and
-`main`, which wires a `RolloutDataModule` into `Trainer.fit` with TensorBoard logging against frames and
-deterministic evaluation episodes as the validation loop.
+Read it top to bottom: the config, the policy and the actor the collector acts with, the two
+learners, the LightningModule (each training step adds the frames just collected to a TorchRL
+`ReplayBuffer` and takes the gradient steps they are due), and `main`, which wires a
+`RolloutDataModule` into `Trainer.fit` with TensorBoard logging against frames and deterministic
+evaluation episodes as the validation loop.
+
+Two learners take the same gradient step (`--learner`):
+
+* `plain` (the default): the SAC step written out in plain PyTorch, CleanRL style, the two critics
+  evaluated together (their weights stacked, one batched matmul a layer);
+* `torchrl`: TorchRL's `SACLoss` and `SoftUpdate`.
+
+`--compile true` runs either learner's loss through `torch.compile`. docs/training.rst gives the
+learners' times against Stable-Baselines3's (`python -m benchmarks.e2e.learners`).
 
 Hyperparameters: RL Baselines3 Zoo's SAC for HalfCheetah-v4 (`rl_zoo3/hyperparams/sac.yml` of rl-zoo3
 2.9.2, entry `HalfCheetah-v4: &mujoco-defaults`: `policy: 'MlpPolicy'`, `learning_starts: 10000`,
@@ -22,6 +32,7 @@ come `frames_per_batch` frames at a time).
 
     pip install "gymnasium[mujoco]"
     python examples/sac_mujoco.py --frames 50000 --seed 0 --out runs/sac_mujoco
+    python examples/sac_mujoco.py --learner torchrl   # TorchRL's SACLoss
     tensorboard --logdir runs/sac_mujoco
 """
 
