@@ -176,7 +176,7 @@ def test_ppo_mujoco_plain_learners_losses_are_torchrls_clip_ppo_loss_on_the_same
     assert torch.allclose(cfg.value_coef * ours["loss_critic"], theirs["loss_critic"], rtol=1e-4)
 
 
-def test_ppo_mujoco_actor_samples_and_scores_squashed_gaussian_actions_and_acts_by_the_mean_when_deterministic() -> None:
+def test_ppo_mujoco_actor_samples_squashed_gaussian_actions_and_acts_by_the_mean_when_deterministic() -> None:
     """The collector's actor: random actions inside (-1, 1) whose ``action_log_prob`` is TorchRL's ``TanhNormal``
     log-density of them; under TorchRL's deterministic exploration type (evaluation), ``tanh`` of the mean."""
     import torch

@@ -13,7 +13,7 @@ median of the rounds and their range, in wall time and in the process's CPU time
 counts only this process's work, which another job on the machine changes less). A learner's first call
 (``torch.compile``'s compilation included) is timed apart as its warm-up.
 
-Writes ``learners.json`` and ``learners.md`` in ``--out``.
+Writes ``results.json`` and ``table.md`` in ``--out`` (``docs/bench/e2e/learners`` holds a recorded run).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def measure(work: dict[str, Callable[[], None]], *, steps: int, rounds: int) -> 
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """``learners.md``: a table per algorithm (ms per gradient step, ratios to Stable-Baselines3)."""
+    """``table.md``: a table per algorithm (ms per gradient step, ratios to Stable-Baselines3)."""
     m = report["machine"]
     lines = ["# The learners alone, interleaved", "",
              f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, shared with other jobs; torch "
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sac-frames", type=int, default=10_000, help="recorded frames SAC samples from")
     parser.add_argument("--sac-steps", type=int, default=250, help="SAC's gradient steps a round")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/e2e", help="output folder (default %(default)s)")
+    parser.add_argument("--out", default="benchmarks/results/e2e/learners", help="output folder (default %(default)s)")
     args = parser.parse_args(argv)
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"command": "python -m benchmarks.e2e.learners " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": machine(), "results": results}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "learners.json"), "w") as f:
+    with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "learners.md"), "w") as f:
+    with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(markdown(report))
     return report
 

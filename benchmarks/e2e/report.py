@@ -233,7 +233,8 @@ def _results_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         cells = ([r["label"], ",".join(map(str, r["seeds"])) or "-"]
                  + [_spread(r["returns"].get(p)) for p in points]
-                 + [_spread(r["wall_s"], 1), _spread(r["cpu_s"], 1), "-" if r["contender"] in LEARNER_ONLY else _spread(r["frames_per_s"]),
+                 + [_spread(r["wall_s"], 1), _spread(r["cpu_s"], 1),
+                    "-" if r["contender"] in LEARNER_ONLY else _spread(r["frames_per_s"]),
                     _spread(r["grad_steps_per_s"])])
         lines.append("| " + " | ".join(cells) + " |")
     errors = [f"{r['contender']} {e}" for r in rows for e in r["errors"]]
