@@ -35,10 +35,20 @@ def config_from_args(config_cls: type, names: Sequence[str], *, argv: list[str] 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in names:
         default = getattr(config_cls, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+        kind = _parse_bool if isinstance(default, bool) else type(default)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     parser.add_argument("--target-return", type=float, default=None,
                         help="stop at the first evaluation above this return (default: run every frame)")
     return config_cls(**vars(parser.parse_args(argv)))
+
+
+def _parse_bool(text: str) -> bool:
+    """``--flag true`` / ``--flag false`` (and 1/0, yes/no): ``bool("false")`` would be ``True``."""
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def make_trainer(cfg: Any, *, name: str, callbacks: Sequence[Any] = ()) -> Any:

@@ -1,9 +1,19 @@
-"""SAC on MuJoCo HalfCheetah-v5 with PyTorch Lightning, TorchRL's SACLoss and replay buffer, and lightning_rollout.
+"""SAC on MuJoCo HalfCheetah-v5 with PyTorch Lightning, a TorchRL replay buffer, and lightning_rollout.
 
-Read it top to bottom: the config, the networks, the LightningModule (each training step adds the
-frames just collected to a TorchRL `ReplayBuffer` and takes the gradient steps they are due), and
-`main`, which wires a `RolloutDataModule` into `Trainer.fit` with TensorBoard logging against frames and
-deterministic evaluation episodes as the validation loop.
+Read it top to bottom: the config, the policy and the actor the collector acts with, the two
+learners, the LightningModule (each training step adds the frames just collected to a TorchRL
+`ReplayBuffer` and takes the gradient steps they are due), and `main`, which wires a
+`RolloutDataModule` into `Trainer.fit` with TensorBoard logging against frames and deterministic
+evaluation episodes as the validation loop.
+
+Two learners take the same gradient step (`--learner`):
+
+* `plain` (the default): the SAC step written out in plain PyTorch, CleanRL style, the two critics
+  evaluated together (their weights stacked, one batched matmul a layer);
+* `torchrl`: TorchRL's `SACLoss` and `SoftUpdate`.
+
+`--compile true` runs either learner's loss through `torch.compile`. docs/training.rst gives the
+learners' times against Stable-Baselines3's (`python -m benchmarks.e2e.learners`).
 
 Hyperparameters: RL Baselines3 Zoo's SAC for HalfCheetah-v4 (`rl_zoo3/hyperparams/sac.yml` of rl-zoo3
 2.9.2, entry `HalfCheetah-v4: &mujoco-defaults`: `policy: 'MlpPolicy'`, `learning_starts: 10000`,
@@ -22,11 +32,14 @@ come `frames_per_batch` frames at a time).
 
     pip install "gymnasium[mujoco]"
     python examples/sac_mujoco.py --frames 50000 --seed 0 --out runs/sac_mujoco
+    python examples/sac_mujoco.py --learner torchrl   # TorchRL's SACLoss
     tensorboard --logdir runs/sac_mujoco
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -35,9 +48,11 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torch import nn
+from torch.nn import functional as F
 from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.utils import ExplorationType, exploration_type
 from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import SACLoss, SoftUpdate
 
@@ -65,6 +80,8 @@ class Config:
     gamma: float = 0.99
     tau: float = 0.005              # soft target update per gradient step
     hidden: int = 256
+    learner: str = "plain"          # "plain": the step in plain PyTorch; "torchrl": TorchRL's SACLoss
+    compile: bool = False           # the learner's loss through torch.compile (tens of seconds to compile)
     eval_every_frames: int = 10_000
     eval_episodes: int = 4
     target_return: float | None = None  # stop at the first evaluation above it (None: run every frame)
@@ -73,13 +90,16 @@ class Config:
 
 
 # the Config fields the command line sets (--frames, --eval-every-frames...), and --target-return
-CLI_OPTIONS = ("env", "frames", "frames_per_batch", "utd", "learning_starts", "batch_size", "eval_every_frames",
-               "eval_episodes", "seed", "out")
+CLI_OPTIONS = ("env", "frames", "frames_per_batch", "utd", "learning_starts", "batch_size", "learner",
+               "compile", "eval_every_frames", "eval_episodes", "seed", "out")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The policy and the acting module, the same for both learners
+# ---------------------------------------------------------------------------------------------------------------
 class GaussianPolicy(nn.Module):
-    """SB3's SAC actor body: an MLP, then the mean and the state-dependent log std of a Gaussian (log std
-    clipped to [-20, 2]); ``TanhNormal`` squashes its samples into the action box [-1, 1]."""
+    """SB3's SAC actor: an MLP, then the mean and the state-dependent log std of a Gaussian (log std clipped to
+    [-20, 2]); actions are its samples squashed by tanh into the action box [-1, 1]."""
 
     def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
         super().__init__()
@@ -88,11 +108,110 @@ class GaussianPolicy(nn.Module):
         self.log_std = nn.Linear(hidden, act_dim)
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``obs`` ``[..., obs_dim]`` (MuJoCo's float64 included) -> ``loc``, ``scale``: ``[..., act_dim]``."""
+        """``obs`` ``[..., obs_dim]`` (MuJoCo's float64 included) -> ``loc``, ``log_std``: ``[..., act_dim]``."""
         h = self.body(obs.float())
-        return self.mean(h), self.log_std(h).clamp(-20.0, 2.0).exp()
+        return self.mean(h), self.log_std(h).clamp(-20.0, 2.0)
+
+    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A squashed sample (reparametrised: gradients flow to the weights) and its log-density ``[...]``."""
+        loc, log_std = self(obs)
+        u = loc + log_std.exp() * torch.randn_like(loc)
+        gaussian = -0.5 * ((u - loc) / log_std.exp()) ** 2 - log_std - 0.5 * math.log(2 * math.pi)
+        log_det_jacobian = 2.0 * (math.log(2.0) - u - F.softplus(-2.0 * u))  # log(1 - tanh(u)^2), stably
+        return u.tanh(), (gaussian - log_det_jacobian).sum(-1)
 
 
+class Actor(TensorDictModuleBase):
+    """What the collector acts with: ``"observation"`` -> ``"action"``, a squashed Gaussian sample, or ``tanh`` of
+    the mean under TorchRL's deterministic exploration type (which evaluation sets), as SB3's."""
+
+    in_keys = ["observation"]
+    out_keys = ["action"]
+
+    def __init__(self, policy: GaussianPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        if exploration_type() in (ExplorationType.DETERMINISTIC, ExplorationType.MODE, ExplorationType.MEAN):
+            action = self.policy(td["observation"])[0].tanh()
+        else:
+            action = self.policy.sample(td["observation"])[0]
+        td.set("action", action)
+        return td
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learner 1 (the default, --learner plain): the SAC gradient step in plain PyTorch
+# ---------------------------------------------------------------------------------------------------------------
+class Critics(nn.Module):
+    """``n`` critics Q(observation, action), 2 x ``hidden`` ReLU MLPs, evaluated together: each layer's weights
+    stacked ``[n, in, out]``, one batched matmul a layer (PyTorch's ``nn.Linear`` initialisation)."""
+
+    def __init__(self, n: int, in_dim: int, hidden: int) -> None:
+        super().__init__()
+        self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
+        for fan_in, fan_out in ((in_dim, hidden), (hidden, hidden), (hidden, 1)):
+            bound = 1.0 / math.sqrt(fan_in)
+            self.weights.append(nn.Parameter(torch.empty(n, fan_in, fan_out).uniform_(-bound, bound)))
+            self.biases.append(nn.Parameter(torch.empty(n, 1, fan_out).uniform_(-bound, bound)))
+
+    def forward(self, obs: torch.Tensor, action: torch.Tensor, *, detach: bool = False) -> torch.Tensor:
+        """``[B, obs_dim]``, ``[B, act_dim]`` -> ``[n, B]``; ``detach``: no gradient to the critics' weights
+        (the actor's loss), the action's gradient kept."""
+        x = torch.cat([obs.float(), action], -1).expand(len(self.weights[0]), -1, -1)
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.baddbmm(b.detach() if detach else b, x, w.detach() if detach else w)
+            x = x.relu() if i < len(self.weights) - 1 else x
+        return x.squeeze(-1)
+
+
+class PlainSAC(nn.Module):
+    """The gradient step written out, CleanRL style: two critics (and their soft-updated targets) against the
+    clipped double-Q target, the actor against the smaller critic, the entropy coefficient towards
+    ``target_entropy``; one backward of the three losses (each reads the others' inputs detached), one Adam step."""
+
+    def __init__(self, policy: GaussianPolicy, obs_dim: int, act_dim: int, cfg: Config) -> None:
+        super().__init__()
+        self.policy, self.cfg, self.target_entropy = policy, cfg, -float(act_dim)
+        self.critics = Critics(2, obs_dim + act_dim, cfg.hidden)
+        self.target_critics = copy.deepcopy(self.critics).requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.zeros(()))  # the entropy coefficient starts at 1.0
+        self.loss_fn = torch.compile(self.loss) if cfg.compile else self.loss
+
+    def loss(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor,
+             terminated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One minibatch's losses (``obs``, ``next_obs`` ``[B, obs_dim]``, ``action`` ``[B, act_dim]``, ``reward``
+        and ``terminated`` ``[B]``); ``"loss"`` is what the step differentiates."""
+        alpha = self.log_alpha.detach().exp()
+        with torch.no_grad():
+            next_action, next_log_prob = self.policy.sample(next_obs)
+            next_q = self.target_critics(next_obs, next_action).min(0).values - alpha * next_log_prob
+            q_target = reward + self.cfg.gamma * (~terminated) * next_q
+        loss_qvalue = 0.5 * ((self.critics(obs, action) - q_target) ** 2).mean(-1).sum()  # SB3's: summed
+        action_pi, log_prob = self.policy.sample(obs)
+        loss_actor = (alpha * log_prob - self.critics(obs, action_pi, detach=True).min(0).values).mean()
+        loss_alpha = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
+        return {"loss": loss_qvalue + loss_actor + loss_alpha, "loss_actor": loss_actor, "loss_qvalue": loss_qvalue,
+                "alpha": alpha, "entropy": -log_prob.mean()}
+
+    def step(self, data: TensorDictBase, optimizer: torch.optim.Optimizer,
+             backward: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+        nxt = data["next"]
+        losses = self.loss_fn(data["observation"], data["action"], nxt["reward"].squeeze(-1), nxt["observation"],
+                              nxt["terminated"].squeeze(-1))
+        optimizer.zero_grad()
+        backward(losses["loss"])
+        optimizer.step()
+        with torch.no_grad():
+            for target, online in zip(self.target_critics.parameters(), self.critics.parameters()):
+                target.lerp_(online, self.cfg.tau)
+        return losses
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learner 2 (--learner torchrl): TorchRL's SACLoss and SoftUpdate
+# ---------------------------------------------------------------------------------------------------------------
 class QNet(nn.Module):
     """One critic: Q(observation, action), an MLP over the two concatenated."""
 
@@ -106,29 +225,60 @@ class QNet(nn.Module):
         return self.net(torch.cat([obs.float(), action], -1))
 
 
-def make_networks(obs_dim: int, act_dim: int, cfg: Config) -> tuple[ProbabilisticActor, ValueOperator]:
-    actor = ProbabilisticActor(
-        TensorDictModule(GaussianPolicy(obs_dim, act_dim, cfg.hidden), in_keys=["observation"],
-                         out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"], distribution_class=TanhNormal)  # deterministic action: tanh(loc), as SB3's
-    qvalue = ValueOperator(QNet(obs_dim, act_dim, cfg.hidden), in_keys=["observation", "action"])
-    return actor, qvalue  # SACLoss makes the second critic and the target critics from `qvalue`
+class TorchRLSAC(nn.Module):
+    """The same step through TorchRL: a ``ProbabilisticActor`` (``TanhNormal``) over the same policy weights,
+    ``SACLoss`` (it makes the second critic and the targets from ``qvalue``), ``SoftUpdate``; ``compile``: the
+    loss through ``torch.compile``."""
+
+    def __init__(self, policy: GaussianPolicy, obs_dim: int, act_dim: int, cfg: Config) -> None:
+        super().__init__()
+
+        class LocScale(nn.Module):
+            def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                loc, log_std = policy(obs)
+                return loc, log_std.exp()
+
+        actor = ProbabilisticActor(TensorDictModule(LocScale(), in_keys=["observation"], out_keys=["loc", "scale"]),
+                                   in_keys=["loc", "scale"], distribution_class=TanhNormal)
+        qvalue = ValueOperator(QNet(obs_dim, act_dim, cfg.hidden), in_keys=["observation", "action"])
+        self.loss = SACLoss(actor, qvalue, num_qvalue_nets=2, loss_function="l2", alpha_init=1.0,
+                            target_entropy=-float(act_dim))
+        self.loss.make_value_estimator(gamma=cfg.gamma)  # one-step TD target from the target critics
+        self.target_update = SoftUpdate(self.loss, tau=cfg.tau)
+        self.loss_fn = torch.compile(self.loss) if cfg.compile else self.loss
+
+    def step(self, data: TensorDictBase, optimizer: torch.optim.Optimizer,
+             backward: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+        losses = self.loss_fn(data)
+        # the actor's loss reads detached critics, the critics' targets no actor gradient, the entropy
+        # coefficient's loss detached log-probabilities: one backward of the sum is three separate ones
+        optimizer.zero_grad()
+        backward(losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"])
+        optimizer.step()
+        self.target_update.step()
+        return {key: losses[key] for key in ("loss_actor", "loss_qvalue", "alpha", "entropy")}
 
 
+LEARNERS = {"plain": PlainSAC, "torchrl": TorchRLSAC}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The LightningModule: the replay buffer, the update-to-data bookkeeping, the learner's steps
+# ---------------------------------------------------------------------------------------------------------------
 class SAC(pl.LightningModule):
     """SAC with a learned entropy coefficient; ``self.actor`` is what the RolloutDataModule acts with (a copy
     of it, off-policy)."""
 
     def __init__(self, obs_dim: int, act_dim: int, cfg: Config) -> None:
         super().__init__()
+        if cfg.learner not in LEARNERS:
+            raise ValueError(f"learner must be one of {sorted(LEARNERS)}, got {cfg.learner!r}")
         self.save_hyperparameters({"obs_dim": obs_dim, "act_dim": act_dim, **cfg.__dict__})
         self.cfg = cfg
         self.automatic_optimization = False  # many gradient steps per collected batch
-        self.actor, qvalue = make_networks(obs_dim, act_dim, cfg)
-        self.loss = SACLoss(self.actor, qvalue, num_qvalue_nets=2, loss_function="l2", alpha_init=1.0,
-                            target_entropy=-float(act_dim))
-        self.loss.make_value_estimator(gamma=cfg.gamma)  # one-step TD target from the target critics
-        self.target_update = SoftUpdate(self.loss, tau=cfg.tau)
+        self.policy = GaussianPolicy(obs_dim, act_dim, cfg.hidden)
+        self.actor = Actor(self.policy)
+        self.learner = LEARNERS[cfg.learner](self.policy, obs_dim, act_dim, cfg)
         # a buffer never holds more than the run's frames (no eviction below buffer_size)
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(min(cfg.buffer_size, cfg.frames)),
                                    batch_size=cfg.batch_size)
@@ -136,43 +286,33 @@ class SAC(pl.LightningModule):
         self.updates_done = 0   # gradient steps taken
 
     def learn(self, batch: TensorDictBase, optimizer: torch.optim.Optimizer,
-              backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> TensorDictBase | None:
+              backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> dict[str, torch.Tensor] | None:
         """Add ``batch`` (``[frames]``, any order) to the replay buffer, then take the gradient steps due:
-        ``utd * (frames_seen - learning_starts)`` in all. Returns the last step's losses (``None``: none due).
+        ``utd * (frames_seen - learning_starts)`` in all. Returns the last step's losses (detached; ``None``: none
+        due).
 
         Plain PyTorch (``training_step`` passes Lightning's optimizer and ``manual_backward``), so a loop
         written by hand drives the same learner."""
         self.buffer.extend(batch.select(*REPLAY_KEYS).reshape(-1))
         self.frames_seen += batch.numel()
         due = int(self.cfg.utd * max(0, self.frames_seen - self.cfg.learning_starts)) - self.updates_done
-        return self.update(due, optimizer, backward) if due > 0 else None
-
-    def update(self, steps: int, optimizer: torch.optim.Optimizer,
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> TensorDictBase:
-        """``steps`` (>= 1) gradient steps on minibatches sampled from the buffer; the last step's losses."""
-        for _ in range(steps):
-            losses = self.loss(self.buffer.sample())
-            # the actor's loss reads detached critics, the critics' targets no actor gradient, the entropy
-            # coefficient's loss detached log-probabilities: one backward of the sum is three separate ones
-            loss = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
-            optimizer.zero_grad()
-            backward(loss)
-            optimizer.step()
-            self.target_update.step()
-        self.updates_done += steps
-        return losses.detach()
+        if due <= 0:
+            return None
+        for _ in range(due):
+            losses = self.learner.step(self.buffer.sample(), optimizer, backward)
+        self.updates_done += due
+        return {key: value.detach() for key, value in losses.items()}
 
     def training_step(self, batch: TensorDictBase, batch_idx: int) -> None:
         losses = self.learn(batch, self.optimizers(), self.manual_backward)
         if losses is not None:
-            self.log_dict({"train/loss_actor": losses["loss_actor"], "train/loss_qvalue": losses["loss_qvalue"],
-                           "train/alpha": losses["alpha"], "train/entropy": losses["entropy"],
-                           "train/updates": float(self.updates_done)}, on_step=True, on_epoch=False, batch_size=1)
+            self.log_dict({f"train/{key}": value for key, value in losses.items()}
+                          | {"train/updates": float(self.updates_done)}, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # one Adam over actor, critics and log(alpha): Adam's update is per parameter, so with one learning
-        # rate this is SB3's three Adam optimizers (the target critics are buffers, not parameters)
-        return torch.optim.Adam(self.loss.parameters(), lr=self.cfg.lr)
+        # rate this is SB3's three Adam optimizers (the target critics are not trained); fused: one kernel
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr, fused=True)
 
 
 def make_datamodule(cfg: Config) -> RolloutDataModule:

@@ -122,34 +122,89 @@ def test_ppo_mujoco_reward_scaling_is_stable_baselines3s_step_by_step_return_rec
         assert np.allclose(scaled.numpy(), np.clip(reward / std, -10, 10), rtol=1e-3)
 
 
-def test_ppo_mujoco_first_minibatch_sees_the_observations_normalised_as_the_actor_saw_them() -> None:
-    """The PPO ratio starts at exactly 1: the learner's first minibatch reads each observation through the
-    normaliser as it was when the actor acted, so ``kl_approx`` is 0. The normaliser moves after the epochs,
-    so the next batch is acted, and learned from, with the new statistics."""
+def _ppo_batch(model, n: int = 32):  # noqa: ANN001, ANN202
+    """``n`` steps of one env acted by ``model.actor``, observations far from the normaliser's initial mean 0 and
+    variance 1."""
     import torch
     from tensordict import TensorDict
 
+    obs = torch.randn(n + 1, 3) * 3.0 + 5.0
+    with torch.no_grad():
+        batch = model.actor(TensorDict({"observation": obs[:-1]}, [n]))
+    batch["next"] = TensorDict({"observation": obs[1:], "reward": torch.randn(n, 1),
+                                "done": torch.zeros(n, 1, dtype=torch.bool),
+                                "terminated": torch.zeros(n, 1, dtype=torch.bool)}, [n])
+    return batch
+
+
+@pytest.mark.parametrize("learner", ["plain", "torchrl"])
+def test_ppo_mujoco_first_minibatch_sees_the_observations_normalised_as_the_actor_saw_them(learner: str) -> None:
+    """The PPO ratio starts at exactly 1: the learner's first minibatch reads each observation through the
+    normaliser as it was when the actor acted. With one minibatch of the whole batch, a ratio of 1 makes the
+    clipped objective minus the mean of the standardised advantages: 0. The normaliser moves after the epochs,
+    so the next batch is acted, and learned from, with the new statistics."""
+    import torch
+
     ppo_mujoco = _ppo_mujoco()
     torch.manual_seed(0)
-    cfg = ppo_mujoco.Config(steps_per_env=32, minibatch_size=32, epochs=1, hidden=16)
+    cfg = ppo_mujoco.Config(steps_per_env=32, minibatch_size=32, epochs=1, hidden=16, learner=learner)
     model = ppo_mujoco.PPO(3, 2, cfg)
-    obs = torch.randn(33, 3) * 3.0 + 5.0  # far from the normaliser's initial mean 0 and variance 1
+    batch = _ppo_batch(model)
+    losses = model.learn(batch, model.configure_optimizers())
+    assert abs(losses["loss_objective"].item()) < 1e-6
+    assert torch.allclose(model.obs_norm.mean, batch["observation"].mean(0), atol=1e-2)  # moved after the update
+    assert model.updates_done == 1
+
+
+def test_ppo_mujoco_plain_learners_losses_are_torchrls_clip_ppo_loss_on_the_same_minibatch() -> None:
+    """The plain update is TorchRL's algorithm: on one minibatch, with the same weights and a behaviour policy away
+    from the current one (some ratios clipped), its clipped objective and value loss are ``ClipPPOLoss``'s."""
+    import torch
+
+    ppo_mujoco = _ppo_mujoco()
+    torch.manual_seed(0)
+    cfg = ppo_mujoco.Config(hidden=16, learner="torchrl")
+    model = ppo_mujoco.PPO(3, 2, cfg)
+    data = _ppo_batch(model, n=64)
+    data["action_log_prob"] = data["action_log_prob"] + 0.3 * torch.randn(64)  # ratios away from 1
+    data["advantage"], data["value_target"] = torch.randn(64, 1), torch.randn(64, 1)
+    theirs = model.learner.loss(data)
+    plain = ppo_mujoco.PlainPPO(model.policy, model.value, cfg)
+    ours = plain.loss(model.obs_norm(data["observation"]), data["action"], data["action_log_prob"],
+                      data["advantage"].squeeze(-1), data["value_target"].squeeze(-1))
+    assert torch.allclose(ours["loss_objective"], theirs["loss_objective"], rtol=1e-4, atol=1e-6)
+    assert torch.allclose(cfg.value_coef * ours["loss_critic"], theirs["loss_critic"], rtol=1e-4)
+
+
+def test_ppo_mujoco_actor_samples_squashed_gaussian_actions_and_acts_by_the_mean_when_deterministic() -> None:
+    """The collector's actor: random actions inside (-1, 1) whose ``action_log_prob`` is TorchRL's ``TanhNormal``
+    log-density of them; under TorchRL's deterministic exploration type (evaluation), ``tanh`` of the mean."""
+    import torch
+    from tensordict import TensorDict
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+    from torchrl.modules import TanhNormal
+
+    ppo_mujoco = _ppo_mujoco()
+    torch.manual_seed(0)
+    model = ppo_mujoco.PPO(3, 2, ppo_mujoco.Config(hidden=16, log_std_init=0.0))
+    obs = TensorDict({"observation": torch.randn(1000, 3, dtype=torch.float64)}, [1000])
     with torch.no_grad():
-        batch = model.actor(TensorDict({"observation": obs[:-1]}, [32]))
-    batch["next"] = TensorDict({"observation": obs[1:], "reward": torch.randn(32, 1),
-                                "done": torch.zeros(32, 1, dtype=torch.bool),
-                                "terminated": torch.zeros(32, 1, dtype=torch.bool)}, [32])
-    first_kl: list[float] = []
-    model.loss.register_forward_hook(lambda module, args, out: first_kl.append(out["kl_approx"].item()))
-    model.learn(batch, torch.optim.Adam(model.parameters(), lr=cfg.lr))
-    assert first_kl and abs(first_kl[0]) < 1e-6
-    assert torch.allclose(model.obs_norm.mean, obs[:-1].mean(0), atol=1e-2)  # moved after the update
+        out = model.actor(obs.clone())
+        loc = model.policy(obs["observation"])
+        expected = TanhNormal(loc, model.policy.log_std.exp().expand_as(loc)).log_prob(out["action"])
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            deterministic = model.actor(obs.clone())["action"]
+    assert out["action"].abs().max() < 1 and out["action"].std() > 0.3
+    assert torch.allclose(out["action_log_prob"], expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(deterministic, loc.tanh().clamp(-1 + 1e-6, 1 - 1e-6))
 
 
-def test_ppo_mujoco_example_trains_on_halfcheetah_and_evaluates(tmp_path: Path) -> None:
-    pytest.importorskip("mujoco", reason="the MuJoCo example needs gymnasium[mujoco] (the bench-real extra)")
+@pytest.mark.parametrize("learner", ["plain", "torchrl"])
+def test_ppo_mujoco_example_trains_on_halfcheetah_and_evaluates(learner: str, tmp_path: Path) -> None:
+    pytest.importorskip("mujoco", reason="the MuJoCo example needs gymnasium[mujoco] (the e2e extra)")
     result = run_example("ppo_mujoco.py", "--frames", "2048", "--steps-per-env", "512", "--epochs", "1",
-                         "--eval-every-frames", "1024", "--eval-episodes", "1", "--out", str(tmp_path))
+                         "--learner", learner, "--eval-every-frames", "1024", "--eval-episodes", "1",
+                         "--out", str(tmp_path))
     assert result["frames"] == 2048 and [f for f, _ in result["eval_history"]] == [1024, 2048]
 
 
@@ -163,15 +218,21 @@ def test_sac_mujoco_example_fills_its_replay_buffer_and_takes_the_gradient_steps
     assert list(Path(result["log_dir"]).glob("events.out.tfevents.*"))
 
 
-def test_sac_mujoco_learner_takes_utd_times_the_frames_past_learning_starts_in_gradient_steps() -> None:
+def _sac_mujoco():
+    sys.path.insert(0, str(EXAMPLES))
+    import sac_mujoco
+
+    return sac_mujoco
+
+
+@pytest.mark.parametrize("learner", ["plain", "torchrl"])
+def test_sac_mujoco_learner_takes_utd_times_the_frames_past_learning_starts_in_gradient_steps(learner: str) -> None:
     """The UTD bookkeeping, without an env: batches of 100 frames, 250 random frames, UTD 0.5."""
     import torch
     from tensordict import TensorDict
 
-    sys.path.insert(0, str(EXAMPLES))
-    import sac_mujoco
-
-    cfg = sac_mujoco.Config(frames=1000, utd=0.5, learning_starts=250, batch_size=8, hidden=16)
+    sac_mujoco = _sac_mujoco()
+    cfg = sac_mujoco.Config(frames=1000, utd=0.5, learning_starts=250, batch_size=8, hidden=16, learner=learner)
     model = sac_mujoco.SAC(3, 2, cfg)
     optimizer = model.configure_optimizers()
     steps, n = [], 100
@@ -186,6 +247,58 @@ def test_sac_mujoco_learner_takes_utd_times_the_frames_past_learning_starts_in_g
         assert (losses is None) == (model.updates_done == 0)
     assert steps == [0, 0, 25, 75, 125]  # 0.5 * (frames - 250) after 100, 200, ..., 500 frames
     assert len(model.buffer) == 500 and "extra" not in model.buffer[:1].keys()  # only what the loss reads
+
+
+def test_sac_mujoco_plain_step_trains_critics_on_the_td_target_and_the_actor_through_fixed_critics() -> None:
+    """One backward of the summed losses is SAC's three updates: the critics' loss reaches the critics only
+    (the target is computed without gradient), the actor's the policy only (the critics read detached), the
+    entropy coefficient's ``log_alpha`` only; the targets move by ``tau`` towards the critics after the step."""
+    import torch
+
+    sac_mujoco = _sac_mujoco()
+    torch.manual_seed(0)
+    cfg = sac_mujoco.Config(hidden=16, tau=0.5)
+    model = sac_mujoco.SAC(3, 2, cfg)
+    learner, n = model.learner, 8
+    obs, next_obs = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64)
+    losses = learner.loss(obs, torch.rand(n, 2) * 2 - 1, torch.randn(n), next_obs, torch.zeros(n, dtype=torch.bool))
+    grads = {}
+    for name in ("loss_qvalue", "loss_actor"):
+        model.zero_grad()
+        losses[name].backward(retain_graph=True)
+        grads[name] = {part: any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+                       for part, module in (("policy", model.policy), ("critics", learner.critics))}
+    assert grads == {"loss_qvalue": {"policy": False, "critics": True},
+                     "loss_actor": {"policy": True, "critics": False}}
+    before = [p.clone() for p in learner.target_critics.parameters()]
+    learner.step(_sac_minibatch(n), model.configure_optimizers(), torch.Tensor.backward)
+    for old, target, online in zip(before, learner.target_critics.parameters(), learner.critics.parameters()):
+        assert torch.allclose(target, old + 0.5 * (online - old))
+
+
+def _sac_minibatch(n: int):  # noqa: ANN202
+    import torch
+    from tensordict import TensorDict
+
+    return TensorDict({"observation": torch.randn(n, 3, dtype=torch.float64), "action": torch.rand(n, 2) * 2 - 1,
+                       "next": {"observation": torch.randn(n, 3, dtype=torch.float64), "reward": torch.randn(n, 1),
+                                "terminated": torch.zeros(n, 1, dtype=torch.bool)}}, [n])
+
+
+def test_sac_mujoco_policy_samples_score_as_torchrls_tanh_normal() -> None:
+    """The plain learner's log-density of its own squashed samples is ``TanhNormal``'s of the same actions."""
+    import torch
+    from torchrl.modules import TanhNormal
+
+    sac_mujoco = _sac_mujoco()
+    torch.manual_seed(0)
+    policy = sac_mujoco.GaussianPolicy(3, 2, 16)
+    obs = torch.randn(1000, 3)
+    with torch.no_grad():
+        action, log_prob = policy.sample(obs)
+        loc, log_std = policy(obs)
+        expected = TanhNormal(loc, log_std.exp()).log_prob(action)
+    assert torch.allclose(log_prob, expected, rtol=1e-3, atol=1e-3)
 
 
 # The MuJoCo bars (make test-slow where MuJoCo is installed): a deterministic evaluation return reached within a

@@ -36,27 +36,43 @@ BUDGETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 QUICK_EVAL_MAX_STEPS = 200  # quick runs cut evaluation episodes short
+PPO_FRAMES_PER_BATCH = 512  # the PPO example's num_envs * steps_per_env
+
+
+def _variants(algo: str, budget: dict[str, Any], *, sac_utds: list[float],
+              ppo_num_envs: list[int]) -> list[dict[str, Any]]:
+    """The config overrides of each table of ``algo``: SAC one per UTD, PPO one per env count (the same
+    ``steps_per_env * num_envs`` frames a batch as one env, so the same minibatches)."""
+    if algo == "sac":
+        return [dict(budget, utd=utd) for utd in sac_utds]
+    per_batch = budget.get("steps_per_env", PPO_FRAMES_PER_BATCH) * budget.get("num_envs", 1)
+    return [dict(budget, **({"num_envs": n, "steps_per_env": per_batch // n} if n != 1 else {}))
+            for n in ppo_num_envs]
 
 
 def plan(*, algos: list[str], seeds: list[int], contenders: list[str], learner_only: list[str],
-         budgets: dict[str, dict[str, Any]], sac_utds: list[float], eval_max_steps: int | None) -> list[RunSpec]:
-    """The runs, in the order they run: per algorithm (and SAC UTD), per seed, every contender (reversed on
-    every other seed), then, after the first seed's, the learner-only runs."""
+         budgets: dict[str, dict[str, Any]], sac_utds: list[float], eval_max_steps: int | None,
+         ppo_num_envs: list[int] = (1,)) -> list[RunSpec]:
+    """The runs, in the order they run: per algorithm (and SAC UTD, PPO env count), per seed, every contender
+    (reversed on every other seed), then, after the first seed's, the learner-only runs (one env only: with
+    several the learner's work is the same). ``sb3-subproc`` runs only with several envs."""
     runs = []
     for algo in algos:
-        for utd in (sac_utds if algo == "sac" else [None]):
-            overrides = dict(budgets[algo], **({"utd": utd} if utd is not None else {}))
+        for overrides in _variants(algo, budgets[algo], sac_utds=sac_utds, ppo_num_envs=list(ppo_num_envs)):
+            several = overrides.get("num_envs", 1) > 1
+            mine = [c for c in contenders if c != "sb3-subproc" or several]
             for i, seed in enumerate(seeds):
-                order = contenders if i % 2 == 0 else contenders[::-1]
+                order = mine if i % 2 == 0 else mine[::-1]
                 runs += [RunSpec(algo, c, seed, overrides, eval_max_steps) for c in order]
-                if i == 0:
+                if i == 0 and not several:
                     runs += [RunSpec(algo, c, seed, overrides, eval_max_steps) for c in learner_only]
     return runs
 
 
 def execute(spec: RunSpec, *, isolate: bool, timeout: float) -> dict[str, Any]:
     """Run ``spec`` (in a child interpreter with ``isolate``); a failure comes back as a record with ``error``."""
-    failed = {"algo": spec.algo, "contender": spec.contender, "seed": spec.seed, "utd": spec.key[3]}
+    failed = {"algo": spec.algo, "contender": spec.contender, "seed": spec.seed, "utd": spec.key[3],
+              "num_envs": spec.key[4]}
     if not isolate:
         import tempfile
 
@@ -110,7 +126,7 @@ def _overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _line(record: dict[str, Any], seconds: float) -> str:
-    head = f"[{record['algo']}] {record['contender']} seed {record['seed']}"
+    head = f"[{record['algo']}, {record.get('num_envs', 1)} env(s)] {record['contender']} seed {record['seed']}"
     if record.get("error"):
         return f"{head}: FAILED ({record['error'].strip().splitlines()[-1][:200]})"
     final = record["eval"][-1]["return"] if record.get("eval") else None
@@ -132,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (0 with --quick)")
     parser.add_argument("--sac-utd", type=float, nargs="+", default=[1.0],
                         help="SAC's gradient steps per env frame, one table each (default %(default)s: RL Zoo's)")
+    parser.add_argument("--ppo-num-envs", type=int, nargs="+", help="PPO's env counts, one table each, the same "
+                        "frames a batch (default: 1 8; 1 with --quick)")
     parser.add_argument("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE",
                         help="override a field of an example's Config, e.g. ppo.frames=10240 (repeatable)")
     parser.add_argument("--out", default="benchmarks/results/e2e", help="output folder (default %(default)s)")
@@ -158,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen = args.contender or list(CONTENDERS + LEARNER_ONLY)
     specs = plan(algos=args.algo or list(ALGOS), seeds=seeds, contenders=[c for c in CONTENDERS if c in chosen],
                  learner_only=[c for c in LEARNER_ONLY if c in chosen], budgets=budgets, sac_utds=args.sac_utd,
-                 eval_max_steps=QUICK_EVAL_MAX_STEPS if args.quick else None)
+                 eval_max_steps=QUICK_EVAL_MAX_STEPS if args.quick else None,
+                 ppo_num_envs=args.ppo_num_envs or ([1] if args.quick else [1, 8]))
     report: dict[str, Any] = {
         "mode": mode, "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
         "seeds_note": f"seeds {', '.join(map(str, seeds))}; learner-only runs with seed {seeds[0]}",
@@ -166,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.resume and os.path.exists(results):
         with open(results) as f:
             report["records"] = [r for r in json.load(f).get("records", []) if not r.get("error")]
-    done = {(r["algo"], r["contender"], r["seed"], float(r.get("utd", 1.0))) for r in report["records"]}
+    done = {(r["algo"], r["contender"], r["seed"], float(r.get("utd", 1.0)), int(r.get("num_envs", 1)))
+            for r in report["records"]}
     todo = [s for s in specs if s.key not in done]
     print(f"{len(todo)} runs ({len(specs) - len(todo)} already in {results})", flush=True)
     for i, spec in enumerate(todo, 1):

@@ -11,7 +11,8 @@
   recorded with them for the learner-only runs;
 * :func:`record`: a run's result record (what :mod:`.report` reads).
 
-Units: frames are env steps; times are wall-clock seconds from ``time.perf_counter``.
+Units: frames are env steps; times are seconds: wall-clock from ``time.perf_counter``, CPU from ``os.times`` (every
+thread of the process, and its children once they exited: SB3's ``SubprocVecEnv``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALGOS", "CONTENDERS", "LEARNER_ONLY", "ROOT", "Evaluations", "RunSpec", "example", "example_config",
-           "record", "recorded_batches", "run_episodes", "torchrl_act"]
+__all__ = ["ALGOS", "CONTENDERS", "LEARNER_ONLY", "ROOT", "Evaluations", "RunSpec", "clock", "example",
+           "example_config", "record", "recorded_batches", "run_episodes", "torchrl_act"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 ALGOS = {"ppo": "ppo_mujoco", "sac": "sac_mujoco"}  # algorithm -> the example module that trains it
 # full runs, learning curves included: ours through Trainer.fit, the same learner in a loop written by hand over
-# ThreadedCollector, the same loop over TorchRL's Collector (the control), Stable-Baselines3
-CONTENDERS = ("ours", "ours-loop", "torchrl", "sb3")
+# ThreadedCollector, the same loop over TorchRL's Collector (the control), Stable-Baselines3 (its DummyVecEnv, and
+# with several envs its SubprocVecEnv)
+CONTENDERS = ("ours", "ours-loop", "torchrl", "sb3", "sb3-subproc")
 # the same gradient steps with no collection (timing only): ours (the example's learner), SB3's own learner
 LEARNER_ONLY = ("ours-learner", "sb3-learner")
 _EVAL_SEED = 1_000_000  # evaluation episode i after training seed s: env seed _EVAL_SEED + 1000 * s + i
@@ -63,9 +65,10 @@ class RunSpec:
             raise ValueError(f"contender must be one of {CONTENDERS + LEARNER_ONLY}, got {self.contender!r}")
 
     @property
-    def key(self) -> tuple[str, str, int, float]:
-        """What identifies a run in a results file: algorithm, contender, seed and UTD (1.0 for PPO)."""
-        return self.algo, self.contender, self.seed, float(self.overrides.get("utd", 1.0))
+    def key(self) -> tuple[str, str, int, float, int]:
+        """What identifies a run in a results file: algorithm, contender, seed, UTD (1.0 for PPO), envs."""
+        return (self.algo, self.contender, self.seed, float(self.overrides.get("utd", 1.0)),
+                int(self.overrides.get("num_envs", 1)))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -143,20 +146,22 @@ class Evaluations:
         self.seed = _EVAL_SEED + 1000 * seed
         self.points = list(range(every, frames + 1, every))
         self.history: list[dict[str, Any]] = []
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0
 
     def maybe(self, frames: int, act: Callable[[], Callable[[np.ndarray], np.ndarray]]) -> None:
         """Evaluate if ``frames`` reached the next point; ``act()`` builds the acting function (only then)."""
         due = [p for p in self.points[len(self.history):] if p <= frames]
         if not due:
             return
-        start = time.perf_counter()
+        start = clock()
         returns = run_episodes(act(), env_id=self.env_id, episodes=self.episodes, seed=self.seed,
                                max_steps=self.max_steps)
         for point in due:  # a batch that crosses two points (it should not) evaluates once for both
             self.history.append({"frames": point, "at_frames": int(frames), "return": float(np.mean(returns)),
                                  "returns": returns})
-        self.seconds += time.perf_counter() - start
+        now = clock()
+        self.seconds += now[0] - start[0]
+        self.cpu_seconds += now[1] - start[1]
 
     @classmethod
     def for_run(cls, spec: RunSpec, cfg: Any) -> Evaluations:
@@ -180,13 +185,24 @@ def recorded_batches(cfg: Any, actor: Any, *, frames_per_batch: int, count: int,
         collector.shutdown()
 
 
-def record(spec: RunSpec, cfg: Any, *, wall_s: float, frames: int, grad_steps: int,
+def clock() -> tuple[float, float]:
+    """Now, as (wall-clock seconds, CPU seconds of this process and of its children that exited)."""
+    t = os.times()
+    return time.perf_counter(), t.user + t.system + t.children_user + t.children_system
+
+
+def record(spec: RunSpec, cfg: Any, *, started: tuple[float, float], frames: int, grad_steps: int,
            evaluations: Evaluations | None = None, **extra: Any) -> dict[str, Any]:
-    """A run's result: what ran, its frames and gradient steps, its wall time without evaluation, frames/s,
-    the evaluation history."""
+    """A run's result: what ran, its frames and gradient steps, its wall and CPU time since ``started`` (a
+    :func:`clock`) without evaluation, frames/s, the evaluation history."""
+    now = clock()
+    wall_s = now[0] - started[0] - (evaluations.seconds if evaluations is not None else 0.0)
+    cpu_s = now[1] - started[1] - (evaluations.cpu_seconds if evaluations is not None else 0.0)
     out = {"algo": spec.algo, "contender": spec.contender, "seed": spec.seed,
-           "utd": float(spec.overrides.get("utd", 1.0)), "frames": int(frames), "grad_steps": int(grad_steps),
-           "wall_s": round(wall_s, 3), "frames_per_s": round(frames / wall_s, 1) if wall_s > 0 else None,
+           "utd": float(spec.overrides.get("utd", 1.0)), "num_envs": int(cfg.num_envs), "frames": int(frames),
+           "grad_steps": int(grad_steps),
+           "wall_s": round(wall_s, 3), "cpu_s": round(cpu_s, 3),
+           "frames_per_s": round(frames / wall_s, 1) if wall_s > 0 else None,
            "grad_steps_per_s": round(grad_steps / wall_s, 1) if wall_s > 0 else None,
            "eval_s": round(evaluations.seconds, 3) if evaluations is not None else 0.0,
            "eval": evaluations.history if evaluations is not None else [],

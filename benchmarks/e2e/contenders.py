@@ -13,10 +13,12 @@ Every contender trains with the example's ``Config`` (``examples/ppo_mujoco.py``
 * ``torchrl``: the same loop over TorchRL's ``Collector`` and a ``GymEnv``: the control, our collector
   swapped out;
 * ``sb3``: Stable-Baselines3's PPO / SAC with the same hyperparameters (``VecNormalize`` for PPO, as RL
-  Zoo's ``normalize: true``);
+  Zoo's ``normalize: true``), its envs in a ``DummyVecEnv``; ``sb3-subproc``: the same in a ``SubprocVecEnv``
+  (one process an env);
 * ``ours-learner`` / ``sb3-learner``: the same gradient steps with no collection (timing only).
 
-A run's ``wall_s`` runs from before the model is built to the end of training, evaluation rounds left out.
+A run's ``wall_s`` (and ``cpu_s``) runs from before the model is built to the end of training, evaluation rounds
+left out.
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ import logging
 import math
 import sys
 import tempfile
-import time
 from fractions import Fraction
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from .common import Evaluations, RunSpec, example, example_config, record, recorded_batches, torchrl_act
+from .common import Evaluations, RunSpec, clock, example, example_config, record, recorded_batches, torchrl_act
 
 __all__ = ["main", "run"]
 
@@ -45,7 +46,7 @@ def run(spec: RunSpec, *, workdir: str) -> dict[str, Any]:
     torch.set_num_threads(1)  # as the examples: every contender gets one intra-op thread
     pl.seed_everything(spec.seed, verbose=False)
     cfg = example_config(spec, out=workdir)
-    runner = {"ours": _fit, "ours-loop": _loop, "torchrl": _loop, "sb3": _sb3,
+    runner = {"ours": _fit, "ours-loop": _loop, "torchrl": _loop, "sb3": _sb3, "sb3-subproc": _sb3,
               "ours-learner": _ours_learner, "sb3-learner": _sb3_learner}[spec.contender]
     return runner(spec, cfg)
 
@@ -72,12 +73,11 @@ def _fit(spec: RunSpec, cfg: Any) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
             evals.maybe(trainer.datamodule.frames, lambda: torchrl_act(module.actor))
 
-    start = time.perf_counter()
+    started = clock()
     model = _model(spec, cfg)
     datamodule = ex.make_datamodule(dataclasses.replace(cfg, eval_episodes=0))  # the bench evaluates
     ex.make_trainer(cfg, name=spec.algo, callbacks=[EvalAtFrames()]).fit(model, datamodule=datamodule)
-    wall = time.perf_counter() - start - evals.seconds
-    return record(spec, cfg, wall_s=wall, frames=datamodule.frames, grad_steps=model.updates_done,
+    return record(spec, cfg, started=started, frames=datamodule.frames, grad_steps=model.updates_done,
                   evaluations=evals)
 
 
@@ -102,7 +102,7 @@ def _loop(spec: RunSpec, cfg: Any) -> dict[str, Any]:
     """The example's learner driven by a plain loop over a collector (ours or TorchRL's: the one line that
     differs)."""
     evals = Evaluations.for_run(spec, cfg)
-    start = time.perf_counter()
+    started = clock()
     model = _model(spec, cfg)
     opts = _collection(spec, cfg)
     if spec.contender == "ours-loop":
@@ -120,8 +120,7 @@ def _loop(spec: RunSpec, cfg: Any) -> dict[str, Any]:
             evals.maybe(frames, lambda: torchrl_act(model.actor))
     finally:
         collector.shutdown()
-    wall = time.perf_counter() - start - evals.seconds
-    return record(spec, cfg, wall_s=wall, frames=frames, grad_steps=model.updates_done, evaluations=evals)
+    return record(spec, cfg, started=started, frames=frames, grad_steps=model.updates_done, evaluations=evals)
 
 
 def utd_schedule(utd: float) -> tuple[int, int]:
@@ -137,9 +136,10 @@ def _sb3_model(spec: RunSpec, cfg: Any) -> tuple[Any, Any]:
     observation."""
     from stable_baselines3 import PPO, SAC
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.vec_env import VecNormalize
+    from stable_baselines3.common.vec_env import SubprocVecEnv, VecNormalize
 
-    env = make_vec_env(cfg.env, n_envs=cfg.num_envs, seed=cfg.seed)
+    env = make_vec_env(cfg.env, n_envs=cfg.num_envs, seed=cfg.seed,
+                       vec_env_cls=SubprocVecEnv if spec.contender == "sb3-subproc" else None)
     if spec.algo == "ppo":
         env = VecNormalize(env, gamma=cfg.gamma)  # RL Zoo's normalize: true, with the algorithm's gamma
         policy_kwargs = dict(log_std_init=cfg.log_std_init, ortho_init=False, activation_fn=torch.nn.ReLU,
@@ -169,7 +169,7 @@ def _sb3(spec: RunSpec, cfg: Any) -> dict[str, Any]:
 
     evals = Evaluations.for_run(spec, cfg)
     opts = _collection(spec, cfg)
-    start = time.perf_counter()
+    started = clock()
     model, act = _sb3_model(spec, cfg)
 
     class EvalAtFrames(BaseCallback):
@@ -185,8 +185,8 @@ def _sb3(spec: RunSpec, cfg: Any) -> dict[str, Any]:
             evals.maybe(self.model.num_timesteps, lambda: act)
 
     model.learn(total_timesteps=opts["total_frames"], callback=EvalAtFrames())
-    wall = time.perf_counter() - start - evals.seconds
-    return record(spec, cfg, wall_s=wall, frames=model.num_timesteps,
+    model.get_env().close()  # a SubprocVecEnv's processes
+    return record(spec, cfg, started=started, frames=model.num_timesteps,
                   grad_steps=_sb3_grad_steps(spec, model, cfg, model._n_updates), evaluations=evals)
 
 
@@ -199,11 +199,10 @@ def _ours_learner(spec: RunSpec, cfg: Any) -> dict[str, Any]:
     batches = recorded_batches(cfg, model.actor, frames_per_batch=opts["frames_per_batch"],
                                count=min(batches_in_run, 8), layout=opts["layout"], seed=spec.seed)
     optimizer = model.configure_optimizers()
-    start = time.perf_counter()
+    started = clock()
     for i in range(batches_in_run):
         model.learn(batches[i % len(batches)].clone(), optimizer)
-    wall = time.perf_counter() - start
-    return record(spec, cfg, wall_s=wall, frames=batches_in_run * opts["frames_per_batch"],
+    return record(spec, cfg, started=started, frames=batches_in_run * opts["frames_per_batch"],
                   grad_steps=model.updates_done)
 
 
@@ -213,16 +212,15 @@ def _sb3_learner(spec: RunSpec, cfg: Any) -> dict[str, Any]:
     opts = _collection(spec, cfg)
     if spec.algo == "ppo":
         model.learn(total_timesteps=cfg.steps_per_env * cfg.num_envs)  # a full rollout buffer (and one update)
-        before, start = model._n_updates, time.perf_counter()
+        before, started = model._n_updates, clock()
         for _ in range(opts["total_frames"] // opts["frames_per_batch"]):
             model.train()
     else:
         model.learn(total_timesteps=cfg.learning_starts)  # random frames, no gradient step yet
-        before, start = model._n_updates, time.perf_counter()
+        before, started = model._n_updates, clock()
         model.train(gradient_steps=int(cfg.utd * (opts["total_frames"] - cfg.learning_starts)),
                     batch_size=cfg.batch_size)
-    wall = time.perf_counter() - start
-    return record(spec, cfg, wall_s=wall, frames=opts["total_frames"],
+    return record(spec, cfg, started=started, frames=opts["total_frames"],
                   grad_steps=_sb3_grad_steps(spec, model, cfg, model._n_updates - before))
 
 
