@@ -409,9 +409,11 @@ class GymUnit(Unit):
         for i, seed in zip(rows, seeds):
             try:
                 obs, info = self.envs[i].reset(seed=seed)
-            except Exception as exc:
+                self._write(root, i, obs, info, "reset")
+            except EnvFailure:
+                raise
+            except BaseException as exc:
                 raise EnvFailure(i, "reset", "env", exc) from exc
-            self._write(root, i, obs, info, "reset")
             self.count[i] = 0
             self.slots.reset[i] = True
 
@@ -424,9 +426,11 @@ class GymUnit(Unit):
             for i, action in zip(rows, actions):
                 try:
                     obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-                except Exception as exc:
+                    self._write(nxt, i, obs, info, "step")
+                except EnvFailure:
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
                     raise EnvFailure(i, "step", "env", exc) from exc
-                self._write(nxt, i, obs, info, "step")
                 self.count[i] += 1
                 if self.cap is not None and self.count[i] >= self.cap:
                     truncated[i] = True
@@ -597,7 +601,7 @@ class TorchRLUnit(Unit):
                         shaped = mask.reshape(*self.batch, *[1] * (len(spec.shape) - len(self.batch)))
                         flags.set(k, shaped.expand(spec.shape).clone())
                     td = env.maybe_reset(flags)
-            except Exception as exc:
+            except BaseException as exc:
                 raise EnvFailure(a + mine[0], "reset", "env", exc) from exc
             values = self._rows_of(td, list(self.keys.root))
             if self.validate:
@@ -614,7 +618,7 @@ class TorchRLUnit(Unit):
                 continue
             try:
                 out, root = env.step_and_maybe_reset(self._td({k: v[a:b] for k, v in s.inputs.items()}))
-            except Exception as exc:
+            except BaseException as exc:
                 failure = EnvFailure(a, "step", "env", exc)
                 failure.completed = np.arange(a) if rows is None else rows[rows < a]
                 failure.lost = np.arange(a, self.rows) if rows is None else rows[rows >= a]
@@ -670,7 +674,7 @@ class EnvpoolUnit(GymUnit):
         ids = np.asarray(rows, dtype=np.int32)
         try:
             obs, info = self.envs[0].reset(ids)
-        except Exception as exc:
+        except BaseException as exc:
             raise EnvFailure(int(ids[0]), "reset", "env", exc) from exc
         got = np.asarray(info["env_id"]) if isinstance(info, Mapping) and "env_id" in info else np.sort(ids)
         self.slots.root["observation"][got] = obs
@@ -682,7 +686,7 @@ class EnvpoolUnit(GymUnit):
         actions = np.asarray(self._actions(s.inputs["action"], range(self.rows)))
         try:
             obs, reward, terminated, truncated, _ = self.envs[0].step(actions)
-        except Exception as exc:
+        except BaseException as exc:
             raise EnvFailure(0, "step", "env", exc) from exc
         if self.validate:
             _checked(0, {"observation": obs}, self._checked, rows=self.rows)

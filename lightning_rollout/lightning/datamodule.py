@@ -30,10 +30,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from tensordict import TensorDictBase
 from torchrl.envs.utils import ExplorationType
 
-from .._batched import is_batched, split_batched_env, splittable
+from .._batched import batched_env, is_batched, takes_apart
 from .._checks import check_int, warn_user
 from ..collector import ThreadedCollector
-from ..envs import EnvFactory, InfoKeys, close_env_quietly, info_key_list, resolve_env_factory
+from ..envs import EnvFactory, InfoKeys, close_quietly, info_key_list, resolve_env_factory
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
 from ..loop.auto import check_knobs
@@ -645,11 +645,11 @@ class RolloutDataModule(pl.LightningDataModule):
             first = factory()
             if not is_batched(first):
                 factories = [lambda: first] + [factory] * (n - 1)
-            elif splittable(first):
-                singles = split_batched_env(first).factories
+            elif takes_apart(first):
+                singles = batched_env(first, num_workers=1).factories
                 factories = [singles[i % len(singles)] for i in range(n)]
             else:
-                close_env_quietly(first)
+                close_quietly([first])
                 raise ValueError(
                     f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
                     f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "

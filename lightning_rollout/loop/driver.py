@@ -186,13 +186,15 @@ class MultiEnvLoop:
                                    group=self.envs_per_thread, parallel=bool(parallel_steps),
                                    threads=step_timeout is not None,
                                    name=name, max_episode_steps=max_episode_steps, validate=validate,
-                                   info_keys=self.info_keys or None)
+                                   info_keys=info_keys)
             self._seeded = seed
             self._setup(policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size, max_wait=max_wait,
                         device=device, policy_timeout=policy_timeout, env_shape=env_shape,
                         random_steps=random_steps_per_env, traj_id_start=traj_id_start)
         except EnvFailure as failure:
             self._shutdown()
+            if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
+                raise failure.cause from None
             phase = "check" if failure.phase == "check" else "reset"
             where = "" if failure.process is None else f" (in worker process {failure.process})"
             from ..errors import EnvError
@@ -289,7 +291,8 @@ class MultiEnvLoop:
             return self._stepper.run(rule, interrupter)
         except CollectionError as exc:
             try:
-                exc.partial = partial()
+                kept = partial()
+                exc.partial = kept if kept is not None and kept.batch_size.numel() else None
             except Exception:  # noqa: S110 - the failure is what the caller needs; the partial is a bonus
                 pass
             self.close()
@@ -549,7 +552,8 @@ def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_worke
     ``step_timeout`` to watch), or the stepping thread (see the module docstring)."""
     options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
     if num_workers > 1:
-        return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, **options)
+        return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, threads=threads,
+                           **options)
     units = build_units(factories, group=group, parallel=parallel, **options)
     if len(units) == 1 and not (parallel or threads):
         return SerialEnvs(units, seeds)
@@ -610,6 +614,10 @@ def _check_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: 
     if not is_auto(num_workers) and num_workers > num_envs:
         raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
                          "runs at least one env")
+    if not (is_auto(num_workers) or is_auto(envs_per_thread)) and num_workers > num_envs // envs_per_thread:
+        raise ValueError(f"num_workers ({num_workers}) must be at most num_envs / envs_per_thread "
+                         f"({num_envs // envs_per_thread}): each process steps whole groups of envs_per_thread envs; "
+                         f"pass envs_per_thread={num_envs // num_workers} or fewer num_workers")
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     check_seconds("step_timeout", step_timeout, allow_zero=False)

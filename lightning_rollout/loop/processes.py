@@ -39,11 +39,13 @@ from .._exit import close_at_exit, exempt_at_exit
 from ..envs import EnvFactory, EnvFailure, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
-from .executors import Envs, SerialEnvs, build_units
+from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
 _POLL_S = 0.05
+_FDS = ("; if this process ran out of file descriptors, raise the open-files limit (ulimit -n) or use fewer worker "
+        "processes")
 
 
 class WorkerDied(RuntimeError):
@@ -69,16 +71,23 @@ def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
     return out
 
 
-def _shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_().numpy()
+def _shared_slots(rows: int, inputs: dict[NestedKey, ArraySpec], nxt: dict[NestedKey, ArraySpec],
+                  root: dict[NestedKey, ArraySpec]) -> tuple[Slots, tuple[Any, ...]]:
+    """Slots over torch tensors in shared memory, and those tensors as :func:`_slots` takes them (what crosses to a
+    child: torch passes their file descriptors)."""
+    tensors: dict[int, torch.Tensor] = {}
 
+    def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        tensor = torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_()
+        array = tensor.numpy()
+        tensors[id(array)] = tensor
+        return array
 
-def _tensors(slots: Slots) -> tuple[Any, ...]:
-    """The shared tensors behind ``slots`` (what crosses to a child: torch passes their file descriptors)."""
-    t = torch.from_numpy
-    return ({k: t(v) for k, v in slots.inputs.items()}, {k: t(v) for k, v in slots.next.items()},
-            {k: t(v) for k, v in slots.root.items()}, t(slots.reward), t(slots.terminated), t(slots.truncated),
-            t(slots.reset))
+    slots = Slots.allocate(rows, inputs=inputs, next=nxt, root=root, make=make)
+    t = lambda a: tensors[id(a)]  # noqa: E731
+    return slots, ({k: t(v) for k, v in slots.inputs.items()}, {k: t(v) for k, v in slots.next.items()},
+                   {k: t(v) for k, v in slots.root.items()}, t(slots.reward), t(slots.terminated),
+                   t(slots.truncated), t(slots.reset))
 
 
 def _slots(tensors: tuple[Any, ...]) -> Slots:
@@ -113,7 +122,16 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
     envs: SerialEnvs | None = None
     try:
         _send(conn, ("started",))
-        envs = SerialEnvs(build_units([pickle.loads(b) for b in blobs], group=group, **options), seeds)
+        factories = []
+        for i, blob in enumerate(blobs):
+            try:
+                factories.append(pickle.loads(blob))
+            except BaseException as exc:  # noqa: BLE001 - named, then reported
+                raise EnvFailure(i, "reset", "env", RuntimeError(
+                    f"the env factory could not be unpickled in the worker process ({type(exc).__name__}: {exc}); "
+                    "it must be importable there: define it in a module, not in __main__ of an interactive "
+                    "session")) from exc
+        envs = SerialEnvs(build_units(factories, group=group, **options), seeds)
         unit = envs.unit
         _send(conn, ("ready", (unit.keys, unit.observation_spec, unit.action_spec, unit.loop_keys, unit.partial),
                      envs.roots))
@@ -216,7 +234,8 @@ class ProcessEnvs(Envs):
         num_workers: processes stepping envs, this one counted (``>= 2``).
         group: envs a unit steps (a shard's envs, a natively batched env's own batch).
         options: ``max_episode_steps``, ``validate``, ``info_keys`` for :func:`build_units`.
-        name: used in process names. ``timeout``: seconds a child may take to build and reset its envs.
+        name: used in process names. threads: shard 0 in a pool thread (a ``step_timeout`` must watch it).
+        timeout: seconds a child may take to build and reset its envs.
 
     Raises:
         ValueError: an unpicklable factory; envs whose specs differ. CollectionError: a daemonic process, or no
@@ -225,7 +244,7 @@ class ProcessEnvs(Envs):
 
     def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,
                  max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None, name: str,
-                 timeout: float = 120.0) -> None:
+                 threads: bool = False, timeout: float = 120.0) -> None:
         blobs = check_picklable(factories)
         if mp.current_process().daemon:
             raise CollectionError(
@@ -252,10 +271,13 @@ class ProcessEnvs(Envs):
                 try:
                     self._start(process)
                 except OSError as exc:
-                    raise CollectionError(f"could not start worker process {i} ({type(exc).__name__}: {exc})") from exc
+                    raise CollectionError(f"could not start worker process {i} ({type(exc).__name__}: {exc}){_FDS}"
+                                          ) from exc
                 child_end.close()
                 self.children.append(_Child(i, process, parent_end, a, b))
-            self.local = SerialEnvs(build_units(list(factories[:cuts[1]]), group=group, **options), seeds[:cuts[1]])
+            units = build_units(list(factories[:cuts[1]]), group=group, **options)
+            self.local: Envs = (ThreadEnvs(units, seeds[:cuts[1]], name=name) if threads
+                                else SerialEnvs(units, seeds[:cuts[1]]))
             self.unit = self.local.unit
             self.roots = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in self.local.roots.items()}
             for k, v in self.local.roots.items():
@@ -263,7 +285,7 @@ class ProcessEnvs(Envs):
             for child in self.children:
                 self._wait_ready(child, timeout)
             self.bounds = np.array(cuts)
-            self.slots = self._allocate({})
+            self.slots = Slots.allocate(n, inputs={}, next=self.unit.writes, root=self.unit.keys.root)
             self.local.use(self.slots.rows(0, cuts[1]))
         except BaseException:
             self.close(1.0)
@@ -308,19 +330,14 @@ class ProcessEnvs(Envs):
             child.ready = True
             return
 
-    def _allocate(self, inputs: dict[NestedKey, ArraySpec]) -> Slots:
-        return Slots.allocate(self.num_envs, inputs=inputs, next=self.unit.writes, root=self.unit.keys.root,
-                              make=_shared)
-
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
         try:
-            self.slots = self._allocate(inputs)
-            tensors = _tensors(self.slots)
+            self.slots, tensors = _shared_slots(self.num_envs, inputs, self.unit.writes, self.unit.keys.root)
             for child in self.children:
                 child.conn.send(("attach", tensors))
         except (OSError, RuntimeError) as exc:
             raise CollectionError(f"could not share the envs' buffers with the worker processes "
-                                  f"({type(exc).__name__}: {exc}); raise the open-files limit (ulimit -n)") from exc
+                                  f"({type(exc).__name__}: {exc}){_FDS}") from exc
         self.local.use(self.slots.rows(0, int(self.bounds[1])))
         for child in self.children:
             child.calls += 1
@@ -369,14 +386,24 @@ class ProcessEnvs(Envs):
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         ready, self._stash = self._stash, []
-        if self._local_rows is not None:  # shard 0 steps here while the children step theirs
+        if self._local_rows is not None and isinstance(self.local, SerialEnvs):  # stepped here meanwhile
             self.local.recv(0, 0.0)
             ready.append(self._local_rows)
             self._local_rows = None
         count = sum(len(r) for r in ready)
         deadline = time.perf_counter() + wait
         busy = {child.conn: child for child in self.children if child.calls}
-        while busy:
+        while busy or self._local_rows is not None:
+            if self._local_rows is not None:  # shard 0 in a pool thread
+                got = self.local.recv(len(self._local_rows), 0.0 if busy else min(_POLL_S, wait))
+                if len(got):
+                    ready.append(got)
+                    count += len(got)
+                    self._local_rows = None
+                if not busy:
+                    if count >= min_rows or time.perf_counter() >= deadline:
+                        break
+                    continue
             timeout = 0.0 if count >= min_rows else max(0.0, min(_POLL_S, deadline - time.perf_counter()))
             answered = wait_for(list(busy), timeout)
             for conn in answered:
@@ -397,6 +424,9 @@ class ProcessEnvs(Envs):
         return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
+        local = self.local.stuck(timeout)
+        if local is not None:
+            return local
         now = time.perf_counter()
         for child in self.children:
             if child.calls and now - child.since > timeout:
@@ -404,12 +434,11 @@ class ProcessEnvs(Envs):
         return None
 
     def close(self, timeout: float) -> list[str]:
-        if self._closed:
-            return []
-        self._closed = True
+        """Close every env and end every child; a close cut short (a second Ctrl-C) is finished by the next."""
         local = getattr(self, "local", None)
-        if local is not None:
+        if local is not None and not self._closed:
             local.close(timeout)
+        self._closed = True
         for child in self.children:
             if child.ready and child.process.is_alive():
                 try:
@@ -419,7 +448,8 @@ class ProcessEnvs(Envs):
             elif child.process.is_alive():  # still building: it cannot read the request
                 child.process.terminate()
         deadline = time.monotonic() + timeout
-        for child in self.children:
+        while self.children:
+            child = self.children[0]
             process = child.process
             process.join(max(0.0, deadline - time.monotonic()))
             for end in (process.terminate, process.kill):
@@ -431,5 +461,5 @@ class ProcessEnvs(Envs):
                 process.close()
             except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
                 pass
-        self.children = []
+            self.children.pop(0)
         return []

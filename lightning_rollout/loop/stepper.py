@@ -85,7 +85,7 @@ class EnvTimeRule(Rule):
         stepper.main.fit(np.arange(stepper.num_envs), steps + 2)
 
     def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
-        return stepper.whole_groups(idle & (stepper.main.t < self.target))
+        return stepper.whole_groups(idle, any_of=stepper.main.t < self.target)
 
     def done(self, stepper: Stepper) -> bool:
         return bool((stepper.main.t >= self.target).all())
@@ -213,11 +213,15 @@ class Stepper:
         self.new_trajectory: Callable[[int], None] = lambda env: None  # set by the loop
         self._write_roots(self.main, np.arange(n), envs.roots)
 
-    def whole_groups(self, mask: np.ndarray) -> np.ndarray:
-        """The envs of the groups (``group`` envs stepped together) whose every env is in ``mask``, ascending."""
+    def whole_groups(self, mask: np.ndarray, any_of: np.ndarray | None = None) -> np.ndarray:
+        """The envs of the groups (``group`` envs stepped together) whose every env is in ``mask`` (and, given
+        ``any_of``, one env at least in it), ascending."""
         if self.group == 1:
-            return np.flatnonzero(mask)
-        ok = np.flatnonzero(mask.reshape(-1, self.group).all(1))
+            return np.flatnonzero(mask if any_of is None else mask & any_of)
+        ok = mask.reshape(-1, self.group).all(1)
+        if any_of is not None:
+            ok &= any_of.reshape(-1, self.group).any(1)
+        ok = np.flatnonzero(ok)
         return (ok[:, None] * self.group + np.arange(self.group)).reshape(-1)
 
     def _split(self, ids: np.ndarray) -> list[tuple[Cursor, np.ndarray]]:
@@ -310,6 +314,8 @@ class Stepper:
             try:
                 rows = self.envs.recv(need - count, wait)
             except EnvFailure as failure:
+                if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
+                    raise failure.cause from None  # a Ctrl-C inside an env call of this process: as it is
                 self._salvage(np.concatenate([*got, failure.completed]).astype(np.int64), failure.lost)
                 raise self.failure_error(failure) from failure.cause
             if len(rows):
