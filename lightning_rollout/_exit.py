@@ -40,6 +40,7 @@ after this one) are skipped by ``os._exit``, except ``logging.shutdown`` and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing.util  # noqa: F401 (imported first: its exit hook then runs after ours)
@@ -49,9 +50,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["EXIT_GRACE_S", "abandon", "close_at_exit", "exempt_at_exit"]
+__all__ = ["EXIT_GRACE_S", "abandon", "close_at_exit", "exempt_at_exit", "sigint_blocked"]
 
 EXIT_GRACE_S = 2.0  # seconds the exit hook waits, in total, for threads still running after closing
 THREAD_PREFIX = "lightning_rollout-"
@@ -193,3 +195,21 @@ def _close_live() -> None:
     stuck = [t for t in stuck if t.is_alive()]
     if stuck:
         _exit_now(stuck)
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block: processes started meanwhile (worker processes, a ``ParallelEnv``'s)
+    start with it blocked (kept across ``exec``), so a Ctrl-C reaching the process group is this process's alone. A
+    SIGINT arriving meanwhile waits until the block ends: none is lost."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # it unblocks SIGINT in the thread that starts it: before the mask
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -244,3 +244,10 @@ def loaded_cores():
         for burner in burners:
             burner.kill()
             burner.wait(10)
+
+
+def steps_per_env(td) -> dict[int, int]:
+    """How many steps of each env a batch holds (any layout): ``{env_id: count}``."""
+    from collections import Counter
+
+    return dict(Counter(td.reshape(-1)["collector", "env_id"].tolist()))

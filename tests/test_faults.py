@@ -469,6 +469,35 @@ def test_collector_shutdown_from_another_thread_mid_batch(layout):
     assert_no_rollout_threads()
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_collector_with_worker_processes_shut_down_from_another_thread_raises_the_documented_error(trial):
+    """Issue 46 D: ``shutdown()`` from a second thread while the first iterates a collector whose envs run in
+    worker processes. The iterating thread always gets :class:`CollectionError` (not ``ValueError: process
+    object is closed`` from ``multiprocessing``), and nothing is left running."""
+    collector = ThreadedCollector(long_envs(4), CountingPolicy(), frames_per_batch=4 * LONG, num_envs=4,
+                                  num_workers=2, envs_per_thread=2, on_policy=False)
+    collecting = threading.Event()
+
+    def closer() -> None:
+        deadline = time.monotonic() + BOUND
+        while not collector.loop.collecting and time.monotonic() < deadline:
+            threading.Event().wait(0.005)
+        threading.Event().wait(0.05 * trial)  # a little into the batch: the children are stepping
+        collector.shutdown()
+        collecting.set()
+
+    thread = threading.Thread(target=closer, name="test-closer")
+    thread.start()
+    with pytest.raises(CollectionError, match="closed|shut down"):
+        bounded(lambda: next(iter(collector)), BOUND)
+    thread.join(BOUND)
+    assert collecting.is_set() and not thread.is_alive()
+    assert_no_rollout_threads()
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("lightning_rollout-")]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Interruption and interpreter exit, in real subprocesses
 

@@ -22,7 +22,7 @@ import torch
 
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
-from conftest import assert_batches_equal
+from conftest import assert_batches_equal, steps_per_env
 from process_helpers import balance_policy, count_envs, zero_policy
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
@@ -81,7 +81,8 @@ def test_env_error_in_a_worker_process_names_the_env_and_the_process_and_keeps_w
     error = info.value
     assert "(in worker process 1)" in str(error)
     assert "Traceback" in str(error.__cause__) and "process_helpers.py" in str(error.__cause__)  # the child's
-    assert error.partial is not None and error.partial.shape == (4, 7)
+    counts = steps_per_env(error.partial)  # every complete step, in arrival order
+    assert counts[3] == 7 and min(counts.values()) >= 7
 
 
 def test_a_reset_failing_in_a_worker_process_after_a_done_step_names_that_env_and_delivers_the_done_step():
@@ -93,7 +94,8 @@ def test_a_reset_failing_in_a_worker_process_after_a_done_step_names_that_env_an
             loop.run_env_steps(20)
     assert "(in worker process 1)" in str(info.value)
     partial = info.value.partial
-    assert partial is not None and partial.shape == (4, 5) and partial["next", "done"][3, -1].item()
+    env3 = partial[partial["collector", "env_id"] == 3]
+    assert env3.shape == (5,) and env3["next", "done"][-1].item()  # the done step is delivered
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=["in this process", "in a worker process"])
@@ -144,7 +146,7 @@ def test_the_first_shard_steps_in_this_process_and_an_error_there_names_no_worke
         pids[failing] = int(str(info.value).split("in process ")[1].split()[0].rstrip(")"))
         assert ("(in worker process 1)" in str(info.value)) == (failing == 2)
         assert "worker process 0" not in str(info.value)
-        assert info.value.partial is not None and info.value.partial.shape == (4, 6)
+        assert info.value.partial is not None and info.value.partial.batch_dims == 1  # every complete step
     assert pids[1] == os.getpid()
     assert pids[2] != os.getpid()
 
@@ -177,7 +179,8 @@ def test_hung_env_in_a_worker_process_times_out_and_its_process_is_ended():
         with pytest.raises(StepTimeoutError, match="env 1") as info:
             loop.run_env_steps(20)
         assert (info.value.env_id, info.value.step) == (1, 4)
-        assert info.value.partial is not None and info.value.partial.shape == (2, 4)
+        counts = steps_per_env(info.value.partial)
+        assert counts[1] == 4 and counts[0] >= 4
     finally:
         loop.close()
     assert not (_children() - before), "the stuck process is terminated, not left running"

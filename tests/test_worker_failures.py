@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import steps_per_env
 import torch
 
 from lightning_rollout import CollectionError, EnvError, MultiEnvLoop, PolicyError, ThreadedCollector
@@ -59,7 +60,8 @@ def test_a_base_exception_in_a_worker_processs_env_ends_in_an_env_error_naming_i
     finally:
         loop.close()
     assert "(in worker process 1)" in str(info.value)
-    assert info.value.partial is not None and info.value.partial.shape == (4, 3)
+    counts = steps_per_env(info.value.partial)
+    assert counts[3] == 3 and min(counts.values()) >= 3
     assert not (_children() - before)
 
 
@@ -78,7 +80,8 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_not_the_main_gu
         with MultiEnvLoop(make, zero_policy, num_workers=2, envs_per_thread=2, lookahead=False) as loop:
             with pytest.raises(EnvError, match="env 2 failed in step at step 3") as info:
                 loop.run_env_steps(10)
-        assert info.value.partial is not None and info.value.partial.shape == (4, 3)
+        counts = steps_per_env(info.value.partial)
+        assert counts[3] == 3 and min(counts.values()) >= 3
     message = str(info.value)
     assert "was killed by SIGKILL (exit code -9)" in message and "(in worker process 1)" in message
     assert "__main__" not in message and info.value.__cause__ is not None
@@ -184,7 +187,7 @@ def test_a_shape_error_without_validation_names_the_env_that_returned_it(bad):
                       envs_per_thread=2, validate=False, lookahead=False) as loop:
         with pytest.raises(EnvError, match=rf"env {bad} failed in step at step 2: ValueError") as info:
             loop.run_env_steps(10)
-    assert info.value.env_id == bad and info.value.partial.shape == (4, 2)
+    assert info.value.env_id == bad and steps_per_env(info.value.partial)[bad] == 2
 
 
 # -- daemonic processes -----------------------------------------------------------------------------------

@@ -74,9 +74,13 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                 return method(self, *args, **kwargs)
         except CollectionError:
             raise
-        except BaseException as exc:  # Ctrl-C, a processor's error, or what a close from another thread broke
+        except KeyboardInterrupt:  # reaches the caller at once; the envs are released by close() (or at exit)
+            self.closed = True
+            self._stop.set()
+            raise
+        except BaseException as exc:  # a processor's error, or what a close from another thread broke
             self.close()
-            if self._closed_by_other and not isinstance(exc, KeyboardInterrupt):
+            if self._closed_by_other:
                 raise CollectionError(f"the loop {self.name!r} was closed while collecting") from exc
             raise
         finally:
@@ -309,7 +313,8 @@ class MultiEnvLoop:
         Raises:
             EnvError, PolicyError: an env or the policy failed; ``exc.partial`` holds what was collected; the loop
                 is closed. StepTimeoutError: an env call exceeded ``step_timeout``. CollectionError: the loop was
-                closed. KeyboardInterrupt: re-raised after closing the loop.
+                closed. KeyboardInterrupt: re-raised at once; the loop takes no further call, and close()
+                (or the interpreter's exit) releases its envs.
         """
         check_int("n", n, 0)
         processor = processor if processor is not None else self.processor

@@ -27,7 +27,7 @@ import numpy as np
 
 import gymnasium as gym
 
-from .._exit import abandon
+from .._exit import abandon, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
 from ..specs import ArraySpec, NestedKey
 
@@ -159,7 +159,8 @@ class _Local(Envs):
         self.bounds = np.cumsum([0, *(u.rows for u in units)])
         self.num_envs = int(self.bounds[-1])
         self.use(Slots.allocate(self.num_envs, inputs={}, next=self.unit.writes, root=self.unit.keys.root))
-        self._reset_units(np.arange(self.num_envs), seeds)
+        with sigint_blocked():  # a batched env (ParallelEnv) starts its processes here: Ctrl-C stays ours
+            self._reset_units(np.arange(self.num_envs), seeds)
         self.roots = {k: v.copy() for k, v in self.slots.root.items()}
 
     def use(self, slots: Slots) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._exit import close_at_exit, exempt_at_exit
+from .._exit import close_at_exit, exempt_at_exit, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
@@ -269,7 +269,8 @@ class ProcessEnvs(Envs):
                 process = ctx.Process(target=_child_main, name=f"lightning_rollout-{name}-worker{i}", daemon=False,
                                       args=(child_end, blobs[a:b], list(seeds[a:b]), a, group, options))
                 try:
-                    self._start(process)
+                    with sigint_blocked():  # the child starts with it blocked: Ctrl-C is ours
+                        process.start()
                 except OSError as exc:
                     raise CollectionError(f"could not start worker process {i} ({type(exc).__name__}: {exc}){_FDS}"
                                           ) from exc
@@ -290,22 +291,6 @@ class ProcessEnvs(Envs):
         except BaseException:
             self.close(1.0)
             raise
-
-    @staticmethod
-    def _start(process: Any) -> None:
-        """Start ``process`` with SIGINT blocked in this thread, so the child starts with it blocked (the mask is
-        kept across ``exec``): a Ctrl-C while it imports does not reach it."""
-        if not hasattr(signal, "pthread_sigmask"):
-            process.start()
-            return
-        from multiprocessing import resource_tracker
-
-        resource_tracker.ensure_running()  # it unblocks SIGINT in the thread that starts it: before the mask
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _wait_ready(self, child: _Child, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -387,9 +372,9 @@ class ProcessEnvs(Envs):
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         ready, self._stash = self._stash, []
         if self._local_rows is not None and isinstance(self.local, SerialEnvs):  # stepped here meanwhile
+            rows, self._local_rows = self._local_rows, None
             self.local.recv(0, 0.0)
-            ready.append(self._local_rows)
-            self._local_rows = None
+            ready.append(rows)
         count = sum(len(r) for r in ready)
         deadline = time.perf_counter() + wait
         busy = {child.conn: child for child in self.children if child.calls}

@@ -239,6 +239,8 @@ class Stepper:
             CollectionError: the loop was closed meanwhile.
         """
         while not rule.done(self):
+            if self.stop.is_set():
+                raise CollectionError("the loop was closed while collecting")
             if interrupter is not None and interrupter.should_stop():
                 return False
             send = rule.select(self, ~self.flying)
