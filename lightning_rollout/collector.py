@@ -431,7 +431,7 @@ class ThreadedCollector(BaseCollector):
         drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
-        else:
+        elif "policy_version" not in self._loop.layout.out_keys:  # the policy's own entry stays, as in TorchRL
             drop.append("policy_version")
         if not self.track_traj_ids:
             drop.append(("collector", "traj_ids"))

@@ -52,6 +52,10 @@ class ActionError(ValueError):
     """The policy's action is not a valid action of the env (wrong shape, out of bounds, NaN...)."""
 
 
+class Explained(Exception):
+    """An error whose message says everything (shown without its type name)."""
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker process (chained as the cause of the error)."""
 
@@ -75,7 +79,7 @@ class EnvFailure(Exception):
     def __init__(self, row: int, phase: str, kind: str, cause: BaseException, process: int | None = None) -> None:
         if isinstance(cause, RemoteTraceback):
             text = str(cause).split("\n", 1)[0]
-        elif kind == "action" or phase == "check":
+        elif kind == "action" or isinstance(cause, Explained):
             text = str(cause)
         else:
             text = f"{type(cause).__name__}: {cause}"
@@ -99,7 +103,7 @@ class EnvFailure(Exception):
         return self
 
 
-class CheckFailed(Exception):
+class CheckFailed(Explained):
     """What an env returned does not match its spec."""
 
 

@@ -65,16 +65,10 @@ def prefers_action_one() -> ProbabilisticActor:
     return ProbabilisticActor(module, in_keys=["logits"], distribution_class=OneHotCategorical)
 
 
-# The loop ignores the caller's block on 13c7c32; the new core reads it (remove the marks then).
-context_not_read_yet = pytest.mark.xfail(strict=True, reason="issue 46 B6: MultiEnvLoop ignores the caller's "
-                                         "set_exploration_type block")
-
-
 def make_loop() -> MultiEnvLoop:
     return MultiEnvLoop([PaysTheAction] * 2, prefers_action_one(), lookahead=False, seed=0, name="context")
 
 
-@context_not_read_yet
 def test_run_episodes_inside_a_deterministic_block_acts_deterministically():
     loop = make_loop()
     try:
@@ -87,7 +81,6 @@ def test_run_episodes_inside_a_deterministic_block_acts_deterministically():
         loop.close()
 
 
-@context_not_read_yet
 def test_run_steps_inside_a_deterministic_block_acts_deterministically():
     loop = make_loop()
     try:

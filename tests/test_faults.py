@@ -474,7 +474,9 @@ def test_collector_with_worker_processes_shut_down_from_another_thread_raises_th
     """Issue 46 D: ``shutdown()`` from a second thread while the first iterates a collector whose envs run in
     worker processes. The iterating thread always gets :class:`CollectionError` (not ``ValueError: process
     object is closed`` from ``multiprocessing``), and nothing is left running."""
-    collector = ThreadedCollector(long_envs(4), CountingPolicy(), frames_per_batch=4 * LONG, num_envs=4,
+    from process_helpers import count_envs
+
+    collector = ThreadedCollector(count_envs(4), CountingPolicy(), frames_per_batch=4 * LONG, num_envs=4,
                                   num_workers=2, envs_per_thread=2, on_policy=False)
     collecting = threading.Event()
 

@@ -182,7 +182,7 @@ def test_free_step_timeout_names_the_hung_env_while_the_others_run_on():
             with pytest.raises(StepTimeoutError, match=r"env 1 .*step_timeout=0.5") as info:
                 loop.run_env_steps(50)
         assert (info.value.env_id, info.value.step) == (1, 1)
-        assert info.value.partial is not None and info.value.partial.shape == (2, 1)  # env 1's one complete step
+        assert steps_per_env(info.value.partial).get(1) == 1  # env 1's one complete step
     finally:
         shared["release"].set()  # the abandoned threads leave the hung step and exit
         for thread in set(threading.enumerate()) - before:

@@ -234,11 +234,19 @@ class MultiEnvLoop:
             self._call = PolicyCall(wrapped, device=device, seed=_policy_seed(self.seed), policy_timeout=policy_timeout,
                                     name=self.name)
             self._policy = self._call
+        # torch's intra-op threads during the probe and every call (a process-wide setting): the constructing
+        # thread's, capped at the cores left by the pool threads (stepping side by side) or the worker processes
+        # stepping meanwhile
+        overlap = self.lookahead or autobatch_size is not None
+        busy = len(getattr(envs, "pool", ())) or ((self.num_workers - 1) if overlap else 0)
+        self._torch_threads = torch_threads(runs_policy=True, busy=busy)
         shape = tuple(env_shape) if env_shape is not None else (() if self.num_envs == 1 else None)
         probe = {k: envs.roots[k] for k in keys.root}
         probe.update({k: np.zeros((self.num_envs, *s.shape), s.dtype) for k, s in keys.done.items()})
         self._call.bind(probe, sub_batch=keys.sub_batch, env_shape=shape)
-        outputs = {k: ArraySpec(s, np.dtype(d)) for k, (s, d) in self._call.probe(probe, self.num_envs).items()}
+        with torch_threads_set(self._torch_threads):
+            probed = self._call.probe(probe, self.num_envs)
+        outputs = {k: ArraySpec(s, np.dtype(d)) for k, (s, d) in probed.items()}
         missing = [k for k in keys.action if k not in outputs]
         if missing:
             raise PolicyError(f"the policy wrote no {missing[0]!r} (the env's action key"
@@ -257,11 +265,6 @@ class MultiEnvLoop:
         self._delivery = Delivery(layout, self.num_envs, traj_id_start=traj_id_start, info_keys=self.info_keys,
                                   eval=self.eval)
         self._stepper.new_trajectory = self._delivery.new_trajectory
-        # the policy's forward passes, in the collecting thread: the constructing thread's torch threads, capped at
-        # the cores that the threads or processes stepping envs meanwhile leave (docs/tuning.rst)
-        overlap = self.lookahead or autobatch_size is not None
-        busy = len(getattr(envs, "pool", ())) or (self.num_workers - 1) if overlap else 0
-        self._torch_threads = torch_threads(runs_policy=True, busy=busy)
 
     def _act(self, inputs: dict[NestedKey, np.ndarray], rows: int, mode: ExplorationType
              ) -> tuple[dict[NestedKey, np.ndarray], int]:

@@ -253,8 +253,7 @@ class _PoolThread:
     def _main(self) -> None:
         import torch
 
-        torch.set_num_threads(1)  # an env's own torch work (TorchRL transforms) must not start an OpenMP team here
-        torch.set_grad_enabled(False)
+        torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
         while not self.stop.is_set():
             try:
                 call = self.calls.get(timeout=POLL_S)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .._exit import close_at_exit, exempt_at_exit, sigint_blocked
-from ..envs import EnvFactory, EnvFailure, InfoKeys, RemoteTraceback, Slots
+from ..envs import EnvFactory, EnvFailure, Explained, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
 from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
@@ -104,6 +104,13 @@ def _watch_parent() -> None:
         os._exit(0)
 
 
+def _explained(text: str, cause: BaseException) -> Explained:
+    """An :class:`Explained` error chained to ``cause`` (so its traceback travels to the parent)."""
+    error = Explained(text)
+    error.__cause__ = cause
+    return error
+
+
 def _send(conn: Any, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
@@ -127,23 +134,27 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
             try:
                 factories.append(pickle.loads(blob))
             except BaseException as exc:  # noqa: BLE001 - named, then reported
-                raise EnvFailure(i, "reset", "env", RuntimeError(
+                raise EnvFailure(i, "reset", "env", _explained(
                     f"the env factory could not be unpickled in the worker process ({type(exc).__name__}: {exc}); "
-                    "it must be importable there: define it in a module, not in __main__ of an interactive "
-                    "session")) from exc
+                    "it must be importable in a fresh process (a module's function or class)", exc)) from exc
         envs = SerialEnvs(build_units(factories, group=group, **options), seeds)
         unit = envs.unit
         _send(conn, ("ready", (unit.keys, unit.observation_spec, unit.action_spec, unit.loop_keys, unit.partial),
                      envs.roots))
+        try:
+            message = conn.recv()  # the shared buffers: their file descriptors arrive with it
+            envs.use(_slots(message[1]).rows(a, a + envs.num_envs))
+        except Exception as exc:
+            raise EnvFailure(0, "reset", "env", _explained(
+                f"could not attach the shared buffers of envs {list(range(a, a + envs.num_envs))} "
+                f"({type(exc).__name__}: {exc}){_FDS}", exc)) from exc
+        _send(conn, ("ok", "attach", None))
         while True:
             message = conn.recv()
             kind = message[0]
             if kind == "close":
                 break
-            if kind == "attach":
-                envs.use(_slots(message[1]).rows(a, a + envs.num_envs))
-                rows: Any = None
-            elif kind == "step":
+            if kind == "step":
                 rows = message[1]
                 envs.send(np.arange(envs.num_envs) if rows is None else rows)
                 envs.recv(0, 0.0)

@@ -24,7 +24,7 @@ __all__ = ["BatchPool", "Layout", "Ring"]
 
 TRAJ = ("collector", "traj_ids")
 ENV_ID = ("collector", "env_id")
-VERSION = "policy_version"
+VERSION = ("_loop", "version")  # int64: the policy version that acted (a batch's "policy_version")
 # The loop's private bookkeeping of each step (never part of a batch handed to a user).
 REWARD = ("_loop", "reward")  # float64: the step's reward, summed over the env's reward leaves
 TERMINATED = ("_loop", "terminated")
@@ -99,6 +99,8 @@ class Layout:
         items = [(key, torch.from_numpy(value)) for key, value in columns.items()
                  if not (isinstance(key, tuple) and key[0] == PRIVATE)]
         items += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool)) for key in self.done_keys]
+        if "policy_version" not in self.out_keys and VERSION in columns:  # else the policy's own entry
+            items.append(("policy_version", torch.from_numpy(columns[VERSION])))
         for key, tensor in items:
             *path, leaf = key_parts(key)
             node = tree
