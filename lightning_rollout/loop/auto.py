@@ -27,12 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._checks import check_int
 from .._exit import abandon
-from ..envs import EnvFactory, Slots, close_quietly
-from .executors import batch_rows, build_units
+from ..envs import EnvFactory, close_quietly
+from .executors import SerialEnvs, batch_rows, build_units
 
 __all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "cgroup_cpu_limit", "choose_layout", "measure_env",
            "resolve_layout", "usable_cores"]
@@ -208,26 +209,26 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
     if batch is not None:
         close_quietly([env])
         return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=batch)
-    [unit] = build_units([lambda: env], group=1, max_episode_steps=max_episode_steps, validate=False, info_keys=None)
+    envs = SerialEnvs(build_units([lambda: env], group=1, max_episode_steps=max_episode_steps, validate=False,
+                                  info_keys=None), [None])
     delay = RunDelay()
     try:
-        from ..policy import BatchedRandomPolicy
         from tensordict import TensorDict
 
-        keys = unit.keys
-        inputs = {**keys.root, **keys.action, **keys.done}
-        slots = Slots.allocate(1, inputs=inputs, next=unit.writes, root=keys.root)
-        unit.bind(slots)
-        unit.reset([0], [None])
-        random_policy = BatchedRandomPolicy(unit.action_spec)
+        from ..policy import BatchedRandomPolicy
+
+        keys, slots, row = envs.unit.keys, envs.slots, np.zeros(1, dtype=np.int64)
+        envs.attach({**keys.root, **keys.action, **keys.done})
+        random_policy = BatchedRandomPolicy(envs.unit.action_spec)
 
         def step() -> float:
             for k, v in random_policy(TensorDict({}, batch_size=[1])).items(True, True):
                 slots.inputs[k][...] = v.numpy()
-            for k in keys.root:
+            for k in keys.root:  # a TorchRL env reads its root entries: the last step's, or its reset's
                 slots.inputs[k][...] = slots.root[k] if slots.reset[0] else slots.next.get(k, slots.inputs[k])
             d0, t0 = delay(), time.perf_counter()
-            unit.step(None)
+            envs.send(row)
+            envs.recv(1, 0.0)
             return max(0.0, time.perf_counter() - t0 - (delay() - d0))
 
         for _ in range(3):
@@ -243,7 +244,7 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
                          step_cv=cv)
     finally:
         delay.close()
-        close_quietly([unit])
+        envs.close(0.0)
 
 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
