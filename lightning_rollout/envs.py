@@ -462,6 +462,10 @@ class GymUnit(Unit):
         if self._n > 1 and action.ndim == 2 and action.shape[1] == self._n:  # one-hot rows
             index = action.argmax(1) + self._start
             return list(index.astype(self.action_space.dtype, copy=False))
+        if self._n and action.ndim == 1 and (not self.validate or (  # indices, checked at once
+                action.dtype.kind in "iu" and 0 <= action.min() and action.max() < max(self._n, 2))):
+            index = (action if self._n > 1 else np.zeros_like(action)) + self._start
+            return list(index.astype(self.action_space.dtype, copy=False))  # numpy scalars, as a vector env passes
         if self._box is not None and action.shape[1:] == self.action_space.shape and (
                 not self.validate or (self._box[0] <= action.min() and action.max() <= self._box[1])):
             return list(action.astype(self.action_space.dtype, copy=False))

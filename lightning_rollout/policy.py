@@ -323,6 +323,7 @@ class PolicyCall:
         self.env_shape: tuple[int, ...] | None = None  # the call shape of a call on every env (TorchRL's)
         self._rng = None if seed is None else torch.Generator().manual_seed(int(seed)).get_state()
         self._modes: dict[ExplorationType, set_exploration_type] = {}
+        self._no_grad = torch.no_grad()  # reused: calls run one at a time
         self.version = 0
         self._plain_state: Any = None
         self._weights = threading.Lock()
@@ -392,7 +393,13 @@ class PolicyCall:
         if self.failure is not None:
             raise PolicyError(self.failure.reason) from self.failure
         try:
-            outputs = self._bounded(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
+            if self.policy_timeout is None and self._weights.acquire(blocking=False):  # the usual case: no wait
+                try:
+                    outputs = self._call(inputs, rows, mode)
+                finally:
+                    self._weights.release()
+            else:
+                outputs = self._bounded(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
         except _CallTimedOut as error:
             self.failure = error
             raise
@@ -419,9 +426,18 @@ class PolicyCall:
         if shape != (rows,):
             stacked = {k: v.reshape((*shape, *v.shape[1:])) for k, v in stacked.items()}
         explore = self._modes.get(mode) or self._modes.setdefault(mode, set_exploration_type(mode))
-        with torch.no_grad(), explore, self._own_rng():
-            outputs = (self._direct_outputs(self._direct(*[stacked[k] for k in keys])) if self._direct is not None
-                       else self._tensordict_outputs(stacked, shape))
+        saved = None
+        if self._rng is not None:  # the policy's own random stream, swapped in
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self._rng)
+        try:
+            with self._no_grad, explore:
+                outputs = (self._direct_outputs(self._direct(*[stacked[k] for k in keys]))
+                           if self._direct is not None else self._tensordict_outputs(stacked, shape))
+        finally:
+            if saved is not None:
+                self._rng = torch.get_rng_state()
+                torch.set_rng_state(saved)
         if shape != (rows,):
             outputs = {k: v.reshape(rows, *v.shape[len(shape):]) for k, v in outputs.items()}
         for key, value in outputs.items():
@@ -429,19 +445,6 @@ class PolicyCall:
                 raise PolicyError(f"'{key}' has shape {tuple(value.shape)} for a batch of {rows} observations "
                                   f"(the leading dim must be the batch size {rows})")
         return outputs
-
-    @contextlib.contextmanager
-    def _own_rng(self) -> Iterator[None]:
-        if self._rng is None:
-            yield
-            return
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self._rng)
-        try:
-            yield
-        finally:
-            self._rng = torch.get_rng_state()
-            torch.set_rng_state(saved)
 
     def _direct_outputs(self, result: Any) -> dict[NestedKey, np.ndarray]:
         out_keys = self._direct_out

@@ -210,6 +210,7 @@ class Stepper:
         self.seq = 0
         self.mode = ExplorationType.RANDOM
         self.group = group if envs.unit.partial else envs.unit.rows  # envs stepped together at the least
+        self._everyone, self._no_one = np.arange(n), np.empty(0, dtype=np.int64)
         self.new_trajectory: Callable[[int], None] = lambda env: None  # set by the loop
         self._write_roots(self.main, np.arange(n), envs.roots)
 
@@ -218,6 +219,9 @@ class Stepper:
         ``any_of``, one env at least in it), ascending."""
         if self.group == 1:
             return np.flatnonzero(mask if any_of is None else mask & any_of)
+        if self.group == self.num_envs:  # one group (every env in the stepping thread): all or none
+            ok_all = mask.all() and (any_of is None or any_of.any())
+            return self._everyone if ok_all else self._no_one
         ok = mask.reshape(-1, self.group).all(1)
         if any_of is not None:
             ok &= any_of.reshape(-1, self.group).any(1)
@@ -259,31 +263,45 @@ class Stepper:
             rule.settled(self, ready)
         return True
 
+    def _where(self, c: Cursor, ids: np.ndarray, ahead: int = 0) -> tuple[Any, Any]:
+        """``(rows, envs)`` indexing the ring at each env's step ``t + ahead``: a row and a slice when ``ids`` is every
+        env at one step (lock-step: views, no gathers), else index arrays."""
+        t = c.t[ids]
+        if len(ids) == self.num_envs and (t == t[0]).all():
+            return int(t[0] + ahead) % c.ring.capacity, slice(None)
+        return (t + ahead) % c.ring.capacity, ids
+
     def send(self, ids: np.ndarray) -> None:
         """Act for envs ``ids`` (one policy call a cursor; random actions for those with random steps left)."""
         inputs = self.envs.slots.inputs
         for cursor, part in self._split(ids):
             cursor.fit(part, 2)
-            rows = cursor.t[part] % cursor.ring.capacity
             cols = cursor.ring.cols
             random = self.random_left[part] > 0
             if random.any():
+                rows = cursor.t[part] % cursor.ring.capacity
                 self._act_random(cols, part[random], rows[random])
                 self.random_left[part[random]] -= 1
-            if not random.all():
-                self._act(cols, part[~random], rows[~random], cursor.t)
+                if not random.all():
+                    self._act(cols, part[~random], rows[~random], cursor.t)
+            else:
+                self._act(cols, *self._where(cursor, part)[::-1], cursor.t, ids=part)
+            rows, envs = self._where(cursor, part)
             for k in self.env_cols:
-                inputs[k][part] = cols[k][rows, part]
+                inputs[k][envs] = cols[k][rows, envs]
         for k in self.env_done:
             inputs[k][ids] = False
         self.envs.send(ids)
         self.flying[ids] = True
 
-    def _act(self, cols: dict[NestedKey, np.ndarray], ids: np.ndarray, rows: np.ndarray, t: np.ndarray) -> None:
-        inputs = {k: cols[k][rows, ids] for k in self.input_cols}
-        inputs.update({k: v[: len(ids)] for k, v in self.input_done.items()})
+    def _act(self, cols: dict[NestedKey, np.ndarray], envs: Any, rows: Any, t: np.ndarray,
+             ids: np.ndarray | None = None) -> None:
+        ids = envs if ids is None else ids
+        n = len(ids)
+        inputs = {k: cols[k][rows, envs] for k in self.input_cols}
+        inputs.update({k: v[:n] for k, v in self.input_done.items()})
         try:
-            outputs, version = self.policy(inputs, len(ids), self.mode)
+            outputs, version = self.policy(inputs, n, self.mode)
         except PolicyError as exc:
             error = PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]]))
             raise error from exc
@@ -293,8 +311,8 @@ class Stepper:
                 got = "nothing" if value is None else f"shape {tuple(value.shape[1:])}"
                 raise PolicyError(f"the policy returned {got} for {k!r}; it returned shape {shape} per row when "
                                   "probed at construction", env_ids=tuple(ids.tolist()), step=int(t[ids[0]]))
-            cols[k][rows, ids] = value
-        cols[VERSION][rows, ids] = version
+            cols[k][rows, envs] = value
+        cols[VERSION][rows, envs] = version
 
     def _act_random(self, cols: dict[NestedKey, np.ndarray], ids: np.ndarray, rows: np.ndarray) -> None:
         sample = self.random_action(len(ids))
@@ -378,31 +396,31 @@ class Stepper:
         self.flying[ids] = False
 
     def _settle(self, c: Cursor, ids: np.ndarray) -> None:
-        s, cols, cap = self.envs.slots, c.ring.cols, c.ring.capacity
-        t = c.t[ids]
-        rows, nxt = t % cap, (t + 1) % cap
+        s, cols = self.envs.slots, c.ring.cols
+        rows, envs = self._where(c, ids)
+        nxt = self._where(c, ids, 1)[0]
         for k, shared in self.writes:
             if shared:
-                cols[k][nxt, ids] = s.next[k][ids]
+                cols[k][nxt, envs] = s.next[k][envs]
             else:
-                cols[next_key(k)][rows, ids] = s.next[k][ids]
-        reward, terminated, truncated = s.reward[ids], s.terminated[ids], s.truncated[ids]
-        cols[REWARD][rows, ids] = reward
-        cols[TERMINATED][rows, ids] = terminated
-        cols[TRUNCATED][rows, ids] = truncated
-        c.ep_len[ids] += 1
-        c.ep_ret[ids] += reward
-        cols[LENGTH][rows, ids] = c.ep_len[ids]
-        cols[RETURN][rows, ids] = c.ep_ret[ids]
-        cols[SEQ][rows, ids] = np.arange(self.seq, self.seq + len(ids))
+                cols[next_key(k)][rows, envs] = s.next[k][envs]
+        reward, terminated, truncated = s.reward[envs], s.terminated[envs], s.truncated[envs]
+        cols[REWARD][rows, envs] = reward
+        cols[TERMINATED][rows, envs] = terminated
+        cols[TRUNCATED][rows, envs] = truncated
+        c.ep_len[envs] += 1
+        c.ep_ret[envs] += reward
+        cols[LENGTH][rows, envs] = c.ep_len[envs]
+        cols[RETURN][rows, envs] = c.ep_ret[envs]
+        cols[SEQ][rows, envs] = np.arange(self.seq, self.seq + len(ids))
         self.seq += len(ids)
         for k, src in self.layout.advance:
-            cols[k][nxt, ids] = cols[src][rows, ids]
+            cols[k][nxt, envs] = cols[src][rows, envs]
         if self.gym:
-            cols["is_init"][nxt, ids] = False
-            cols["step_count"][nxt, ids, 0] = c.ep_len[ids]
-            cols["episode_reward"][nxt, ids, 0] = c.ep_ret[ids]
-        c.t[ids] = t + 1
+            cols["is_init"][nxt, envs] = False
+            cols["step_count"][nxt, envs, 0] = c.ep_len[envs]
+            cols["episode_reward"][nxt, envs, 0] = c.ep_ret[envs]
+        c.t[envs] += 1
         done = terminated | truncated
         if done.any():
             ended = ids[done]
