@@ -1,9 +1,9 @@
 """A batched env instance given to the collector: taken apart into single envs, or stepped as it is.
 
 TorchRL's ``Collector`` steps a batched env (``batch_size=[B]`` or more dims) in one call and yields
-``[*batch_size, T]`` batches. ``ThreadedCollector`` steps it the same way (one env thread, one
-``env.step`` a batch: :mod:`lightning_rollout.loop.native`), except where taking it apart into its
-single envs, stepped by its own threads, gives provably the data ``Collector`` computes
+``[*batch_size, T]`` batches. ``ThreadedCollector`` steps it the same way (one unit, one
+``env.step_and_maybe_reset`` a batch: :class:`~lightning_rollout.envs.TorchRLUnit`), except where taking it apart
+into its single envs gives provably the data ``Collector`` computes
 (:func:`takes_apart`, the one rule):
 
 * a ``SerialEnv`` or ``ParallelEnv`` (those classes) of unbatched envs: one factory per

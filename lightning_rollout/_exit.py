@@ -1,40 +1,15 @@
 """Interpreter exit: close running loops and policies, and never let an abandoned thread abort the process.
 
-Two dangers at exit, both from daemon threads:
-
-* a loop or policy the script never closed still has threads running. One
-  ``atexit`` hook closes every object registered with :func:`close_at_exit`
-  (held weakly) that is still alive, the last registered first (a loop before
-  the worker processes it built), which stops and joins its threads first. It
-  runs before ``multiprocessing``'s own exit hook, which joins every
-  non-daemonic child process: worker processes are closed before that join.
-* a thread **abandoned** after a timeout (an env call past ``step_timeout``, a
-  forward pass past ``policy_timeout``, a thread still running after a
-  ``join_timeout``; registered with :func:`abandon`) cannot be stopped: Python
-  cannot kill a thread. If it is inside a torch call when the interpreter
-  finalizes, it is killed by ``pthread_exit`` as it takes the GIL back, inside
-  C++ code that may not unwind, and the process aborts ("terminate called
-  without an active exception", exit status -6), whatever the script did.
-
-So, after closing, the hook waits up to :data:`EXIT_GRACE_S` seconds in total
-for every ``lightning_rollout-*`` thread still alive, except those registered
-with :func:`exempt_at_exit` (a thread that only waits on a file descriptor,
-such as a worker process's parent-death watchdog, cannot abort finalization).
-When one is still running after that, the interpreter must not finalize: the
-hook flushes ``logging``, ``sys.stdout`` and ``sys.stderr``, prints one line on
-stderr naming the threads, and ends the process with :func:`os._exit`, with the
-exit code the script was about to exit with:
-
-* the code passed to ``sys.exit()`` in the main thread (recorded by a thin wrapper
-  installed while lightning_rollout threads exist; ``None`` is 0, a string is 1);
-* 1 after an uncaught exception (its traceback was printed already);
-* death by ``SIGINT`` after an uncaught ``KeyboardInterrupt`` (130 in a shell), as Python does;
-* else 0. (``raise SystemExit(n)`` written without ``sys.exit`` is not visible to
-  Python code at exit and ends with 0.)
-
-Exit handlers registered before lightning_rollout was imported (they would run
-after this one) are skipped by ``os._exit``, except ``logging.shutdown`` and
-``weakref.finalize`` callbacks, which are run first.
+* One ``atexit`` hook closes every object registered with :func:`close_at_exit` (held weakly) that is still
+  alive, the last registered first, before ``multiprocessing``'s own hook joins child processes.
+* A thread **abandoned** after a timeout (:func:`abandon`: an env call past ``step_timeout``, a forward pass
+  past ``policy_timeout``, a join past ``join_timeout``) cannot be stopped; killed inside a torch call at
+  finalization, it aborts the process (exit status -6). So the hook waits up to :data:`EXIT_GRACE_S` seconds
+  for every ``lightning_rollout-*`` thread (except those of :func:`exempt_at_exit`); if one still runs, it
+  flushes ``logging`` and the std streams, names the threads on stderr and ends with :func:`os._exit`, with
+  the exit code the script was about to exit with: ``sys.exit``'s code from the main thread, 1 after an
+  uncaught exception, death by ``SIGINT`` after a ``KeyboardInterrupt``, else 0. ``logging.shutdown`` and
+  ``weakref.finalize`` callbacks run first; other exit handlers registered before this module are skipped.
 """
 
 from __future__ import annotations

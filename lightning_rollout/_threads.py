@@ -1,9 +1,9 @@
 """How many intra-op threads torch may use in each thread of a collection, whatever the user's torch settings.
 
-``torch.set_num_threads`` is per thread (OpenMP's thread count and MKL's are settings of the calling thread; a
-new thread starts from the count last set anywhere), and each thread that runs a parallel op gets an OpenMP team of
-its own, whose threads spin for a while after each op. Threads stepping envs side by side, each with a team the
-size of the machine, leave no core to anyone: the rule below keeps the teams of all busy threads within the cores.
+Each thread that runs a parallel op gets an OpenMP team of its own, whose threads spin for a while after each op;
+in this torch build ``torch.set_num_threads`` is a process-wide setting. The loop sets the count of the rule below
+around each policy call (:func:`torch_threads_set`), so the policy's team and the threads or processes stepping
+envs meanwhile stay within the cores.
 """
 
 from __future__ import annotations

@@ -235,6 +235,7 @@ class _Bounded:
         self.calls.put((fn, box, done))
         if not done.wait(timeout):
             abandon(self.thread)
+            self.calls.put(None)  # the stuck thread ends once its call returns
             stuck, self.thread, self.calls = self.thread, None, queue.SimpleQueue()
             raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {stuck.name!r} is "
                                 "stuck inside the policy's call and is abandoned (daemon)")
@@ -250,7 +251,13 @@ def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, wha
     Raises:
         PolicyError: the call did not return in time. Exception: whatever ``fn`` raised.
     """
-    return fn() if timeout is None else _Bounded(name)(fn, timeout, what)
+    if timeout is None:
+        return fn()
+    bounded = _Bounded(name)
+    try:
+        return bounded(fn, timeout, what)
+    finally:
+        bounded.close(timeout)
 
 
 # -- the call -------------------------------------------------------------------------------------------
@@ -374,6 +381,9 @@ class PolicyCall:
         try:
             outputs = self._bounded(lambda: self._call(inputs, rows, ExplorationType.RANDOM),
                                     f"while probing the policy with {rows} observation(s) at construction")
+        except _CallTimedOut as error:  # the stuck call keeps running: every later call fails
+            self.failure = error
+            raise
         except PolicyError:
             raise
         except Exception as exc:
@@ -506,8 +516,8 @@ class PolicyCall:
     # -- weights -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _weights_held(self, what: str) -> Iterator[None]:
-        """Hold ``_weights``; once the policy failed (a call stuck past ``policy_timeout`` keeps it), raise."""
-        while not self._weights.acquire(timeout=_POLL_S):
+        """Hold ``_weights``; once the policy failed (a call stuck past ``policy_timeout`` still runs), raise."""
+        while self.failure is not None or not self._weights.acquire(timeout=_POLL_S):
             if self.failure is not None:
                 raise PolicyError(f"{what}: {self.failure.reason}") from self.failure
         try:
@@ -629,7 +639,8 @@ class PolicyCall:
         """Set the version counter (resuming from a checkpoint)."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        self.version = version
+        with self._weights_held("the version cannot be set"):
+            self.version = version
 
     def close(self, timeout: float = 5.0) -> None:
         """End the helper thread of a ``policy_timeout`` (idempotent)."""
@@ -720,7 +731,7 @@ class Agent:
                 raise CollectionError("the policy was closed while a request was waiting")
             if stop is not None and stop.is_set():
                 raise CollectionError("the wait for the policy's answer was stopped")
-            failure = self.server.call.failure
+            failure = self.server.call.failure or self.server.failure
             if failure is not None:
                 raise PolicyError(failure.reason, env_ids=self.env_ids) from failure
         if request.error is not None:
@@ -779,6 +790,7 @@ class AutobatchPolicy:
         self._active_rows = 0
         self._updates: list[tuple[Any, _Request]] = []
         self.closed = False
+        self.failure: PolicyError | None = None  # the inference thread's own error (not the policy's)
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
 
@@ -840,6 +852,8 @@ class AutobatchPolicy:
         with self._lock:
             if self.closed:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
+            if self.failure is not None:
+                raise PolicyError(self.failure.reason) from self.failure
             marker = None
             if self._pending:  # the inference thread applies it after the requests queued before it
                 marker = _Request(Agent(self, 1, ()), {}, ExplorationType.RANDOM)
@@ -849,8 +863,8 @@ class AutobatchPolicy:
             return self.call.update(state, timeout=timeout, buffers_from=buffers_from)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not marker.done.wait(_POLL_S):
-            if self.closed:
-                raise CollectionError("the AutobatchPolicy was closed before the update was applied")
+            if self.closed or self.failure is not None:
+                raise self.failure or CollectionError("the AutobatchPolicy was closed before the update was applied")
             if deadline is not None and time.monotonic() > deadline:
                 raise CollectionError(f"policy update not applied within {timeout} s")
         if marker.error is not None:
@@ -894,6 +908,10 @@ class AutobatchPolicy:
         with self._lock:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
+            if self.failure is not None:  # answered at once with the inference thread's error
+                request.error = PolicyError(self.failure.reason, env_ids=request.agent.env_ids)
+                request.done.set()
+                return
             alone = (self.flush_in_caller and not self._pending and not self._updates
                      and (request.rows >= self._threshold() or self.max_wait == 0))
             if not alone:
@@ -917,6 +935,25 @@ class AutobatchPolicy:
         return batch
 
     def _serve(self) -> None:
+        """The inference thread; an error of its own fails every waiting and later request and update."""
+        try:
+            self._flushes()
+        except BaseException as exc:  # noqa: BLE001 - forwarded to every caller as a PolicyError
+            error = PolicyError(f"the inference thread {threading.current_thread().name!r} failed "
+                                f"({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+            with self._lock:
+                self.failure = error
+                pending, self._pending = self._pending, []
+                updates, self._updates = self._updates, []
+            for request in pending:
+                request.error = PolicyError(error.reason, env_ids=request.agent.env_ids)
+                request.done.set()
+            for _, marker in updates:
+                marker.error = error
+                marker.done.set()
+
+    def _flushes(self) -> None:
         torch.set_num_threads(self._torch_threads)
         torch.set_grad_enabled(False)
         while True:

@@ -129,7 +129,9 @@ def called_from_probe() -> bool:
     and ``policy._wrap`` (counting a tensor function's outputs, as TorchRL's auto-wrapping does)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name in ("probe", "_wrap") and frame.f_code.co_filename.endswith("policy.py"):
+        # a call bounded by policy_timeout runs in a helper thread: its lambda's qualified name still names the method
+        parts = frame.f_code.co_qualname.split(".")
+        if {"probe", "_wrap"} & set(parts) and frame.f_code.co_filename.endswith("policy.py"):
             return True
         frame = frame.f_back
     return False

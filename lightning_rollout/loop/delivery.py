@@ -3,7 +3,8 @@
 A call's steps are copied out of the ring once, into recycled batch columns (:class:`~.storage.BatchPool`), and
 wrapped in one TensorDict. Trajectory ids are assigned as TorchRL's collector assigns them: an env keeps its
 id until a done step, and new ids are handed out in delivery order (time, then env), so they do not depend on
-timing. Events are built here, in the calling thread, after the batch is complete.
+timing. Events are built here, in the calling thread: ``run_steps`` announces steps as they arrive, the other
+calls when their batch or episode is complete.
 """
 
 from __future__ import annotations

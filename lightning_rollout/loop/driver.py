@@ -310,8 +310,10 @@ class MultiEnvLoop:
                   interrupter: Interrupter | None = None) -> TensorDict:
         """Exactly ``n`` transitions (fewer only if interrupted), in arrival order: batch ``[n]``, TorchRL's layout.
 
-        Each env's own steps keep their order; with ``lookahead=False`` no step more than ``n`` is taken.
-        Steps in flight when interrupted are delivered by the next call, never lost.
+        Each env's own steps keep their order; with ``lookahead=False`` no more than ``n`` steps are taken, rounded
+        up to whole units of ``envs_per_thread`` envs (a unit steps all its envs in one call): the extra steps, acted
+        by this call's weights, come first in the next call. Steps in flight when interrupted are delivered by the
+        next call, never lost.
 
         Raises:
             EnvError, PolicyError: an env or the policy failed; ``exc.partial`` holds what was collected; the loop
@@ -463,8 +465,8 @@ class MultiEnvLoop:
         if self._delivery.frames or self.started:
             raise CollectionError("set_traj_id_start must be called before the loop collects")
         check_int("traj_id_start", value, 0)
-        self._delivery.start_ids(value)
-        self.next_traj_id = value
+        self._delivery.start_ids(value)  # the envs' running trajectories take the first num_envs ids
+        self.next_traj_id = self._delivery.next_traj
 
     def threads(self) -> Iterator[threading.Thread]:
         """The loop's pool threads (for monitoring)."""

@@ -432,8 +432,7 @@ class ProcessEnvs(Envs):
     def close(self, timeout: float) -> list[str]:
         """Close every env and end every child; a close cut short (a second Ctrl-C) is finished by the next."""
         local = getattr(self, "local", None)
-        if local is not None and not self._closed:
-            local.close(timeout)
+        stuck = local.close(timeout) if local is not None and not self._closed else []
         self._closed = True
         for child in self.children:
             if child.ready and child.process.is_alive():
@@ -458,4 +457,4 @@ class ProcessEnvs(Envs):
             except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
                 pass
             self.children.pop(0)
-        return []
+        return stuck
