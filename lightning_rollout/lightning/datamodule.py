@@ -1,12 +1,9 @@
 """RolloutDataModule: ``Trainer.fit(model, datamodule=RolloutDataModule(...))`` trains an RL agent.
 
-Its training batches come from a :class:`~lightning_rollout.ThreadedCollector` per DDP rank (built once the module
-is on its device, the actor's weights pulled before every batch); its validation (and test) loop runs evaluation
-episodes, one :class:`EvalRound` a round. It adds the built-in callbacks, puts every logger row on one x-axis,
-keeps ``last.ckpt`` current, checkpoints its counters, closes every env thread on teardown, errors and Ctrl-C, and
-pickles for ``ddp_spawn`` (threads stay behind, counters travel). ``docs/lightning.rst`` is the user's guide.
-
-Threading: everything here runs in Lightning's main thread, none of it in env threads.
+Training batches come from a :class:`~lightning_rollout.ThreadedCollector` per DDP rank; the validation (test)
+loop runs evaluation episodes. It also adds the built-in callbacks, sets the loggers' x-axis, checkpoints its
+counters, closes every env thread on teardown, errors and Ctrl-C, and pickles for ``ddp_spawn`` (counters travel,
+threads stay). ``docs/lightning.rst`` is the user's guide. Everything here runs in Lightning's main thread.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ from .callbacks import (
     _FitEnd,
     overrides,
 )
-from .video import VideoRecorder
 
 __all__ = ["RolloutDataModule"]
 
@@ -105,7 +101,6 @@ class _Loader:
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
     """The ``validation_step`` (``test_step``) lent to a module without one (Lightning validates only modules
     with one); the round already ran, :class:`RolloutEvaluation` logs it."""
-    return None
 
 
 def _lend(module: pl.LightningModule, step: str, lent: list[tuple[pl.LightningModule, str]]) -> None:
@@ -120,12 +115,7 @@ def _rank(trainer: pl.Trainer | None) -> int:
 
 
 def _actor(dm: RolloutDataModule) -> Any:
-    """The acting policy of ``dm``'s module (``dm.policy`` names its attribute, or returns it from the module).
-
-    Raises:
-        RuntimeError: no module yet (the DataModule is used outside ``Trainer.fit``).
-        AttributeError: the module has no such attribute.
-    """
+    """The acting policy of ``dm``'s module (``RuntimeError`` without one, ``AttributeError`` for a bad name)."""
     module = dm.trainer.lightning_module if dm.trainer is not None else None
     if module is None:
         raise RuntimeError("RolloutDataModule must be used through Trainer.fit(model, datamodule=...)")
@@ -187,12 +177,8 @@ def _check_precision(trainer: pl.Trainer) -> None:
 
 
 def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
-    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (``"frames"``
-    when it has neither).
-
-    Raises:
-        ValueError: they name different axes.
-    """
+    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (default
+    ``"frames"``; ``ValueError`` when they name different ones)."""
     axes = {c.step for c in callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation))}
     if len(axes) > 1:
         raise ValueError("the trainer's EpisodeStatsLogger and RolloutEvaluation write at different x-axes "
@@ -217,12 +203,8 @@ def _warn_about_checkpoint_names(trainer: pl.Trainer) -> None:
 
 
 def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
-    """Make the Trainer validate every ``dm.eval_every_n_frames`` frames (or deprecated ``eval_every_n_steps``).
-
-    Raises:
-        ValueError: the Trainer schedules validation itself, or ``eval_every_n_steps`` with a module that does
-            not take one optimizer step per batch.
-    """
+    """Make the Trainer validate every ``dm.eval_every_n_frames`` frames (or deprecated ``eval_every_n_steps``);
+    ``ValueError`` when it schedules validation itself (see :meth:`RolloutDataModule.setup`)."""
     if dm.eval_every_n_steps is not None:
         module = trainer.lightning_module
         if module is None or not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
@@ -266,13 +248,6 @@ def _limited_epoch(dm: RolloutDataModule, trainer: pl.Trainer) -> int | None:
     return int(full * limit)
 
 
-def _batches_done_this_epoch(trainer: pl.Trainer | None) -> int:
-    """Batches of the current epoch that ran before the checkpoint Lightning resumes from (else 0)."""
-    if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
-        return 0
-    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-
-
 def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: int) -> None:
     """Give ``collector`` the counters of ``state`` with ``rank``'s seed: a checkpoint holds global rank zero's,
     so each rank's seed moves by its distance to the saving rank (resumed ranks collect different streams)."""
@@ -281,14 +256,6 @@ def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: in
         counters["seed"] += (rank - int(state.get("rank", 0))) * _RANK_SEED_STRIDE
     collector.load_state_dict(counters)
     collector.loop.episodes = int(state.get("episodes", 0))
-
-
-def _video_recorder(trainer: pl.Trainer | None) -> VideoRecorder | None:
-    """The recorder of a ``RolloutEvaluation(record_video=...)`` of the trainer, on global rank zero only."""
-    if trainer is None or not trainer.is_global_zero:
-        return None
-    return next((c.video_recorder for c in trainer.callbacks
-                 if isinstance(c, RolloutEvaluation) and c.video_recorder is not None), None)
 
 
 class _FramesAxis:
@@ -317,24 +284,21 @@ class _FramesAxis:
 
 
 class _Evaluation:
-    """The evaluation episodes of a :class:`RolloutDataModule`: its loop of single envs (built on first use,
-    closed on teardown) and the rounds of the validation (test) loop. Main thread."""
+    """The evaluation loop of a :class:`RolloutDataModule` (built on first use, closed on teardown) and its rounds."""
 
     def __init__(self, dm: RolloutDataModule) -> None:
         self.dm = dm
         self.loop: MultiEnvLoop | None = None
 
     def build(self) -> MultiEnvLoop:
-        """The loop (envs created, policy probed on first use); a batched env's single envs when it comes apart.
-
-        Raises:
-            ValueError: the factory makes a natively batched env, which cannot run episodes one env at a time.
-        """
+        """The loop of single envs (a batched env's, taken apart); ``ValueError`` for a natively batched env."""
         if self.loop is not None:
             return self.loop
-        dm, rank = self.dm, _rank(self.dm.trainer)
+        dm, trainer, rank = self.dm, self.dm.trainer, _rank(self.dm.trainer)
         n = dm.eval_num_envs or max(1, min(dm.eval_episodes, dm.num_envs))
-        recorder = _video_recorder(dm.trainer)
+        recorders = [c.video_recorder for c in trainer.callbacks if isinstance(c, RolloutEvaluation)
+                     and c.video_recorder is not None] if trainer is not None and trainer.is_global_zero else []
+        recorder = recorders[0] if recorders else None  # (rank zero only records)
         factory = dm.env_factory if recorder is None else recorder.wrap_factory(dm.env_factory)
         first = factory()
         if not is_batched(first):
@@ -392,86 +356,57 @@ class _Evaluation:
 
 
 class RolloutDataModule(pl.LightningDataModule):
-    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector`
-    and whose validation (and test) loop runs evaluation episodes.
+    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector` and whose
+    validation (and test) loop runs evaluation episodes.
 
     Args:
-        env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or a torchrl ``EnvBase`` (a batched one
-            is stepped as is; evaluation runs the single envs of one the collector can take apart); picklable
-            for ``strategy="ddp_spawn"`` (a module-level function or class, not a lambda).
+        env: a gymnasium id, or a factory of a ``gymnasium.Env`` or torchrl ``EnvBase`` (a batched one is stepped
+            as is; evaluation needs one the collector can take apart), picklable for ``ddp_spawn`` (no lambda).
 
     Keyword Args:
         num_envs: envs per rank.
         frames_per_batch: transitions per training batch (a multiple of ``num_envs`` with ``layout="env_time"``).
-        total_frames: frames per rank before training stops (``-1``: endless; stop with ``max_steps`` /
-            ``max_epochs`` / callbacks).
-        policy: the attribute of the LightningModule holding the acting policy (default ``"actor"``), or a
-            callable ``module -> policy``.
+        total_frames: frames per rank before training stops (``-1``: endless, stopped by the Trainer).
+        policy: the LightningModule's attribute holding the acting policy, or a callable ``module -> policy``.
         layout: ``"env_time"`` (``[num_envs, T]``, for on-policy losses) or ``"flat"``.
         on_policy: see :class:`ThreadedCollector`; use ``False`` with a replay buffer.
         envs_per_thread, num_workers, parallel_steps, autobatch_size, max_wait, max_episode_steps,
             init_random_frames, exploration_type, step_timeout: passed to the collector (the first three
-            default to ``"auto"``, chosen from a few timed steps of one env, see ``docs/tuning.rst``; worker
-            processes need a picklable env factory, which a gym id is).
-        info_keys: entries of a gymnasium env's ``info`` read into the training batches and the evaluation
-            envs' rows: a list of keys (specs inferred from the first reset) or ``{key: TorchRL spec}``. Their
-            values at each episode's end are in ``EpisodeEnd.info``; :class:`EpisodeStatsLogger` logs the
-            per-episode mean of each one-element entry as ``rollout/<key>``.
-        batches_per_epoch: batches per Lightning epoch for an endless collector (default 1000); a finite one
-            is a single epoch.
-        eval_every_n_frames: evaluate each time this rank has collected this many more frames (rounded up to
-            whole batches). Sets the Trainer's ``val_check_interval`` to that many batches and its
-            ``check_val_every_n_epoch`` to ``None`` (leave those two at their defaults), unless
-            ``fast_dev_run`` / ``limit_train_batches`` make an epoch shorter (evaluation then ends each
-            epoch). ``None``: Lightning's own schedule (by default once per epoch).
-        eval_every_n_steps: deprecated, counts optimizer steps: use ``eval_every_n_frames``. Honoured when one
-            optimizer step is taken per batch, else ``ValueError`` at ``fit``.
-        eval_episodes: episodes per evaluation round (per rank), in ``fit``, ``validate`` and ``test``; ``0``
-            turns evaluation off (no ``val_dataloader`` / ``test_dataloader``).
+            ``"auto"``: chosen from a few timed steps, see ``docs/tuning.rst``; workers need a picklable factory).
+        info_keys: entries of a gymnasium env's ``info`` read into the batches and evaluation rows: keys (specs
+            from the first reset) or ``{key: TorchRL spec}``; in ``EpisodeEnd.info`` at each episode's end.
+        batches_per_epoch: batches per epoch of an endless collector (default 1000); a finite one is one epoch.
+        eval_every_n_frames: evaluate every this many frames of this rank (rounded up to whole batches): sets
+            the Trainer's ``val_check_interval`` (in batches; leave it and ``check_val_every_n_epoch`` at their
+            defaults), unless ``fast_dev_run`` / ``limit_train_batches`` make epochs shorter. ``None``:
+            Lightning's schedule (once per epoch).
+        eval_every_n_steps: deprecated (counts optimizer steps; ``ValueError`` at ``fit`` unless one per batch).
+        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: no
+            evaluation (no ``val_dataloader`` / ``test_dataloader``).
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
-        progress_bar: turn Lightning's stock ``TQDMProgressBar`` / ``RichProgressBar`` into a
-            :class:`RolloutProgressBar` / :class:`RolloutRichProgressBar` (frames, frames/s, returns).
-        reraise_interrupt: a Ctrl-C during ``fit`` reaches the caller as ``KeyboardInterrupt`` after
-            Lightning's graceful shutdown (exit code 130 from a shell); ``False``: Lightning's ``sys.exit(1)``.
+        progress_bar: make Lightning's stock TQDM / Rich bar a :class:`RolloutProgressBar` /
+            :class:`RolloutRichProgressBar`.
+        reraise_interrupt: a Ctrl-C in ``fit`` reaches the caller as ``KeyboardInterrupt`` after Lightning's
+            graceful shutdown (``False``: Lightning's ``sys.exit(1)``).
 
     Raises:
-        ValueError: bad configuration, with what to change (at construction, or at :meth:`setup` for a
-            Trainer that does not fit it).
+        ValueError: bad configuration, saying what to change (here, or at :meth:`setup` for the Trainer's).
     """
 
     def __init__(
-        self,
-        env: str | EnvFactory,
-        *,
-        num_envs: int = 8,
-        frames_per_batch: int,
-        total_frames: int = -1,
-        policy: str | Callable[[pl.LightningModule], Any] = "actor",
-        layout: Literal["env_time", "flat"] = "env_time",
-        on_policy: bool = True,
-        envs_per_thread: int | str = "auto",
-        num_workers: int | str = "auto",
-        parallel_steps: bool | Literal["auto", "free"] = "auto",
-        autobatch_size: int | None = None,
-        max_wait: float | None = None,
-        max_episode_steps: int | None = None,
-        init_random_frames: int = 0,
-        exploration_type: ExplorationType = ExplorationType.RANDOM,
-        step_timeout: float | None = None,
-        info_keys: InfoKeys | None = None,
-        batches_per_epoch: int | None = None,
-        eval_every_n_frames: int | None = None,
-        eval_every_n_steps: int | None = None,
-        eval_episodes: int = 5,
-        eval_num_envs: int | None = None,
-        eval_max_episode_steps: int | None = None,
-        seed: int = 0,
-        log_stats: bool = True,
-        progress_bar: bool = True,
-        reraise_interrupt: bool = True,
+        self, env: str | EnvFactory, *, num_envs: int = 8, frames_per_batch: int, total_frames: int = -1,
+        policy: str | Callable[[pl.LightningModule], Any] = "actor", layout: Literal["env_time", "flat"] = "env_time",
+        on_policy: bool = True, envs_per_thread: int | str = "auto", num_workers: int | str = "auto",
+        parallel_steps: bool | Literal["auto", "free"] = "auto", autobatch_size: int | None = None,
+        max_wait: float | None = None, max_episode_steps: int | None = None, init_random_frames: int = 0,
+        exploration_type: ExplorationType = ExplorationType.RANDOM, step_timeout: float | None = None,
+        info_keys: InfoKeys | None = None, batches_per_epoch: int | None = None,
+        eval_every_n_frames: int | None = None, eval_every_n_steps: int | None = None, eval_episodes: int = 5,
+        eval_num_envs: int | None = None, eval_max_episode_steps: int | None = None, seed: int = 0,
+        log_stats: bool = True, progress_bar: bool = True, reraise_interrupt: bool = True,
     ) -> None:
         super().__init__()
         self.env_factory = resolve_env_factory(env)
@@ -511,17 +446,14 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def trainer(self) -> pl.Trainer | None:  # type: ignore[override]
-        """The Trainer this DataModule is attached to (``None`` before it is).
-
-        Lightning attaches it at the start of ``fit`` / ``validate`` / ``test``, before it checks the module's
-        ``validation_step`` / ``test_step``; for ``validate`` and ``test`` the DataModule lends the module one
-        then (for ``fit``, :meth:`setup` does).
+        """The Trainer this DataModule is attached to (``None`` before). Attaching it for ``validate`` / ``test``
+        lends the module a ``validation_step`` / ``test_step`` if it has none (for ``fit``, :meth:`setup` does).
 
         Warns:
             UserWarning: ``fit`` of an endless collector with no ``max_steps`` / ``max_epochs`` / ``max_time``.
 
         Raises:
-            RuntimeError: ``Trainer.predict`` (the message names ``validate`` / ``test``).
+            RuntimeError: ``Trainer.predict``.
             ValueError: ``Trainer.validate`` / ``test`` with ``eval_episodes=0``.
         """
         return self.__dict__.get("_trainer")
@@ -567,8 +499,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.eval_episodes > 0
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the threads (``ddp_spawn``): collector, loops and trainer stay here, their counters
-        travel (applied when the copy builds its collector)."""
+        """Everything but threads and trainer (``ddp_spawn``); the counters travel."""
         state = self.__dict__.copy()
         counters = self.state_dict()
         for key in ("collector", "_iterator", "_dispatcher", "_final_state", "_trainer"):
@@ -582,8 +513,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Prepare ``fit``, ``validate`` or ``test``: check the Trainer, add the built-in callbacks, set the
         loggers' x-axis and, for ``fit``, the evaluation schedule and a lent ``validation_step``.
 
-        Runs before the callbacks' own ``setup`` (so ``EarlyStopping`` / ``ModelCheckpoint`` see the schedule).
-        Warns (``UserWarning``) about a ``ModelCheckpoint`` ``filename`` with a metric name holding ``/``.
+        Runs before the callbacks' ``setup``. Warns about a ``ModelCheckpoint`` ``filename`` naming a metric with ``/``.
 
         Raises:
             ValueError: a ``Trainer(precision=...)`` that casts the weights (``"bf16-true"``, ``"16-true"``,
@@ -625,10 +555,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Loader:
-        """The batches of this rank's collector (created on first call; a later ``fit`` gets a fresh one that
-        continues the counts, or those of its ``ckpt_path``), with a length: ``batches_per_epoch`` for an endless
-        collector; for a finite one, the batches up to ``total_frames`` plus those of this epoch that ran before
-        a mid-epoch checkpoint Lightning resumes from (so that Lightning fetches exactly the batches left)."""
+        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), with a
+        length: ``batches_per_epoch`` when endless, else the batches left to ``total_frames`` plus those of this
+        epoch before the checkpoint Lightning resumes from."""
         if self.collector is not None and self.collector.is_shut_down:
             if self._pending_state is None and self._final_state is not None:
                 self._pending_state = {"collector": dict(self._final_state), "rank": _rank(self.trainer),
@@ -641,7 +570,9 @@ class RolloutDataModule(pl.LightningDataModule):
         count = self.batches_per_epoch or 1000
         if self.total_frames > 0:
             left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
-            count = _batches_done_this_epoch(self.trainer) + left
+            epoch = self.trainer.fit_loop.epoch_loop if self.trainer is not None else None
+            done = int(epoch.batch_progress.current.processed) if epoch is not None and epoch.restarting else 0
+            count = done + left  # with the batches of this epoch before the checkpoint Lightning resumes from
         return _Loader(functools.partial(self._batches, count), count)
 
     def _build_collector(self) -> None:
@@ -657,8 +588,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._iterator = iter(self.collector)
 
     def _batches(self, count: int) -> Iterator[TensorDictBase]:
-        """At most ``count`` batches (Lightning stops fetching at the length, less what a resume skipped), fewer
-        when the collector is exhausted; before each, the actor's weights go to the collector."""
+        """At most ``count`` batches (fewer when the collector is exhausted), each after a weight update."""
         assert self.collector is not None and self._iterator is not None
         for _ in range(count):
             self.collector.update_policy_weights_(_actor(self))
@@ -680,11 +610,8 @@ class RolloutDataModule(pl.LightningDataModule):
     # -- evaluation ------------------------------------------------------------------------------
     @property
     def val_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
-        """The evaluation rounds, one per validation run; ``None`` while no validation loop can run.
-
-        Lightning asks for it before :meth:`setup` lends the module its ``validation_step`` in ``fit``;
-        ``None`` until then keeps it from warning "val_dataloader but no validation_step".
-        """
+        """The evaluation rounds, one per validation run; ``None`` while no validation loop can run (as before
+        :meth:`setup` lent a ``validation_step``, which keeps Lightning from warning about a missing one)."""
         return self._eval_rounds if _has_step(self, "validation_step") else None
 
     @property
@@ -697,11 +624,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return _Loader(functools.partial(self._evaluation.rounds, self._events), 1)
 
     def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
-        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now.
-
-        Uses a separate evaluation loop (created on first use, closed on teardown); ``on_eval_episode_end``
-        goes to every :class:`RolloutCallback`. The validation loop runs its rounds through it; call it
-        yourself for an extra round (nothing is logged then).
+        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now, in the
+        evaluation loop; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged.
 
         Returns:
             The finished episodes, in request order.
