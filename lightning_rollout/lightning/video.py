@@ -69,7 +69,7 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
 
     Raises:
         ValueError: neither ``None``, an int ``>= 1`` nor a :class:`VideoRecording`.
-        ImportError: an output's package is missing (names the extra to install).
+        ImportError: an output's package is missing.
     """
     if record_video is None:
         return None
@@ -88,18 +88,11 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
     return config
 
 
-# -- capture (env threads) -------------------------------------------------------------------------------------------
-
-
 class VideoRecorder:
-    """Captures one evaluation episode's frames and writes them out (internal to the Lightning layer).
+    """Captures one evaluation episode's frames (of ``config``) and writes them out.
 
-    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` run in the main thread; the wrapped
-    envs call :meth:`on_reset` / :meth:`on_step` from their own threads. A lock guards the shared state; only
-    the env that claimed the recording renders.
-
-    Args:
-        config: what to record and where to write it.
+    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` run in the main thread, :meth:`on_reset`
+    / :meth:`on_step` in the wrapped envs' threads; a lock guards the state, only the claiming env renders.
     """
 
     def __init__(self, config: VideoRecording) -> None:
@@ -120,7 +113,6 @@ class VideoRecorder:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["config"])  # type: ignore[misc]
 
-    # -- evaluation envs ------------------------------------------------------------------------------------------
     def wrap_factory(self, factory: Callable[[], Any]) -> Callable[[], gym.Env]:
         """A factory of recordable evaluation envs: a :class:`~lightning_rollout.envs.GymMaker` is rebuilt with
         ``render_mode="rgb_array"``; another factory must return a ``gymnasium.Env`` made with it (checked when
@@ -182,7 +174,6 @@ class VideoRecorder:
             if frame is not None and len(self._frames) < self.config.max_frames:
                 self._frames.append(frame)
 
-    # -- writing (background thread) --------------------------------------------------------------------------------
     def write(self, frames: list[np.ndarray], *, mp4_path: str | None, summary_writers: list[Any], tag: str,
               step: int) -> None:
         """Write ``frames`` in a background thread, after the previous write: the MP4 file at ``mp4_path``
@@ -211,11 +202,8 @@ class VideoRecorder:
         self._writer.start()
 
     def wait(self, *, raise_errors: bool = True) -> None:
-        """Wait for the clip being written, if any.
-
-        Raises:
-            RuntimeError: that write failed and ``raise_errors`` (else a warning says so).
-        """
+        """Wait for the clip being written, if any; ``RuntimeError`` if that failed (a warning without
+        ``raise_errors``)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join()
@@ -272,9 +260,6 @@ class _RecordingEnv(gym.Wrapper):
         obs, reward, terminated, truncated, info = self.env.step(action)
         self._recorder.on_step(self, bool(terminated) or bool(truncated))
         return obs, reward, terminated, truncated, info
-
-
-# -- encoders -------------------------------------------------------------------------------------------------------
 
 
 def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
