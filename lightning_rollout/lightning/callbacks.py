@@ -1,13 +1,10 @@
 """Lightning callbacks: :class:`RolloutCallback` (base of callbacks receiving collection events),
-:class:`EpisodeStatsLogger` (episode and throughput figures after every batch), :class:`RolloutEvaluation`
-(``eval/...`` metrics of each evaluation round, videos), :class:`RolloutProgressBar` / :class:`RolloutRichProgressBar`
-(RL figures in the TQDM / Rich bar) and :class:`EvalRound` (what the validation loop receives).
+:class:`EpisodeStatsLogger`, :class:`RolloutEvaluation`, the RL progress bars and :class:`EvalRound`.
 
-Collection events are dispatched in the main thread while the DataModule fetches a batch, *before* its
-``training_step``, where Lightning forbids ``self.log``: callbacks keep what they saw and log it from
-``on_train_batch_end`` (``on_validation_batch_end``), reduced across DDP ranks there (same collectives, same order
-on every rank). Every logger row has one x-axis, the callbacks' ``step``: ``"frames"`` (default, all ranks' frames;
-the DataModule sets every logger's step) or ``"batches"`` (Lightning's step).
+Collection events come in the main thread *before* the batch's ``training_step``, where Lightning forbids
+``self.log``: callbacks keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
+reduced across DDP ranks (same collectives, same order on every rank). Every logger row has one x-axis, the
+callbacks' ``step``: ``"frames"`` (all ranks' frames, the default) or ``"batches"`` (Lightning's step).
 """
 
 from __future__ import annotations
@@ -101,14 +98,10 @@ def overrides(callback: RolloutCallback, hook: str) -> bool:
 
 def _reduce(trainer: pl.Trainer, sums: Sequence[float],
             maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
-    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (at most two collectives).
-
-    Every rank must call this at the same point with sequences of the same lengths.
-    """
-    device = trainer.strategy.root_device
-    total = [float(v) for v in sums]
-    peak = [float(v) for v in maxima]
+    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (every rank calls it alike)."""
+    total, peak = [float(v) for v in sums], [float(v) for v in maxima]
     if trainer.world_size > 1:
+        device = trainer.strategy.root_device
         if total:
             packed = torch.tensor(total, dtype=torch.float64, device=device)
             total = trainer.strategy.reduce(packed, reduce_op="sum").tolist()
@@ -135,8 +128,7 @@ def _logger_step(trainer: pl.Trainer) -> int:
 
 
 def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Write ``metrics`` once to every logger of the trainer, at ``step`` (global rank zero only), and flush
-    (as Lightning does after each write, so a live TensorBoard sees them)."""
+    """Write ``metrics`` to every logger at ``step`` (global rank zero only) and flush, as Lightning does."""
     if not metrics or not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
@@ -350,8 +342,7 @@ class RolloutEvaluation(RolloutCallback):
             self._log_round(trainer, pl_module, batch, self.test_prefix)
 
     def _log_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: EvalRound, p: str) -> None:
-        """Reduce one round across ranks and log it under ``p/...`` (epoch-level: Lightning writes it at the
-        round's end, at the x-axis the DataModule set)."""
+        """Reduce one round across ranks and log it under ``p/...`` (epoch-level, written at the round's end)."""
         self.last_round = batch
         self.evaluations += 1
         episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
@@ -374,12 +365,9 @@ class RolloutEvaluation(RolloutCallback):
         frames = self.video_recorder.take()
         if frames is None:
             return
-        config = self.record_video
-        mp4_path = None
-        if config.mp4:
-            mp4_path = os.path.join(self._video_dir or os.path.join(trainer.default_root_dir, "videos"),
-                                    f"{prefix}-{self.step}-{step:010d}.mp4")
-        writers = _summary_writers(trainer) if config.tensorboard else []
+        folder = self._video_dir or os.path.join(trainer.default_root_dir, "videos")
+        mp4_path = os.path.join(folder, f"{prefix}-{self.step}-{step:010d}.mp4") if self.record_video.mp4 else None
+        writers = _summary_writers(trainer) if self.record_video.tensorboard else []
         self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
                                   step=step)
         self.last_video = mp4_path
@@ -579,10 +567,8 @@ class _FitEnd(pl.Callback):
 
 
 def _save_last(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> None:
-    """Save ``checkpoint``'s last checkpoint now (a file, where ``save_last="link"`` would link an older one).
-
-    ``ModelCheckpoint`` has no public method for it (Lightning 2.6): its own private one names, versions and
-    removes the previous ``last``."""
+    """Save ``checkpoint``'s last checkpoint now (a file, where ``save_last="link"`` would link an older one);
+    Lightning 2.6 has no public way, its private one names, versions and removes the previous ``last``."""
     candidates = {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
                   "step": torch.tensor(trainer.global_step)}
     if checkpoint.save_last != "link":
