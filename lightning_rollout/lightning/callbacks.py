@@ -152,18 +152,16 @@ class EpisodeStatsLogger(RolloutCallback):
 
     Metrics (``prefix`` defaults to ``"rollout"``):
 
-    * ``rollout/episode_reward`` (mean), ``_max``, ``_min`` and ``rollout/episode_length``: over the episodes
-      finished during the batch's collection (written only when some episode finished);
-    * ``rollout/episodes`` and ``rollout/frames``: totals since the start of training (all ranks, resumes included);
-    * ``rollout/fps``: frames of all ranks per second of wall time since this ``fit`` started (end to end);
-    * ``rollout/collect_fps``: frames of a rank's last batch over the seconds ``training_step`` waited for it
-      (mean over ranks);
-    * ``rollout/policy_lag``: mean weight updates between the policy that acted a transition and the current one;
-    * ``rollout/<key>`` for each one-element entry of the DataModule's ``info_keys`` (a nested key's parts joined
-      by ``/``): its mean over those episodes, at their last step (``EpisodeEnd.info``).
+    * ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length``: over the episodes that
+      finished during the batch's collection (only when some did); likewise ``rollout/<key>``, the mean at their
+      last step of each one-element entry of the DataModule's ``info_keys`` (nested key parts joined by ``/``);
+    * ``rollout/episodes``, ``rollout/frames``: totals since training started (all ranks, resumes included);
+    * ``rollout/fps``: all ranks' frames per second of wall time since this ``fit`` started (end to end);
+    * ``rollout/collect_fps``: a rank's last batch's frames over the seconds waited for it (mean over ranks);
+    * ``rollout/policy_lag``: mean weight updates between the policy that acted a transition and the current one.
 
-    All are in ``trainer.callback_metrics`` after every batch (for ``ModelCheckpoint`` / ``EarlyStopping``) and
-    written to every logger then, whatever ``log_every_n_steps``, at the step ``step`` names.
+    All are in ``trainer.callback_metrics`` after every batch and written to every logger then, whatever
+    ``log_every_n_steps``, at the step ``step`` names.
 
     Args:
         prefix: metric name prefix.
@@ -278,10 +276,9 @@ class RolloutEvaluation(RolloutCallback):
     in ``trainer.callback_metrics`` for ``ModelCheckpoint`` / ``EarlyStopping``, in what ``Trainer.validate``
     returns, written once per round at the x-axis ``step`` names. The DataModule adds one unless the trainer has one.
 
-    With ``record_video``, one episode of the rounds ``0, N, 2N, ...`` (global rank zero) is written in the
-    background as ``videos/<prefix>-<step axis>-<step>.mp4`` in the trainer's ``log_dir`` and as the video summary
-    ``<prefix>/video`` of every ``TensorBoardLogger``; the env factory must then return a ``gymnasium.Env`` made
-    with ``render_mode="rgb_array"``. ``fit`` waits for the last clip.
+    With ``record_video``, one episode of every ``N`` rounds (global rank zero) is written in the background as
+    ``videos/<prefix>-<step axis>-<step>.mp4`` in ``log_dir`` and as every ``TensorBoardLogger``'s video summary
+    ``<prefix>/video`` (envs must render ``rgb_array``); ``fit`` waits for the last clip.
 
     Args:
         prefix: metric name prefix of validation rounds.
@@ -403,13 +400,11 @@ def _summary_writers(trainer: pl.Trainer) -> list[Any]:
     return [e for e in experiments if isinstance(e, SummaryWriter)]
 
 
-def _figure(value: float) -> str:
-    """A return as the progress bar shows it: one decimal (whole units from 10^4 on)."""
+def _figure(value: float, whole: bool) -> str:
+    """A figure as the progress bar shows it: ``whole``, or with one decimal (whole units from 10^4 on)."""
+    if whole:
+        return str(int(round(value)))
     return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.1f}"
-
-
-def _whole(value: float) -> str:
-    return str(int(round(value)))
 
 
 class _RLFigures:
@@ -425,13 +420,13 @@ class _RLFigures:
         items = dict(metrics)
         r, e = self.rollout_prefix, self.eval_prefix
         shown: dict[str, int | str | float] = {}
-        for key, name, render in ((f"{r}/frames", "frames", _whole), (f"{r}/fps", "fps", _whole),
-                                  (f"{r}/episode_reward", "ret", _figure), (f"{e}/episode_reward", "eval", _figure)):
+        for key, name, whole in ((f"{r}/frames", "frames", True), (f"{r}/fps", "fps", True),
+                                 (f"{r}/episode_reward", "ret", False), (f"{e}/episode_reward", "eval", False)):
             value = items.pop(key, None)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if isinstance(value, (int, float)) and math.isfinite(value):
-                shown[name] = render(value)
+                shown[name] = _figure(value, whole)
         shown.update(items)
         return shown
 
@@ -443,12 +438,9 @@ class _RLFigures:
 
 
 class RolloutProgressBar(_RLFigures, TQDMProgressBar):
-    """Lightning's TQDM bar showing RL figures, fitting in 80 columns.
-
-    The training bar reads ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123, ret=123.4, eval=500.0``:
-    frames (all ranks), frames per second, the mean return of the last batch's episodes and of the last
-    evaluation round; batches/s, the batch count and ``v_num`` are left out, other progress-bar metrics follow.
-    The DataModule swaps Lightning's stock ``TQDMProgressBar`` for this one (unless ``progress_bar=False``).
+    """Lightning's TQDM bar showing RL figures in 80 columns: ``Epoch 0:  45%|████     | 05:12, frames=461824,
+    fps=7123, ret=123.4, eval=500.0`` (all ranks' frames and frames/s, mean return of the last batch's episodes
+    and of the last evaluation), then other progress-bar metrics. Batches/s, batch count and ``v_num`` are left out.
 
     Args:
         refresh_rate, process_position, leave: as ``TQDMProgressBar``.
@@ -465,12 +457,9 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
-    """Lightning's Rich bar showing RL figures, on one line of 100 columns.
-
-    The DataModule makes Lightning's stock ``RichProgressBar`` this one. The training bar reads
-    ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``: the figures
-    of :class:`RolloutProgressBar` (:meth:`shown`); batches/s, the batch count, the remaining time and ``v_num``
-    are left out and the bar is 16 columns wide, so that a long run's figures stay on one line of 100 columns.
+    """Lightning's Rich bar showing RL figures on one line of 100 columns: ``Epoch 0/0  ━━━━━━━━         45%
+    0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0`` (those of :class:`RolloutProgressBar`), with a
+    16-column bar and no batches/s, batch count, remaining time or ``v_num``.
 
     Args:
         refresh_rate, leave, theme, console_kwargs: as ``RichProgressBar``.

@@ -510,10 +510,9 @@ class RolloutDataModule(pl.LightningDataModule):
         return state
 
     def setup(self, stage: str) -> None:
-        """Prepare ``fit``, ``validate`` or ``test``: check the Trainer, add the built-in callbacks, set the
-        loggers' x-axis and, for ``fit``, the evaluation schedule and a lent ``validation_step``.
-
-        Runs before the callbacks' ``setup``. Warns about a ``ModelCheckpoint`` ``filename`` naming a metric with ``/``.
+        """Prepare ``fit``, ``validate`` or ``test`` (before the callbacks' ``setup``): check the Trainer, add the
+        built-in callbacks, set the loggers' x-axis and, for ``fit``, the evaluation schedule and a lent
+        ``validation_step``; warn about a ``ModelCheckpoint`` ``filename`` naming a metric with ``/``.
 
         Raises:
             ValueError: a ``Trainer(precision=...)`` that casts the weights (``"bf16-true"``, ``"16-true"``,
@@ -678,12 +677,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._close()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Join every env thread when ``fit`` fails or is interrupted; re-raise a ``KeyboardInterrupt``
-        (see ``reraise_interrupt``) after finishing Lightning's graceful shutdown.
-
-        Raises:
-            KeyboardInterrupt: ``exception``, with ``reraise_interrupt``.
-        """
+        """Join every env thread when ``fit`` fails or is interrupted; with ``reraise_interrupt``, finish
+        Lightning's graceful shutdown and re-raise a ``KeyboardInterrupt``."""
         self._close()
         trainer = self.trainer
         if not (isinstance(exception, KeyboardInterrupt) and self.reraise_interrupt and trainer is not None):

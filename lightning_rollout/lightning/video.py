@@ -176,12 +176,8 @@ class VideoRecorder:
 
     def write(self, frames: list[np.ndarray], *, mp4_path: str | None, summary_writers: list[Any], tag: str,
               step: int) -> None:
-        """Write ``frames`` in a background thread, after the previous write: the MP4 file at ``mp4_path``
-        (``None``: none) and the video summary ``tag`` at ``step`` to each TensorBoard ``SummaryWriter``.
-
-        Raises:
-            RuntimeError: the previous write failed (its exception chained).
-        """
+        """Write ``frames`` in a background thread once the previous write is done (``RuntimeError`` if it
+        failed): the MP4 at ``mp4_path`` (``None``: none), the video summary ``tag`` at ``step`` to each writer."""
         self.wait()
         fps = self.fps
 
@@ -264,12 +260,7 @@ class _RecordingEnv(gym.Wrapper):
 
 def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
     """Write ``frames`` (``[H, W, 3]`` uint8) as an H.264 yuv420p MP4 with ``imageio-ffmpeg``'s ffmpeg, odd sizes
-    padded by one edge pixel; the folder is created.
-
-    Raises:
-        ImportError: ``imageio-ffmpeg`` is not installed.
-        ValueError: no frames.
-    """
+    padded by one edge pixel, the folder created (``ValueError`` without frames)."""
     import imageio_ffmpeg
 
     if not frames:
