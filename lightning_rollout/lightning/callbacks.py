@@ -1,22 +1,10 @@
-"""Lightning callbacks that play the seed's event processor and metrics renderer.
+"""Lightning callbacks: :class:`RolloutCallback` (base of callbacks receiving collection events),
+:class:`EpisodeStatsLogger`, :class:`RolloutEvaluation`, the RL progress bars and :class:`EvalRound`.
 
-:class:`RolloutCallback` is the base class of callbacks receiving collection events (put one in
-``Trainer(callbacks=[...])``); :class:`EpisodeStatsLogger` logs episode and throughput figures after every
-batch; :class:`RolloutEvaluation` logs each evaluation round as ``eval/...`` (so ``ModelCheckpoint`` /
-``EarlyStopping`` act on it) and records videos; :class:`RolloutProgressBar` (TQDM) and
-:class:`RolloutRichProgressBar` (Rich) show the RL figures; :class:`EvalRound` is what the validation loop receives.
-
-When hooks run: collection events are dispatched in the training process's main thread while the DataModule
-fetches a batch, i.e. *before* ``training_step`` of that batch, where Lightning forbids ``self.log``. So
-callbacks that log keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
-reduced across DDP ranks there (every rank calls the same collectives in the same order). Rollout metrics go to
-``self.log(..., logger=False)`` (for ``callback_metrics`` and the bar) and straight to every logger once per batch,
-whatever ``log_every_n_steps``; evaluation metrics are epoch-level validation (test) metrics Lightning writes.
-
-One x-axis for every row a logger receives, chosen by the callbacks' ``step`` option: ``"frames"`` (default),
-the total frames collected by all ranks, for every row, rollout, evaluation, Lightning's own (``self.log``) and
-its callbacks' (``LearningRateMonitor``), as the DataModule sets each logger's step; ``"batches"``, Lightning's
-own step. The DataModule refuses callbacks that ask for both.
+Collection events come in the main thread *before* the batch's ``training_step``, where Lightning forbids
+``self.log``: callbacks keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
+reduced across DDP ranks (same collectives, same order on every rank). Every logger row has one x-axis, the
+callbacks' ``step``: ``"frames"`` (all ranks' frames, the default) or ``"batches"`` (Lightning's step).
 """
 
 from __future__ import annotations
@@ -48,18 +36,14 @@ StepAxis = Literal["frames", "batches"]
 
 
 class EvalRound:
-    """One evaluation round: what ``RolloutDataModule.val_dataloader()`` (and ``test_dataloader()``) yields,
-    already run.
-
-    A module's own ``validation_step(batch, batch_idx)`` (``test_step``) receives it (when the
-    module has none, the DataModule lends one that does nothing). It is a plain object, so
-    Lightning leaves it as it is when it moves a batch to the device.
+    """One evaluation round, already run: what ``RolloutDataModule.val_dataloader()`` (``test_dataloader()``)
+    yields to the module's ``validation_step(batch, batch_idx)`` (``test_step``; a do-nothing one is lent to a
+    module without). A plain object, which Lightning does not move to the device.
 
     Attributes:
         episodes: this rank's finished evaluation episodes, in request order.
         seconds: wall-clock seconds the round took on this rank.
-        frames: frames this rank had collected when the round ran (its collector's count, or the
-            count restored from a checkpoint when no collector ran yet).
+        frames: frames this rank had collected when the round ran (restored from a checkpoint before any).
     """
 
     __slots__ = ("episodes", "seconds", "frames")
@@ -80,14 +64,11 @@ class EvalRound:
 
 
 class RolloutCallback(pl.Callback):
-    """A Lightning callback that also receives collection events.
+    """A Lightning callback that also receives collection events (every hook a no-op by default).
 
-    Every hook is a no-op by default. ``on_rollout_step`` is dispatched only if
-    some callback in ``trainer.callbacks`` overrides it, so per-step events cost
-    nothing otherwise. Hooks run in the main thread: training events before
-    ``training_step`` of the batch being collected, evaluation events inside the
-    validation loop while it fetches the round. Do not call ``pl_module.log``
-    from them (keep the values and log in ``on_train_batch_end`` /
+    ``on_rollout_step`` is dispatched only if some callback overrides it. Hooks run in the main thread: training
+    events before ``training_step`` of the batch being collected, evaluation events while the validation loop
+    fetches the round. Do not call ``pl_module.log`` from them (log in ``on_train_batch_end`` /
     ``on_validation_batch_end``).
     """
 
@@ -117,14 +98,10 @@ def overrides(callback: RolloutCallback, hook: str) -> bool:
 
 def _reduce(trainer: pl.Trainer, sums: Sequence[float],
             maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
-    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (at most two collectives).
-
-    Every rank must call this at the same point with sequences of the same lengths.
-    """
-    device = trainer.strategy.root_device
-    total = [float(v) for v in sums]
-    peak = [float(v) for v in maxima]
+    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (every rank calls it alike)."""
+    total, peak = [float(v) for v in sums], [float(v) for v in maxima]
     if trainer.world_size > 1:
+        device = trainer.strategy.root_device
         if total:
             packed = torch.tensor(total, dtype=torch.float64, device=device)
             total = trainer.strategy.reduce(packed, reduce_op="sum").tolist()
@@ -151,8 +128,7 @@ def _logger_step(trainer: pl.Trainer) -> int:
 
 
 def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Write ``metrics`` once to every logger of the trainer, at ``step`` (global rank zero only), and flush
-    (as Lightning does after each write, so a live TensorBoard sees them)."""
+    """Write ``metrics`` to every logger at ``step`` (global rank zero only) and flush, as Lightning does."""
     if not metrics or not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
@@ -176,31 +152,22 @@ class EpisodeStatsLogger(RolloutCallback):
 
     Metrics (``prefix`` defaults to ``"rollout"``):
 
-    * ``rollout/episode_reward`` (mean), ``_max``, ``_min`` and ``rollout/episode_length``:
-      over the episodes finished during the batch's collection (written only at
-      batches where some episode finished, so no value is ever repeated);
-    * ``rollout/episodes`` and ``rollout/frames``: totals since the start of training
-      (all ranks, resumed runs included);
-    * ``rollout/fps``: frames of all ranks per second of wall time since this ``fit``
-      started (collection, training and evaluation included: end-to-end throughput);
-    * ``rollout/collect_fps``: collection speed of one rank, frames of its last batch
-      over the seconds ``training_step`` waited for that batch (mean over ranks);
-    * ``rollout/policy_lag``: mean number of weight updates between the policy
-      that acted a transition and the current one (0 when on-policy);
-    * ``rollout/<key>`` for each one-element entry of the DataModule's ``info_keys``
-      (``rollout/is_success``; a nested key's parts joined by ``/``): its mean over the
-      episodes finished during the batch's collection, each episode counted once with
-      its value at its last step (``EpisodeEnd.info``), written with ``episode_reward``.
+    * ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length``: over the episodes that
+      finished during the batch's collection (only when some did); likewise ``rollout/<key>``, the mean at their
+      last step of each one-element entry of the DataModule's ``info_keys`` (nested key parts joined by ``/``);
+    * ``rollout/episodes``, ``rollout/frames``: totals since training started (all ranks, resumes included);
+    * ``rollout/fps``: all ranks' frames per second of wall time since this ``fit`` started (end to end);
+    * ``rollout/collect_fps``: a rank's last batch's frames over the seconds waited for it (mean over ranks);
+    * ``rollout/policy_lag``: mean weight updates between the policy that acted a transition and the current one.
 
-    All are in ``trainer.callback_metrics`` after every batch (``ModelCheckpoint`` /
-    ``EarlyStopping`` can monitor them) and written to every logger then, whatever
-    ``log_every_n_steps`` is, at the step ``step`` names.
+    All are in ``trainer.callback_metrics`` after every batch and written to every logger then, whatever
+    ``log_every_n_steps``, at the step ``step`` names.
 
     Args:
         prefix: metric name prefix.
         prog_bar: show the episode return, frames and fps in the progress bar.
-        step: x-axis of every row the loggers receive: ``"frames"`` (total frames collected, all ranks; as
-            SB3 / CleanRL curves) or ``"batches"`` (Lightning's step); the same as :class:`RolloutEvaluation`'s.
+        step: x-axis of every logger row: ``"frames"`` (all ranks' frames, as SB3 / CleanRL curves) or
+            ``"batches"`` (Lightning's step); the same as :class:`RolloutEvaluation`'s.
         clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
 
     Raises:
@@ -301,46 +268,37 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Log each evaluation round of the validation (or test) loop as ``eval/...`` (``test/...``) metrics, and
-    record videos.
+    """Log each evaluation round of the validation (test) loop as ``eval/...`` (``test/...``) metrics; record videos.
 
-    The :class:`~lightning_rollout.lightning.RolloutDataModule` runs the rounds (fresh deterministic episodes
-    with the module's current weights) when Lightning validates, and one in ``Trainer.validate`` /
-    ``Trainer.test``. This callback reduces them across ranks and logs ``eval/episode_reward`` (mean),
-    ``_min``, ``_max``, ``eval/episode_length`` and ``eval/seconds`` (mean over ranks) as epoch-level
-    validation metrics: in ``trainer.callback_metrics`` when ``ModelCheckpoint`` and ``EarlyStopping`` run at
-    validation end, in what ``Trainer.validate`` returns, written by Lightning once per round at the x-axis
-    ``step`` names; a ``Trainer.test`` round under ``test_prefix``. The DataModule adds one unless the trainer has one.
+    The :class:`~lightning_rollout.lightning.RolloutDataModule` runs the rounds (fresh deterministic episodes,
+    current weights). This callback reduces them across ranks and logs ``eval/episode_reward`` (mean), ``_min``,
+    ``_max``, ``eval/episode_length`` and ``eval/seconds`` (mean over ranks) as epoch-level validation metrics:
+    in ``trainer.callback_metrics`` for ``ModelCheckpoint`` / ``EarlyStopping``, in what ``Trainer.validate``
+    returns, written once per round at the x-axis ``step`` names. The DataModule adds one unless the trainer has one.
 
-    With ``record_video``, one episode of the rounds ``0, N, 2N, ...`` (global rank zero) is written, in the
-    background, as ``videos/<prefix>-<step axis>-<step>.mp4`` in the trainer's ``log_dir`` and as the video
-    summary ``<prefix>/video`` of every ``TensorBoardLogger`` (:mod:`~lightning_rollout.lightning.video`); an env
-    factory must then return a ``gymnasium.Env`` made with ``render_mode="rgb_array"``. ``fit`` waits for the
-    last clip.
+    With ``record_video``, one episode of every ``N`` rounds (global rank zero) is written in the background as
+    ``videos/<prefix>-<step axis>-<step>.mp4`` in ``log_dir`` and as every ``TensorBoardLogger``'s video summary
+    ``<prefix>/video`` (envs must render ``rgb_array``); ``fit`` waits for the last clip.
 
     Args:
         prefix: metric name prefix of validation rounds.
         test_prefix: metric name prefix of ``Trainer.test`` rounds.
         prog_bar: show the mean evaluation return in the progress bar.
-        step: x-axis of what is written to the loggers: ``"frames"`` (total frames
-            collected by all ranks when the round ran) or ``"batches"`` (Lightning's step);
-            the same as :class:`EpisodeStatsLogger`'s (the DataModule raises ``ValueError`` otherwise).
-        record_video: ``None`` (default): no video; an int ``N``: one episode every ``N``
-            evaluation rounds; a :class:`~lightning_rollout.lightning.VideoRecording` for
-            the frame rate, frame cap, outputs and folder.
+        step: x-axis of logger rows: ``"frames"`` (all ranks' frames when the round ran) or ``"batches"``
+            (Lightning's step); the same as :class:`EpisodeStatsLogger`'s (else ``ValueError`` at ``setup``).
+        record_video: ``None`` (default): no video; an int ``N``: one episode every ``N`` rounds; a
+            :class:`~lightning_rollout.lightning.VideoRecording` for frame rate, frame cap, outputs and folder.
 
     Raises:
         ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``; a bad ``record_video``.
         ImportError: ``record_video`` without the packages of the ``video`` extra.
-        RuntimeError: at the next recorded round or at the end of ``fit``, when writing a clip failed
-            (the error chained).
+        RuntimeError: at the next recorded round or the end of ``fit``, when writing a clip failed (chained).
 
     Attributes:
         last_round: the last :class:`EvalRound` logged (``None`` before the first).
-        evaluations: evaluation rounds logged so far (saved in checkpoints, so a resumed run keeps
-            its recording schedule).
-        last_video: path of the last MP4 file handed to the writer (``None`` before the first, or
-            with ``mp4=False``); it exists once the writer is done (at the latest when ``fit`` returns).
+        evaluations: rounds logged so far (checkpointed: a resumed run keeps its recording schedule).
+        last_video: path of the last MP4 handed to the writer (``None`` before, or with ``mp4=False``); it
+            exists once written (at the latest when ``fit`` returns).
     """
 
     def __init__(self, *, prefix: str = "eval", test_prefix: str = "test", prog_bar: bool = True,
@@ -381,8 +339,7 @@ class RolloutEvaluation(RolloutCallback):
             self._log_round(trainer, pl_module, batch, self.test_prefix)
 
     def _log_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: EvalRound, p: str) -> None:
-        """Reduce one round across ranks and log it under ``p/...`` (epoch-level: Lightning writes it at the
-        round's end, at the x-axis the DataModule set)."""
+        """Reduce one round across ranks and log it under ``p/...`` (epoch-level, written at the round's end)."""
         self.last_round = batch
         self.evaluations += 1
         episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
@@ -405,12 +362,9 @@ class RolloutEvaluation(RolloutCallback):
         frames = self.video_recorder.take()
         if frames is None:
             return
-        config = self.record_video
-        mp4_path = None
-        if config.mp4:
-            mp4_path = os.path.join(self._video_dir or os.path.join(trainer.default_root_dir, "videos"),
-                                    f"{prefix}-{self.step}-{step:010d}.mp4")
-        writers = _summary_writers(trainer) if config.tensorboard else []
+        folder = self._video_dir or os.path.join(trainer.default_root_dir, "videos")
+        mp4_path = os.path.join(folder, f"{prefix}-{self.step}-{step:010d}.mp4") if self.record_video.mp4 else None
+        writers = _summary_writers(trainer) if self.record_video.tensorboard else []
         self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
                                   step=step)
         self.last_video = mp4_path
@@ -446,13 +400,11 @@ def _summary_writers(trainer: pl.Trainer) -> list[Any]:
     return [e for e in experiments if isinstance(e, SummaryWriter)]
 
 
-def _figure(value: float) -> str:
-    """A return as the progress bar shows it: one decimal (whole units from 10^4 on)."""
+def _figure(value: float, whole: bool) -> str:
+    """A figure as the progress bar shows it: ``whole``, or with one decimal (whole units from 10^4 on)."""
+    if whole:
+        return str(int(round(value)))
     return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.1f}"
-
-
-def _whole(value: float) -> str:
-    return str(int(round(value)))
 
 
 class _RLFigures:
@@ -462,45 +414,33 @@ class _RLFigures:
     eval_prefix = "eval"
 
     def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
-        """What the bar shows for these progress-bar metrics.
-
-        ``frames`` and ``fps`` as whole numbers, ``ret`` and ``eval`` with one decimal, all as
-        strings (the bars write strings as they are, where TQDM would write ``1.23e+7`` and Rich
-        ``12345678.000`` for a number), then every other metric unchanged. Missing or non-finite
-        figures are left out.
-        """
+        """What the bar shows for these progress-bar metrics: ``frames`` and ``fps`` whole, ``ret`` and ``eval``
+        with one decimal, as strings (TQDM would write ``1.23e+7``), then every other metric unchanged; missing
+        or non-finite figures left out."""
         items = dict(metrics)
         r, e = self.rollout_prefix, self.eval_prefix
         shown: dict[str, int | str | float] = {}
-        for key, name, render in ((f"{r}/frames", "frames", _whole), (f"{r}/fps", "fps", _whole),
-                                  (f"{r}/episode_reward", "ret", _figure), (f"{e}/episode_reward", "eval", _figure)):
+        for key, name, whole in ((f"{r}/frames", "frames", True), (f"{r}/fps", "fps", True),
+                                 (f"{r}/episode_reward", "ret", False), (f"{e}/episode_reward", "eval", False)):
             value = items.pop(key, None)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if isinstance(value, (int, float)) and math.isfinite(value):
-                shown[name] = render(value)
+                shown[name] = _figure(value, whole)
         shown.update(items)
         return shown
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
-        """The Lightning bar's metrics (its own, after this class in the bar's bases) as :meth:`shown`, without
-        ``v_num``."""
+        """The Lightning bar's metrics as :meth:`shown`, without ``v_num``."""
         items = dict(super().get_metrics(trainer, pl_module))  # type: ignore[misc]
         items.pop("v_num", None)
         return self.shown(items)
 
 
 class RolloutProgressBar(_RLFigures, TQDMProgressBar):
-    """Lightning's TQDM bar showing RL figures, fitting in 80 columns.
-
-    The training bar reads ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123,
-    ret=123.4, eval=500.0``: whole frames (all ranks), frames per second of wall
-    time, the mean return of the episodes finished in the last batch and the mean
-    return of the last evaluation round, from the metrics :class:`EpisodeStatsLogger`
-    and :class:`RolloutEvaluation` put in the progress bar. Batches/s, the batch
-    count and the logger's version are left out; other progress-bar metrics follow.
-    The DataModule swaps Lightning's stock ``TQDMProgressBar`` for this one
-    (``RolloutDataModule(progress_bar=False)`` keeps the stock one).
+    """Lightning's TQDM bar showing RL figures in 80 columns: ``Epoch 0:  45%|████     | 05:12, frames=461824,
+    fps=7123, ret=123.4, eval=500.0`` (all ranks' frames and frames/s, mean return of the last batch's episodes
+    and of the last evaluation), then other progress-bar metrics. Batches/s, batch count and ``v_num`` are left out.
 
     Args:
         refresh_rate, process_position, leave: as ``TQDMProgressBar``.
@@ -517,16 +457,9 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
-    """Lightning's Rich bar showing RL figures, on one line of 100 columns.
-
-    The DataModule makes Lightning's stock ``RichProgressBar`` (its default when ``rich`` is installed) this
-    one, as it does :class:`RolloutProgressBar` for the TQDM bar. The training bar reads
-    ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``:
-    the same figures as :class:`RolloutProgressBar` (:meth:`shown`), after the share of the epoch
-    done and the elapsed time, as the TQDM bar shows them. Batches/s, the batch count, the
-    remaining time and the logger's version are left out and the bar is 16 columns wide, so
-    that a long run's figures (``frames: 12345678 fps: 123456 ret: -1234.5 eval: 500.0``)
-    stay on one line of 100 columns; other progress-bar metrics follow, as Rich formats them.
+    """Lightning's Rich bar showing RL figures on one line of 100 columns: ``Epoch 0/0  ━━━━━━━━         45%
+    0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0`` (those of :class:`RolloutProgressBar`), with a
+    16-column bar and no batches/s, batch count, remaining time or ``v_num``.
 
     Args:
         refresh_rate, leave, theme, console_kwargs: as ``RichProgressBar``.
@@ -549,9 +482,8 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
     _rerouted: list[tuple[logging.StreamHandler, Any]] = []  # (handler, its own stream) while the bar is live
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the bar; until teardown, the logging handlers that write to the bar's terminal print through its
-        console, so that a line logged meanwhile (Lightning's ``Trainer.fit stopped``) goes above the bar, not
-        onto its line."""
+        """Start the bar; until teardown, logging handlers writing to its terminal print through its console
+        (a line logged meanwhile goes above the bar, not onto it)."""
         super().on_train_start(trainer, pl_module)
         if self.progress is None or self._rerouted:
             return
@@ -594,16 +526,10 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
 
 
 class _FitEnd(pl.Callback):
-    """Added by the DataModule, run before the checkpoint callbacks (Lightning puts them last): when ``fit`` ends,
-    says what stopped it (INFO, as Lightning's ``Trainer.fit stopped``; :func:`_stop_reason`) and saves the last
-    checkpoint of every ``ModelCheckpoint(save_last=...)`` whose last save is older than the current step.
-
-    ``ModelCheckpoint`` writes ``last.ckpt`` with its other saves and, at the end of ``fit``, only if it never
-    wrote one: a run stopped between two of its saves would resume from an older step. The save goes through
-    the ``ModelCheckpoint`` (its file name, version counter, removal of the previous ``last``; a file where
-    ``save_last="link"`` would link an older checkpoint), with an epoch the stop cut short counted as in
-    progress, as a save at its last batch counts it, so that a resume continues that epoch. Nothing is saved
-    under ``fast_dev_run``, as ``ModelCheckpoint`` saves nothing then.
+    """Added by the DataModule, run before the checkpoint callbacks: when ``fit`` ends, logs what stopped it
+    (INFO) and saves the last checkpoint of every ``ModelCheckpoint(save_last=...)`` older than the current step
+    (Lightning's saves it at the end only if it never wrote one), with an epoch cut short counted as in progress
+    so that a resume continues it. Nothing under ``fast_dev_run``, as ``ModelCheckpoint``.
     """
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -630,7 +556,8 @@ class _FitEnd(pl.Callback):
 
 
 def _save_last(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> None:
-    """Save ``checkpoint``'s last checkpoint now (a file, where ``save_last="link"`` would link an older one)."""
+    """Save ``checkpoint``'s last checkpoint now (a file, where ``save_last="link"`` would link an older one);
+    Lightning 2.6 has no public way, its private one names, versions and removes the previous ``last``."""
     candidates = {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
                   "step": torch.tensor(trainer.global_step)}
     if checkpoint.save_last != "link":

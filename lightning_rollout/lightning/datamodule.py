@@ -1,14 +1,9 @@
 """RolloutDataModule: ``Trainer.fit(model, datamodule=RolloutDataModule(...))`` trains an RL agent.
 
-Its training dataloader yields the batches of a :class:`~lightning_rollout.ThreadedCollector` (one per DDP
-rank, built once Lightning moved the module to its device, with seeds of its own), the actor's weights pulled
-from the module before every batch; its validation (and test) loop runs evaluation episodes, one
-:class:`EvalRound` a round. It adds the built-in callbacks, puts every logger row on one x-axis, says what
-stopped ``fit`` and keeps ``last.ckpt`` current, saves its counters in checkpoints (once), closes every env
-thread on teardown, exceptions and Ctrl-C, and pickles for ``ddp_spawn`` (threads stay behind, counters
-travel). ``docs/lightning.rst`` says what each does for the user.
-
-Threading: the collector is driven from Lightning's main thread; nothing here is called from env threads.
+Training batches come from a :class:`~lightning_rollout.ThreadedCollector` per DDP rank; the validation (test)
+loop runs evaluation episodes. It also adds the built-in callbacks, sets the loggers' x-axis, checkpoints its
+counters, closes every env thread on teardown, errors and Ctrl-C, and pickles for ``ddp_spawn`` (counters travel,
+threads stay). ``docs/lightning.rst`` is the user's guide. Everything here runs in Lightning's main thread.
 """
 
 from __future__ import annotations
@@ -48,12 +43,14 @@ from .callbacks import (
     _FitEnd,
     overrides,
 )
-from .video import VideoRecorder
 
 __all__ = ["RolloutDataModule"]
 
 _RANK_SEED_STRIDE = 100_003  # seeds of rank r start at seed + r * stride: disjoint across ranks
 _EVAL_SEED_OFFSET = 1_000_000_007
+# Trainer(precision=...) values that cast the module's weights, and the dtype they cast to
+_CASTING_PRECISIONS = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "64-true": "torch.float64"}
+_EVAL_STEPS = {TrainerFn.VALIDATING: "validation_step", TrainerFn.TESTING: "test_step"}
 
 
 class _Dispatcher(EventProcessor):
@@ -81,9 +78,8 @@ class _Dispatcher(EventProcessor):
 
 
 class _Loader:
-    """What the DataModule's dataloaders return: ``iterate()`` with a length, so that Lightning does not prefetch
-    a training batch ahead (acted by the weights of one step before), and an empty ``state_dict``: the DataModule
-    saves the collector's counters, once; the empty state tells Lightning that this iterable resumes."""
+    """A dataloader: ``iterate()`` with a length (so that Lightning fetches no batch ahead, acted by stale
+    weights) and an empty ``state_dict`` (the DataModule saves the counters; an empty state means "resumable")."""
 
     def __init__(self, iterate: Callable[[], Iterator[Any]], length: int) -> None:
         self.iterate = iterate
@@ -99,27 +95,90 @@ class _Loader:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load: the DataModule's own state (frames, episodes...) is restored by Lightning."""
+        """Nothing to load: Lightning restores the DataModule's own state."""
 
 
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
-    """The ``validation_step`` (``test_step``) lent for ``fit`` / ``validate`` / ``test`` to a module without one
-    (Lightning validates only modules with one); the round already ran, :class:`RolloutEvaluation` logs it."""
-    return None
+    """The ``validation_step`` (``test_step``) lent to a module without one (Lightning validates only modules
+    with one); the round already ran, :class:`RolloutEvaluation` logs it."""
 
 
-# Trainer(precision=...) values that cast the module's weights, and the dtype they cast to
-_CASTING_PRECISIONS = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "64-true": "torch.float64"}
-_EVAL_STEPS = {TrainerFn.VALIDATING: "validation_step", TrainerFn.TESTING: "test_step"}
+def _lend(module: pl.LightningModule, step: str, lent: list[tuple[pl.LightningModule, str]]) -> None:
+    """Give ``module`` a do-nothing ``step`` (``validation_step`` / ``test_step``) unless it has its own."""
+    if not is_overridden(step, module):
+        setattr(module, step, types.MethodType(_lent_validation_step, module))
+        lent.append((module, step))
+
+
+def _rank(trainer: pl.Trainer | None) -> int:
+    return trainer.global_rank if trainer is not None else 0
+
+
+def _actor(dm: RolloutDataModule) -> Any:
+    """The acting policy of ``dm``'s module (``RuntimeError`` without one, ``AttributeError`` for a bad name)."""
+    module = dm.trainer.lightning_module if dm.trainer is not None else None
+    if module is None:
+        raise RuntimeError("RolloutDataModule must be used through Trainer.fit(model, datamodule=...)")
+    if callable(dm.policy):
+        return dm.policy(module)
+    actor = getattr(module, dm.policy, None)
+    if actor is None:
+        raise AttributeError(f"the LightningModule {type(module).__name__} has no attribute {dm.policy!r} "
+                             "holding the acting policy; set RolloutDataModule(policy=...) to its name or to "
+                             "a callable returning it")
+    return actor
+
+
+def _has_step(dm: RolloutDataModule, step: str) -> bool:
+    """Whether ``dm`` evaluates and the trainer's module has a ``step`` (its own or lent)."""
+    module = dm.trainer.lightning_module if dm.trainer is not None else None
+    return dm.evaluates and module is not None and is_overridden(step, module)
+
+
+def _check_frames(num_envs: int, frames_per_batch: int, total_frames: int, layout: str) -> None:
+    check_int("num_envs", num_envs, 1)
+    check_int("frames_per_batch", frames_per_batch, 1)
+    multiple = f"must be a multiple of num_envs ({num_envs}) with layout='env_time'"
+    if layout == "env_time" and frames_per_batch % num_envs:
+        raise ValueError(f"frames_per_batch ({frames_per_batch}) {multiple}")
+    if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1
+                                                                               and total_frames != -1):
+        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
+    if layout == "env_time" and total_frames > 0 and total_frames % num_envs:
+        raise ValueError(f"total_frames ({total_frames}) {multiple}")
+
+
+def _check_eval(episodes: int, every_n_frames: int | None, every_n_steps: int | None, num_envs: int | None) -> None:
+    check_int("eval_episodes", episodes, 0)
+    check_int("eval_every_n_frames", every_n_frames, 1, optional=True)
+    if every_n_steps is not None:
+        check_int("eval_every_n_steps", every_n_steps, 1)
+        warn_user("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
+                  "frames between evaluations depend on the optimizer steps per batch. Use "
+                  "eval_every_n_frames= (frames per rank) or Trainer(val_check_interval=) (batches).",
+                  FutureWarning)
+    if every_n_frames is not None and every_n_steps is not None:
+        raise ValueError("pass eval_every_n_frames or the deprecated eval_every_n_steps, not both")
+    if episodes == 0 and (every_n_frames is not None or every_n_steps is not None):
+        raise ValueError("eval_episodes=0 turns evaluation off; drop eval_every_n_frames / eval_every_n_steps "
+                         "or ask for at least one episode")
+    check_int("eval_num_envs", num_envs, 1, optional=True)
+
+
+def _check_precision(trainer: pl.Trainer) -> None:
+    precision = str(getattr(trainer, "precision", "32-true"))
+    dtype = _CASTING_PRECISIONS.get(precision)
+    if dtype is not None:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) casts the module's weights, the acting policy's included, to "
+            f"{dtype}, while the envs' observations stay float32: the policy cannot act on them. Use "
+            "precision='bf16-mixed' or '16-mixed' (the weights stay float32 and training_step runs under "
+            "autocast) or '32-true'")
 
 
 def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
-    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (``"frames"``
-    when it has neither).
-
-    Raises:
-        ValueError: they name different axes.
-    """
+    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (default
+    ``"frames"``; ``ValueError`` when they name different ones)."""
     axes = {c.step for c in callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation))}
     if len(axes) > 1:
         raise ValueError("the trainer's EpisodeStatsLogger and RolloutEvaluation write at different x-axes "
@@ -143,183 +202,258 @@ def _warn_about_checkpoint_names(trainer: pl.Trainer) -> None:
                 f"{{{names[0]}:.1f}}'")
 
 
+def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
+    """Make the Trainer validate every ``dm.eval_every_n_frames`` frames (or deprecated ``eval_every_n_steps``);
+    ``ValueError`` when it schedules validation itself (see :meth:`RolloutDataModule.setup`)."""
+    if dm.eval_every_n_steps is not None:
+        module = trainer.lightning_module
+        if module is None or not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"eval_every_n_steps={dm.eval_every_n_steps} counts optimizer steps, and this module does "
+                "not take exactly one per batch (manual optimization or gradient accumulation); use "
+                "eval_every_n_frames= (frames per rank, e.g. "
+                f"{dm.eval_every_n_steps * dm.frames_per_batch} for one evaluation every "
+                f"{dm.eval_every_n_steps} batches)")
+        batches = dm.eval_every_n_steps
+    elif dm.eval_every_n_frames is not None:
+        batches = math.ceil(dm.eval_every_n_frames / dm.frames_per_batch)
+    else:
+        return
+    ours = (trainer.val_check_interval == batches and trainer.check_val_every_n_epoch is None)
+    defaults = (trainer.val_check_interval == 1.0 and not isinstance(trainer.val_check_interval, int)
+                and trainer.check_val_every_n_epoch == 1
+                and getattr(trainer, "_val_check_time_interval", None) is None)
+    if not (ours or defaults):
+        raise ValueError(
+            "eval_every_n_frames schedules evaluation (it sets the Trainer's val_check_interval and "
+            "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
+            f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
+            f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
+    epoch = _limited_epoch(dm, trainer)
+    if defaults and epoch is not None and epoch < batches:
+        return  # a smoke run (fast_dev_run, limit_train_batches): evaluate at each epoch's end, as Lightning does
+    trainer.val_check_interval = batches
+    trainer.check_val_every_n_epoch = None
+
+
+def _limited_epoch(dm: RolloutDataModule, trainer: pl.Trainer) -> int | None:
+    """Batches of an epoch under the Trainer's ``limit_train_batches`` (``fast_dev_run`` sets it), or ``None``."""
+    limit = trainer.limit_train_batches
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit
+    if not isinstance(limit, float) or limit >= 1.0:
+        return None
+    full = (math.ceil(dm.total_frames / dm.frames_per_batch) if dm.total_frames > 0
+            else dm.batches_per_epoch or 1000)
+    return int(full * limit)
+
+
+def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: int) -> None:
+    """Give ``collector`` the counters of ``state`` with ``rank``'s seed: a checkpoint holds global rank zero's,
+    so each rank's seed moves by its distance to the saving rank (resumed ranks collect different streams)."""
+    counters = dict(state["collector"])
+    if counters.get("seed", -1) >= 0:
+        counters["seed"] += (rank - int(state.get("rank", 0))) * _RANK_SEED_STRIDE
+    collector.load_state_dict(counters)
+    collector.loop.episodes = int(state.get("episodes", 0))
+
+
+class _FramesAxis:
+    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at
+    (Lightning's own rows and its callbacks', e.g. ``LearningRateMonitor``, included), until :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self.loggers: list[Any] = []
+
+    def set(self, trainer: pl.Trainer, frames: Callable[[], int] | None) -> None:
+        """Wrap each logger's ``log_metrics`` to write at ``frames()`` (``None``: Lightning's own step)."""
+        self.restore()
+        for logger in trainer.loggers if frames is not None else ():
+            write = logger.log_metrics
+
+            def log_metrics(metrics: dict[str, Any], step: int | None = None, write: Callable = write) -> None:
+                write(metrics, step=frames())
+
+            logger.log_metrics = log_metrics  # type: ignore[method-assign]
+            self.loggers.append(logger)
+
+    def restore(self) -> None:
+        for logger in self.loggers:
+            logger.__dict__.pop("log_metrics", None)
+        self.loggers.clear()
+
+
+class _Evaluation:
+    """The evaluation loop of a :class:`RolloutDataModule` (built on first use, closed on teardown) and its rounds."""
+
+    def __init__(self, dm: RolloutDataModule) -> None:
+        self.dm = dm
+        self.loop: MultiEnvLoop | None = None
+
+    def build(self) -> MultiEnvLoop:
+        """The loop of single envs (a batched env's, taken apart); ``ValueError`` for a natively batched env."""
+        if self.loop is not None:
+            return self.loop
+        dm, trainer, rank = self.dm, self.dm.trainer, _rank(self.dm.trainer)
+        n = dm.eval_num_envs or max(1, min(dm.eval_episodes, dm.num_envs))
+        recorders = [c.video_recorder for c in trainer.callbacks if isinstance(c, RolloutEvaluation)
+                     and c.video_recorder is not None] if trainer is not None and trainer.is_global_zero else []
+        recorder = recorders[0] if recorders else None  # (rank zero only records)
+        factory = dm.env_factory if recorder is None else recorder.wrap_factory(dm.env_factory)
+        first = factory()
+        if not is_batched(first):
+            factories = [lambda: first] + [factory] * (n - 1)
+        elif takes_apart(first):
+            singles = batched_env(first, num_workers=1).factories
+            factories = [singles[i % len(singles)] for i in range(n)]
+        else:
+            close_quietly([first])
+            raise ValueError(
+                f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
+                f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "
+                "evaluate with env.rollout() yourself), or give RolloutDataModule a factory of one env")
+        self.loop = MultiEnvLoop(
+            factories, _actor(dm), exploration_type=ExplorationType.DETERMINISTIC, lookahead=False, eval=True,
+            max_episode_steps=dm.eval_max_episode_steps, info_keys=dm.collector_kwargs["info_keys"],
+            seed=dm.seed + _EVAL_SEED_OFFSET + rank * _RANK_SEED_STRIDE, name=f"rank{rank}-eval")
+        return self.loop
+
+    def rounds(self, events: Callable[[], _Dispatcher | None]) -> Iterator[EvalRound]:
+        """One :class:`EvalRound`, run when Lightning fetches it (module in ``eval()`` mode, gradients off); in
+        Lightning's sanity check the loop is built but no episode runs."""
+        trainer = self.dm.trainer
+        if trainer is not None and trainer.sanity_checking:
+            self.build()
+            return
+        start = time.perf_counter()
+        self.build()  # (its envs reset) before on_eval_start: a video starts at the round's own reset
+        dispatcher = events()
+        if dispatcher is not None:
+            dispatcher.call("on_eval_start")
+        episodes = self.run(self.dm.eval_episodes, dispatcher)
+        seconds = time.perf_counter() - start
+        if dispatcher is not None:
+            dispatcher.call("on_eval_end", episodes)
+        yield EvalRound(episodes, seconds=seconds, frames=self.dm.frames)
+
+    def run(self, episodes: int, events: _Dispatcher | None) -> list[EpisodeEnd]:
+        """``episodes`` episodes, in request order, each also passed to ``events.on_eval_episode_end``."""
+        results: list[EpisodeEnd] = []
+
+        class _Collect(EventProcessor):
+            def on_eval_episode_end(inner, episode: EpisodeEnd) -> None:  # noqa: N805
+                results.append(episode)
+                if events is not None:
+                    events.on_eval_episode_end(episode)
+
+        self.build().run_episodes(episodes, processor=_Collect())
+        return results
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
+
+
 class RolloutDataModule(pl.LightningDataModule):
-    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector`
-    and whose validation (and test) loop runs evaluation episodes.
+    """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector` and whose
+    validation (and test) loop runs evaluation episodes.
 
     Args:
-        env: a gymnasium id, or a factory returning a ``gymnasium.Env`` or a torchrl ``EnvBase`` (a batched
-            one is stepped as the collector steps it; evaluation runs the single envs of one it takes apart),
-            picklable for ``strategy="ddp_spawn"`` (a module-level function or class, not a lambda).
+        env: a gymnasium id, or a factory of a ``gymnasium.Env`` or torchrl ``EnvBase`` (a batched one is stepped
+            as is; evaluation needs one the collector can take apart), picklable for ``ddp_spawn`` (no lambda).
 
     Keyword Args:
         num_envs: envs per rank.
-        frames_per_batch: transitions per training batch (a multiple of
-            ``num_envs`` with ``layout="env_time"``).
-        total_frames: frames per rank before training stops (``-1``: endless;
-            stop with ``max_steps`` / ``max_epochs`` / callbacks).
-        policy: the attribute of the LightningModule holding the acting policy
-            (default ``"actor"``), or a callable ``module -> policy``.
+        frames_per_batch: transitions per training batch (a multiple of ``num_envs`` with ``layout="env_time"``).
+        total_frames: frames per rank before training stops (``-1``: endless, stopped by the Trainer).
+        policy: the LightningModule's attribute holding the acting policy, or a callable ``module -> policy``.
         layout: ``"env_time"`` (``[num_envs, T]``, for on-policy losses) or ``"flat"``.
         on_policy: see :class:`ThreadedCollector`; use ``False`` with a replay buffer.
         envs_per_thread, num_workers, parallel_steps, autobatch_size, max_wait, max_episode_steps,
-            init_random_frames, exploration_type, step_timeout: passed to the collector (``envs_per_thread``,
-            ``num_workers`` and ``parallel_steps`` default to ``"auto"``: chosen from a few timed steps of one env, see
-            ``docs/tuning.rst``; worker processes need a picklable env factory, which a gym id is).
-        info_keys: entries of a gymnasium env's ``info`` read into the training batches
-            and the evaluation envs' rows (see :class:`ThreadedCollector`): a list of keys
-            (specs inferred from the first reset's ``info``) or ``{key: TorchRL spec}``.
-            Their values at each episode's end are in ``EpisodeEnd.info``, and
-            :class:`EpisodeStatsLogger` logs the per-episode mean of each one-element
-            entry as ``rollout/<key>``.
-        batches_per_epoch: batches per Lightning epoch for an endless collector
-            (default 1000); a finite one is a single epoch.
-        eval_every_n_frames: evaluate each time this rank has collected this many
-            more frames (rounded up to whole batches), whatever the optimizer steps per
-            batch. Sets the Trainer's ``val_check_interval`` to that many batches and its
-            ``check_val_every_n_epoch`` to ``None`` (so leave those two at their
-            defaults). A Trainer whose ``fast_dev_run`` or ``limit_train_batches`` makes an
-            epoch shorter than that keeps Lightning's default schedule instead (evaluation
-            at the end of each epoch), so a smoke run evaluates. ``None``: Lightning's own
-            schedule (by default once per epoch, i.e. at the end of a finite collector's run).
-        eval_every_n_steps: deprecated (it counts optimizer steps, not frames): use
-            ``eval_every_n_frames``. Still honoured when one optimizer step is taken per
-            batch; a module with manual optimization or gradient accumulation gets a
-            ``ValueError`` at ``fit``.
-        eval_episodes: episodes per evaluation round (per rank), in ``fit``, ``validate`` and
-            ``test``; ``0`` turns evaluation off (no ``val_dataloader`` / ``test_dataloader``).
+            init_random_frames, exploration_type, step_timeout: passed to the collector (the first three
+            ``"auto"``: chosen from a few timed steps, see ``docs/tuning.rst``; workers need a picklable factory).
+        info_keys: entries of a gymnasium env's ``info`` read into the batches and evaluation rows: keys (specs
+            from the first reset) or ``{key: TorchRL spec}``; in ``EpisodeEnd.info`` at each episode's end.
+        batches_per_epoch: batches per epoch of an endless collector (default 1000); a finite one is one epoch.
+        eval_every_n_frames: evaluate every this many frames of this rank (rounded up to whole batches): sets
+            the Trainer's ``val_check_interval`` (in batches; leave it and ``check_val_every_n_epoch`` at their
+            defaults), unless ``fast_dev_run`` / ``limit_train_batches`` make epochs shorter. ``None``:
+            Lightning's schedule (once per epoch).
+        eval_every_n_steps: deprecated (counts optimizer steps; ``ValueError`` at ``fit`` unless one per batch).
+        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: no
+            evaluation (no ``val_dataloader`` / ``test_dataloader``).
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
-        reraise_interrupt: a Ctrl-C during ``fit`` reaches the caller as ``KeyboardInterrupt``
-            once Lightning's graceful shutdown (callbacks' ``on_exception``, its teardown) is done,
-            so the script ends as any interrupted Python script (exit code 130 from a shell).
-            ``False`` keeps Lightning's own ending, ``sys.exit(1)``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
-        progress_bar: replace Lightning's stock ``TQDMProgressBar`` by a
-            :class:`RolloutProgressBar` and its stock ``RichProgressBar`` (its default
-            when ``rich`` is installed) by a :class:`RolloutRichProgressBar` (frames,
-            frames/s, returns).
+        progress_bar: make Lightning's stock TQDM / Rich bar a :class:`RolloutProgressBar` /
+            :class:`RolloutRichProgressBar`.
+        reraise_interrupt: a Ctrl-C in ``fit`` reaches the caller as ``KeyboardInterrupt`` after Lightning's
+            graceful shutdown (``False``: Lightning's ``sys.exit(1)``).
 
     Raises:
-        ValueError: bad configuration, with what to change (at construction, or at ``setup`` for
-            a Trainer that does not fit it: see :meth:`setup`).
+        ValueError: bad configuration, saying what to change (here, or at :meth:`setup` for the Trainer's).
     """
 
     def __init__(
-        self,
-        env: str | EnvFactory,
-        *,
-        num_envs: int = 8,
-        frames_per_batch: int,
-        total_frames: int = -1,
-        policy: str | Callable[[pl.LightningModule], Any] = "actor",
-        layout: Literal["env_time", "flat"] = "env_time",
-        on_policy: bool = True,
-        envs_per_thread: int | str = "auto",
-        num_workers: int | str = "auto",
-        parallel_steps: bool | Literal["auto", "free"] = "auto",
-        autobatch_size: int | None = None,
-        max_wait: float | None = None,
-        max_episode_steps: int | None = None,
-        init_random_frames: int = 0,
-        exploration_type: ExplorationType = ExplorationType.RANDOM,
-        step_timeout: float | None = None,
-        info_keys: InfoKeys | None = None,
-        batches_per_epoch: int | None = None,
-        eval_every_n_frames: int | None = None,
-        eval_every_n_steps: int | None = None,
-        eval_episodes: int = 5,
-        eval_num_envs: int | None = None,
-        eval_max_episode_steps: int | None = None,
-        seed: int = 0,
-        log_stats: bool = True,
-        progress_bar: bool = True,
-        reraise_interrupt: bool = True,
+        self, env: str | EnvFactory, *, num_envs: int = 8, frames_per_batch: int, total_frames: int = -1,
+        policy: str | Callable[[pl.LightningModule], Any] = "actor", layout: Literal["env_time", "flat"] = "env_time",
+        on_policy: bool = True, envs_per_thread: int | str = "auto", num_workers: int | str = "auto",
+        parallel_steps: bool | Literal["auto", "free"] = "auto", autobatch_size: int | None = None,
+        max_wait: float | None = None, max_episode_steps: int | None = None, init_random_frames: int = 0,
+        exploration_type: ExplorationType = ExplorationType.RANDOM, step_timeout: float | None = None,
+        info_keys: InfoKeys | None = None, batches_per_epoch: int | None = None,
+        eval_every_n_frames: int | None = None, eval_every_n_steps: int | None = None, eval_episodes: int = 5,
+        eval_num_envs: int | None = None, eval_max_episode_steps: int | None = None, seed: int = 0,
+        log_stats: bool = True, progress_bar: bool = True, reraise_interrupt: bool = True,
     ) -> None:
         super().__init__()
         self.env_factory = resolve_env_factory(env)
-        check_int("num_envs", num_envs, 1)
-        check_int("frames_per_batch", frames_per_batch, 1)
-        if layout == "env_time" and frames_per_batch % num_envs:
-            raise ValueError(f"frames_per_batch ({frames_per_batch}) must be a multiple of num_envs ({num_envs}) "
-                             "with layout='env_time'")
-        if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1
-                                                                                   and total_frames != -1):
-            raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
-        if layout == "env_time" and total_frames > 0 and total_frames % num_envs:
-            raise ValueError(f"total_frames ({total_frames}) must be a multiple of num_envs ({num_envs}) "
-                             "with layout='env_time'")
+        _check_frames(num_envs, frames_per_batch, total_frames, layout)
         if not (isinstance(policy, str) or callable(policy)):
             raise ValueError("policy must be the name of the LightningModule attribute holding the actor, "
                              "or a callable taking the module and returning the actor")
         check_int("batches_per_epoch", batches_per_epoch, 1, optional=True)
-        check_int("eval_episodes", eval_episodes, 0)
-        check_int("eval_every_n_frames", eval_every_n_frames, 1, optional=True)
-        if eval_every_n_steps is not None:
-            check_int("eval_every_n_steps", eval_every_n_steps, 1)
-            warn_user("RolloutDataModule(eval_every_n_steps=) is deprecated: it counts optimizer steps, so the "
-                      "frames between evaluations depend on the optimizer steps per batch. Use "
-                      "eval_every_n_frames= (frames per rank) or Trainer(val_check_interval=) (batches).",
-                      FutureWarning)
-        if eval_every_n_frames is not None and eval_every_n_steps is not None:
-            raise ValueError("pass eval_every_n_frames or the deprecated eval_every_n_steps, not both")
-        if eval_episodes == 0 and (eval_every_n_frames is not None or eval_every_n_steps is not None):
-            raise ValueError("eval_episodes=0 turns evaluation off; drop eval_every_n_frames / eval_every_n_steps "
-                             "or ask for at least one episode")
-        check_int("eval_num_envs", eval_num_envs, 1, optional=True)
+        _check_eval(eval_episodes, eval_every_n_frames, eval_every_n_steps, eval_num_envs)
         check_int("seed", seed, 0)
-        self.num_envs = num_envs
-        self.frames_per_batch = frames_per_batch
-        self.total_frames = total_frames
-        self.policy = policy
-        self.layout = layout
-        self.on_policy = on_policy
         check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
         if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
             raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
-        self.reraise_interrupt = bool(reraise_interrupt)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
                                      parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
                                      init_random_frames=init_random_frames, exploration_type=exploration_type,
                                      step_timeout=step_timeout, info_keys=info_keys)
         self.info_keys = info_key_list(info_keys)  # checked here, before any env is built
+        self.num_envs, self.frames_per_batch, self.total_frames = num_envs, frames_per_batch, total_frames
+        self.policy, self.layout, self.on_policy = policy, layout, on_policy
         self.batches_per_epoch = batches_per_epoch
-        self.eval_every_n_frames = eval_every_n_frames
-        self.eval_every_n_steps = eval_every_n_steps
-        self.eval_episodes = eval_episodes
-        self.eval_num_envs = eval_num_envs
+        self.eval_every_n_frames, self.eval_every_n_steps = eval_every_n_frames, eval_every_n_steps
+        self.eval_episodes, self.eval_num_envs = eval_episodes, eval_num_envs
         self.eval_max_episode_steps = eval_max_episode_steps
-        self.seed = seed
-        self.log_stats = log_stats
-        self.progress_bar = progress_bar
+        self.seed, self.log_stats, self.progress_bar = seed, log_stats, progress_bar
+        self.reraise_interrupt = bool(reraise_interrupt)
         self.collector: ThreadedCollector | None = None
         self.last_collect_seconds = 0.0
         self._iterator: Iterator[Any] | None = None
         self._dispatcher: _Dispatcher | None = None
-        self._eval_loop: MultiEnvLoop | None = None
+        self._evaluation = _Evaluation(self)
         self._lent: list[tuple[pl.LightningModule, str]] = []  # (module, step name) lent for this stage
-        self._axis_loggers: list[Any] = []  # the Trainer's loggers while they write at frames
+        self._axis = _FramesAxis()
         self._pending_state: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
 
-    # -- the trainer ------------------------------------------------------------------------------
     @property
     def trainer(self) -> pl.Trainer | None:  # type: ignore[override]
-        """The Trainer this DataModule is attached to (``None`` before it is).
-
-        Lightning attaches it at the start of ``fit`` / ``validate`` / ``test``, before it checks that
-        the module has a ``validation_step`` / ``test_step``; for ``validate`` and ``test`` the DataModule
-        lends the module one then (see :meth:`setup` for ``fit``).
+        """The Trainer this DataModule is attached to (``None`` before). Attaching it for ``validate`` / ``test``
+        lends the module a ``validation_step`` / ``test_step`` if it has none (for ``fit``, :meth:`setup` does).
 
         Warns:
-            UserWarning: ``fit`` of an endless collector with no ``max_steps`` / ``max_epochs`` / ``max_time``
-                (Lightning's default of 1000 epochs then stops it; the warning says after how many frames).
+            UserWarning: ``fit`` of an endless collector with no ``max_steps`` / ``max_epochs`` / ``max_time``.
 
         Raises:
-            RuntimeError: ``Trainer.predict`` (an RL agent has no dataset to predict on; the message
-                names ``validate`` / ``test``).
+            RuntimeError: ``Trainer.predict``.
             ValueError: ``Trainer.validate`` / ``test`` with ``eval_episodes=0``.
         """
         return self.__dict__.get("_trainer")
@@ -348,13 +482,7 @@ class RolloutDataModule(pl.LightningDataModule):
         selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
         module = getattr(selector, "model", None)  # the module being attached along with this DataModule
         if step is not None and isinstance(module, pl.LightningModule):
-            self._lend(module, step)
-
-    def _lend(self, module: pl.LightningModule, step: str) -> None:
-        """Give ``module`` a do-nothing ``step`` (``validation_step`` / ``test_step``) unless it has its own."""
-        if not is_overridden(step, module):
-            setattr(module, step, types.MethodType(_lent_validation_step, module))
-            self._lent.append((module, step))
+            _lend(module, step, self._lent)
 
     @property
     def frames(self) -> int:
@@ -365,45 +493,38 @@ class RolloutDataModule(pl.LightningDataModule):
         state = self._pending_state or {}
         return int(state.get("collector", {}).get("frames", 0))
 
-    # -- pickling (ddp_spawn) -------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """Everything but the threads: collector, loops and trainer stay here, their counters travel
-        (applied when the copy builds its collector)."""
-        state = self.__dict__.copy()
-        counters = self.state_dict()
-        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_final_state", "_trainer"):
-            state[key] = None
-        state["_lent"], state["_axis_loggers"] = [], []
-        state["_pending_state"] = counters or None
-        state["last_collect_seconds"] = 0.0
-        return state
-
-    # -- setup -------------------------------------------------------------------------------
     @property
     def evaluates(self) -> bool:
         """True when evaluation rounds run in the validation loop (``eval_episodes > 0``)."""
         return self.eval_episodes > 0
 
-    def setup(self, stage: str) -> None:
-        """Prepare ``fit``, ``validate`` or ``test``: check the Trainer, add the built-in callbacks, set the
-        loggers' x-axis and, for ``fit``, the evaluation schedule and a lent ``validation_step``.
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but threads and trainer (``ddp_spawn``); the counters travel."""
+        state = self.__dict__.copy()
+        counters = self.state_dict()
+        for key in ("collector", "_iterator", "_dispatcher", "_final_state", "_trainer"):
+            state[key] = None
+        state["_evaluation"], state["_lent"], state["_axis"] = _Evaluation(self), [], _FramesAxis()
+        state["_pending_state"] = counters or None
+        state["last_collect_seconds"] = 0.0
+        return state
 
-        Runs before the callbacks' own ``setup`` hooks (so ``EarlyStopping`` and ``ModelCheckpoint``
-        see the schedule set here). Warns (``UserWarning``) about a ``ModelCheckpoint`` whose ``filename``
-        would write a metric name holding ``/`` (a folder per checkpoint).
+    def setup(self, stage: str) -> None:
+        """Prepare ``fit``, ``validate`` or ``test`` (before the callbacks' ``setup``): check the Trainer, add the
+        built-in callbacks, set the loggers' x-axis and, for ``fit``, the evaluation schedule and a lent
+        ``validation_step``; warn about a ``ModelCheckpoint`` ``filename`` naming a metric with ``/``.
 
         Raises:
-            ValueError: a ``Trainer(precision=...)`` that casts the module's weights (``"bf16-true"``,
-                ``"16-true"``, ``"64-true"``: the policy could not act on the envs' float32 observations);
-                an :class:`EpisodeStatsLogger` and a :class:`RolloutEvaluation` with different ``step``
-                axes; ``eval_every_n_frames`` together with a non-default ``val_check_interval`` /
-                ``check_val_every_n_epoch`` of the Trainer, or the deprecated ``eval_every_n_steps``
-                with a module that does not take exactly one optimizer step per batch.
+            ValueError: a ``Trainer(precision=...)`` that casts the weights (``"bf16-true"``, ``"16-true"``,
+                ``"64-true"``: the policy could not act on float32 observations); an
+                :class:`EpisodeStatsLogger` and a :class:`RolloutEvaluation` with different ``step`` axes;
+                ``eval_every_n_frames`` with a non-default ``val_check_interval`` / ``check_val_every_n_epoch``,
+                or ``eval_every_n_steps`` with a module not taking one optimizer step per batch.
         """
         trainer = self.trainer
         if trainer is None:
             return
-        self._check_precision(trainer)
+        _check_precision(trainer)
         self._dispatcher = None  # rebuilt from this trainer's callbacks on first use
         callbacks = trainer.callbacks
         axis = _step_axis(callbacks)
@@ -420,105 +541,11 @@ class RolloutDataModule(pl.LightningDataModule):
                 rl_bar = {TQDMProgressBar: RolloutProgressBar, RichProgressBar: RolloutRichProgressBar}.get(type(c))
                 if rl_bar is not None:
                     c.__class__ = rl_bar
-        self._set_axis(trainer, axis)
+        self._axis.set(trainer, (lambda: self.frames * trainer.world_size) if axis == "frames" else None)
         if stage == "fit" and self.evaluates:
-            self._set_eval_schedule(trainer)
-            module = trainer.lightning_module
-            if module is not None:
-                self._lend(module, "validation_step")
-
-    @staticmethod
-    def _check_precision(trainer: pl.Trainer) -> None:
-        precision = str(getattr(trainer, "precision", "32-true"))
-        dtype = _CASTING_PRECISIONS.get(precision)
-        if dtype is not None:
-            raise ValueError(
-                f"Trainer(precision={precision!r}) casts the module's weights, the acting policy's included, to "
-                f"{dtype}, while the envs' observations stay float32: the policy cannot act on them. Use "
-                "precision='bf16-mixed' or '16-mixed' (the weights stay float32 and training_step runs under "
-                "autocast) or '32-true'")
-
-    def _set_axis(self, trainer: pl.Trainer, axis: StepAxis) -> None:
-        """With ``axis="frames"``, make every logger of the Trainer write every row at the frames collected by
-        all ranks, until teardown: Lightning's own rows (``self.log`` values, epoch-level evaluation metrics)
-        and those its callbacks write at its batch counter (``LearningRateMonitor``, ``DeviceStatsMonitor``)
-        included, whatever step they were written at. Wraps each logger's ``log_metrics``."""
-        self._restore_axis()
-        if axis != "frames":
-            return
-        for logger in trainer.loggers:
-            write = logger.log_metrics
-
-            def log_metrics(metrics: dict[str, Any], step: int | None = None, write: Callable = write) -> None:
-                write(metrics, step=self.frames * trainer.world_size)
-
-            logger.log_metrics = log_metrics  # type: ignore[method-assign]
-            self._axis_loggers.append(logger)
-
-    def _restore_axis(self) -> None:
-        for logger in self._axis_loggers:
-            logger.__dict__.pop("log_metrics", None)
-        self._axis_loggers.clear()
-
-    def _set_eval_schedule(self, trainer: pl.Trainer) -> None:
-        if self.eval_every_n_steps is not None:
-            module = trainer.lightning_module
-            if module is None or not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"eval_every_n_steps={self.eval_every_n_steps} counts optimizer steps, and this module does "
-                    "not take exactly one per batch (manual optimization or gradient accumulation); use "
-                    "eval_every_n_frames= (frames per rank, e.g. "
-                    f"{self.eval_every_n_steps * self.frames_per_batch} for one evaluation every "
-                    f"{self.eval_every_n_steps} batches)")
-            batches = self.eval_every_n_steps
-        elif self.eval_every_n_frames is not None:
-            batches = math.ceil(self.eval_every_n_frames / self.frames_per_batch)
-        else:
-            return
-        ours = (trainer.val_check_interval == batches and trainer.check_val_every_n_epoch is None)
-        defaults = (trainer.val_check_interval == 1.0 and not isinstance(trainer.val_check_interval, int)
-                    and trainer.check_val_every_n_epoch == 1
-                    and getattr(trainer, "_val_check_time_interval", None) is None)
-        if not (ours or defaults):
-            raise ValueError(
-                "eval_every_n_frames schedules evaluation (it sets the Trainer's val_check_interval and "
-                "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
-                f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
-                f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
-        epoch = self._limited_epoch(trainer)
-        if defaults and epoch is not None and epoch < batches:
-            return  # a smoke run (fast_dev_run, limit_train_batches): evaluate at each epoch's end, as Lightning does
-        trainer.val_check_interval = batches
-        trainer.check_val_every_n_epoch = None
-
-    def _limited_epoch(self, trainer: pl.Trainer) -> int | None:
-        """Batches of an epoch under the Trainer's ``limit_train_batches`` (which ``fast_dev_run`` sets), or
-        ``None`` when it does not limit them."""
-        limit = trainer.limit_train_batches
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit
-        if not isinstance(limit, float) or limit >= 1.0:
-            return None
-        full = (math.ceil(self.total_frames / self.frames_per_batch) if self.total_frames > 0
-                else self.batches_per_epoch or 1000)
-        return int(full * limit)
-
-    def _actor(self) -> Any:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is None:
-            raise RuntimeError("RolloutDataModule must be used through Trainer.fit(model, datamodule=...)")
-        if callable(self.policy):  # (a string names an attribute of the module)
-            return self.policy(module)
-        actor = getattr(module, self.policy, None)
-        if actor is None:
-            raise AttributeError(f"the LightningModule {type(module).__name__} has no attribute {self.policy!r} "
-                                 "holding the acting policy; set RolloutDataModule(policy=...) to its name or to "
-                                 "a callable returning it")
-        return actor
-
-    @property
-    def _rank(self) -> int:
-        return self.trainer.global_rank if self.trainer is not None else 0
+            _set_eval_schedule(self, trainer)
+            if trainer.lightning_module is not None:
+                _lend(trainer.lightning_module, "validation_step", self._lent)
 
     def _events(self) -> _Dispatcher | None:
         if self._dispatcher is None and self.trainer is not None:
@@ -527,13 +554,12 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Loader:
-        """The batches of this rank's collector (created on first call; a later ``fit`` gets a fresh one that
-        continues the counts, or those of its ``ckpt_path``), with a length: ``batches_per_epoch`` for an endless
-        collector; for a finite one, the batches up to ``total_frames`` plus those of this epoch that ran before
-        a mid-epoch checkpoint Lightning resumes from (so that Lightning fetches exactly the batches left)."""
+        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), with a
+        length: ``batches_per_epoch`` when endless, else the batches left to ``total_frames`` plus those of this
+        epoch before the checkpoint Lightning resumes from."""
         if self.collector is not None and self.collector.is_shut_down:
             if self._pending_state is None and self._final_state is not None:
-                self._pending_state = {"collector": dict(self._final_state), "rank": self._rank,
+                self._pending_state = {"collector": dict(self._final_state), "rank": _rank(self.trainer),
                                        "episodes": self.collector.loop.episodes}
             self.collector = None
             self._final_state = None
@@ -543,44 +569,28 @@ class RolloutDataModule(pl.LightningDataModule):
         count = self.batches_per_epoch or 1000
         if self.total_frames > 0:
             left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
-            count = self._batches_done_this_epoch() + left
+            epoch = self.trainer.fit_loop.epoch_loop if self.trainer is not None else None
+            done = int(epoch.batch_progress.current.processed) if epoch is not None and epoch.restarting else 0
+            count = done + left  # with the batches of this epoch before the checkpoint Lightning resumes from
         return _Loader(functools.partial(self._batches, count), count)
 
-    def _batches_done_this_epoch(self) -> int:
-        """Batches of the current epoch that ran before the checkpoint Lightning resumes from (else 0)."""
-        trainer = self.trainer
-        if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
-            return 0
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-
     def _build_collector(self) -> None:
+        rank = _rank(self.trainer)
         self.collector = ThreadedCollector(
-            self.env_factory, self._actor(), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
+            self.env_factory, _actor(self), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
             num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
-            seed=self.seed + self._rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
-            name=f"rank{self._rank}", **self.collector_kwargs)
+            seed=self.seed + rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
+            name=f"rank{rank}", **self.collector_kwargs)
         if self._pending_state is not None:
-            self._load_counters(self._pending_state)
+            _load_counters(self.collector, self._pending_state, rank)
             self._pending_state = None
         self._iterator = iter(self.collector)
 
-    def _load_counters(self, state: dict[str, Any]) -> None:
-        """Give the collector the counters of ``state`` with this rank's seed: a checkpoint holds those of
-        global rank zero, and every rank resumes from it, so each rank's seed moves by its distance to the
-        saving rank (resumed ranks collect different streams, reproducibly)."""
-        assert self.collector is not None
-        counters = dict(state["collector"])
-        if counters.get("seed", -1) >= 0:
-            counters["seed"] += (self._rank - int(state.get("rank", 0))) * _RANK_SEED_STRIDE
-        self.collector.load_state_dict(counters)
-        self.collector.loop.episodes = int(state.get("episodes", 0))
-
     def _batches(self, count: int) -> Iterator[TensorDictBase]:
-        """At most ``count`` batches (Lightning stops fetching at the length, less what a resume skipped), fewer
-        when the collector is exhausted; before each, the actor's weights go to the collector."""
+        """At most ``count`` batches (fewer when the collector is exhausted), each after a weight update."""
         assert self.collector is not None and self._iterator is not None
         for _ in range(count):
-            self.collector.update_policy_weights_(self._actor())
+            self.collector.update_policy_weights_(_actor(self))
             start = time.perf_counter()
             batch = next(self._iterator, None)
             self.last_collect_seconds = time.perf_counter() - start
@@ -599,111 +609,27 @@ class RolloutDataModule(pl.LightningDataModule):
     # -- evaluation ------------------------------------------------------------------------------
     @property
     def val_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
-        """The evaluation rounds, one per validation run (``None`` while no validation loop can run).
-
-        Lightning asks whether a DataModule defines ``val_dataloader`` before the DataModule's
-        ``setup`` lends the module its ``validation_step`` in ``fit``; answering ``None`` until then
-        keeps Lightning from warning "val_dataloader but no validation_step". It is defined when
-        evaluation is on and the module has a ``validation_step`` of its own or lent.
-        """
-        return self._eval_rounds if self._has_step("validation_step") else None
+        """The evaluation rounds, one per validation run; ``None`` while no validation loop can run (as before
+        :meth:`setup` lent a ``validation_step``, which keeps Lightning from warning about a missing one)."""
+        return self._eval_rounds if _has_step(self, "validation_step") else None
 
     @property
     def test_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
-        """The evaluation round of ``Trainer.test`` (the same fresh deterministic episodes as a validation
-        round, logged as ``test/...``); ``None`` while no test loop can run."""
-        return self._eval_rounds if self._has_step("test_step") else None
-
-    def _has_step(self, step: str) -> bool:
-        trainer = self.trainer
-        module = trainer.lightning_module if trainer is not None else None
-        return self.evaluates and module is not None and is_overridden(step, module)
+        """The evaluation round of ``Trainer.test`` (as a validation round, logged as ``test/...``); ``None``
+        while no test loop can run."""
+        return self._eval_rounds if _has_step(self, "test_step") else None
 
     def _eval_rounds(self) -> _Loader:
-        return _Loader(self._rounds, 1)
-
-    def _rounds(self) -> Iterator[EvalRound]:
-        """One :class:`EvalRound`; its episodes run when Lightning fetches it, inside its validation (test) loop
-        (module in ``eval()`` mode, gradients off). During Lightning's sanity check the evaluation envs are built
-        and the policy probed, but no episode runs."""
-        if self.trainer is not None and self.trainer.sanity_checking:
-            self._eval_envs()
-            return
-        yield self._eval_round()
-
-    def _eval_envs(self) -> MultiEnvLoop:
-        """The evaluation loop, built on first use (envs created, policy probed), closed on teardown. It runs
-        whole episodes of single envs: those a batched env batches when the collector can take it apart.
-
-        Raises:
-            ValueError: the factory makes a natively batched env, which cannot run episodes one env at a time.
-        """
-        if self._eval_loop is None:
-            n = self.eval_num_envs or max(1, min(self.eval_episodes, self.num_envs))
-            recorder = self._video_recorder()
-            factory = self.env_factory if recorder is None else recorder.wrap_factory(self.env_factory)
-            first = factory()
-            if not is_batched(first):
-                factories = [lambda: first] + [factory] * (n - 1)
-            elif takes_apart(first):
-                singles = batched_env(first, num_workers=1).factories
-                factories = [singles[i % len(singles)] for i in range(n)]
-            else:
-                close_quietly([first])
-                raise ValueError(
-                    f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
-                    f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "
-                    "evaluate with env.rollout() yourself), or give RolloutDataModule a factory of one env")
-            self._eval_loop = MultiEnvLoop(
-                factories, self._actor(), exploration_type=ExplorationType.DETERMINISTIC,
-                lookahead=False, eval=True, max_episode_steps=self.eval_max_episode_steps,
-                info_keys=self.collector_kwargs["info_keys"],
-                seed=self.seed + _EVAL_SEED_OFFSET + self._rank * _RANK_SEED_STRIDE, name=f"rank{self._rank}-eval")
-        return self._eval_loop
-
-    def _video_recorder(self) -> VideoRecorder | None:
-        """The recorder of a ``RolloutEvaluation(record_video=...)`` among the trainer's callbacks, on global
-        rank zero (other ranks record nothing), else ``None``."""
-        trainer = self.trainer
-        if trainer is None or not trainer.is_global_zero:
-            return None
-        return next((c.video_recorder for c in trainer.callbacks
-                     if isinstance(c, RolloutEvaluation) and c.video_recorder is not None), None)
+        return _Loader(functools.partial(self._evaluation.rounds, self._events), 1)
 
     def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
-        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now.
-
-        Uses a separate evaluation loop (created on first use, closed on teardown);
-        ``on_eval_episode_end`` goes to every :class:`RolloutCallback`. The validation
-        loop calls this through ``val_dataloader()``; call it yourself for an extra round
-        (nothing is logged then).
+        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now, in the
+        evaluation loop; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged.
 
         Returns:
             The finished episodes, in request order.
         """
-        results: list[EpisodeEnd] = []
-        events = self._events()
-
-        class _Collect(EventProcessor):
-            def on_eval_episode_end(inner, episode: EpisodeEnd) -> None:  # noqa: N805
-                results.append(episode)
-                if events is not None:
-                    events.on_eval_episode_end(episode)
-
-        self._eval_envs().run_episodes(episodes, processor=_Collect())
-        return results
-
-    def _eval_round(self) -> EvalRound:
-        start = time.perf_counter()
-        self._eval_envs()  # built (its envs reset) before on_eval_start: a video starts at the round's own reset
-        events = self._events()
-        if events is not None:
-            events.call("on_eval_start")
-        episodes = self.run_eval_episodes(self.eval_episodes)
-        seconds = time.perf_counter() - start
-        if events is not None:
-            events.call("on_eval_end", episodes)
-        return EvalRound(episodes, seconds=seconds, frames=self.frames)
+        return self._evaluation.run(episodes, self._events())
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -717,7 +643,7 @@ class RolloutDataModule(pl.LightningDataModule):
         else:
             return {}
         episodes = self.collector.loop.episodes if self.collector is not None else 0
-        return {"collector": dict(state), "episodes": episodes, "seed": self.seed, "rank": self._rank}
+        return {"collector": dict(state), "episodes": episodes, "seed": self.seed, "rank": _rank(self.trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume counters saved by :meth:`state_dict` (applied when the collector is built).
@@ -730,7 +656,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if "collector" not in state_dict:
             raise ValueError(f"not a RolloutDataModule state (keys: {sorted(state_dict)})")
         if self.collector is not None and not self.collector.is_shut_down:
-            self._load_counters(state_dict)
+            _load_counters(self.collector, state_dict, _rank(self.trainer))
         else:
             self._pending_state = dict(state_dict)
 
@@ -739,13 +665,11 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.collector is not None and not self.collector.is_shut_down:
             self._final_state = self.collector.state_dict(with_policy=False)
             self.collector.shutdown(raise_on_error=False)
-        if self._eval_loop is not None:
-            self._eval_loop.close()
-            self._eval_loop = None
+        self._evaluation.close()
         for module, step in self._lent:
             module.__dict__.pop(step, None)
         self._lent.clear()
-        self._restore_axis()
+        self._axis.restore()
 
     def teardown(self, stage: str) -> None:
         """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
@@ -753,12 +677,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._close()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Join every env thread when ``fit`` fails or is interrupted; re-raise a ``KeyboardInterrupt``
-        (see ``reraise_interrupt``) after finishing Lightning's graceful shutdown.
-
-        Raises:
-            KeyboardInterrupt: ``exception``, with ``reraise_interrupt``.
-        """
+        """Join every env thread when ``fit`` fails or is interrupted; with ``reraise_interrupt``, finish
+        Lightning's graceful shutdown and re-raise a ``KeyboardInterrupt``."""
         self._close()
         trainer = self.trainer
         if not (isinstance(exception, KeyboardInterrupt) and self.reraise_interrupt and trainer is not None):

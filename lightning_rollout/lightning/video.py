@@ -1,14 +1,11 @@
-"""Video of evaluation episodes: :class:`VideoRecording` and the machinery behind
-``RolloutEvaluation(record_video=...)``.
+"""Video of evaluation episodes: :class:`VideoRecording` and the machinery of ``RolloutEvaluation(record_video=...)``.
 
-With recording on, the DataModule builds its evaluation envs (global rank zero) rendering ``rgb_array``
-frames, each wrapped so that it can be recorded. Before a recorded round the callback *arms* the
-:class:`VideoRecorder`: the first evaluation env reset after that claims the recording and renders one frame
-after its reset and after every step, **in that env's own thread**, until the episode ends or ``max_frames``
-are held. After the round (main thread) the frames go to one background writer thread (the MP4 file with
-``imageio-ffmpeg``, H.264, and the TensorBoard summary, an animated GIF), one clip at a time, while training
-goes on. Frames are held in memory until written (``H x W x 3`` bytes each: 0.7 MB for CartPole). The
-optional dependencies are the ``video`` extra (``imageio-ffmpeg``, Pillow, ``pygame`` for classic control).
+The evaluation envs (global rank zero) render ``rgb_array`` frames, wrapped for recording. Before a recorded
+round the callback arms the :class:`VideoRecorder`: the next env reset claims the recording and renders a frame
+after it and after every step, **in that env's own thread**, until the episode ends. After the round (main
+thread) one background thread writes the clip (H.264 MP4 with ``imageio-ffmpeg``; an animated GIF summary for
+TensorBoard) while training goes on. Frames stay in memory until written (``H x W x 3`` bytes each). Needs the
+``video`` extra (``imageio-ffmpeg``, Pillow, ``pygame`` for classic control).
 """
 
 from __future__ import annotations
@@ -34,24 +31,17 @@ _DEFAULT_FPS = 30
 
 @dataclass(frozen=True, kw_only=True)
 class VideoRecording:
-    """What ``RolloutEvaluation(record_video=...)`` records; ``record_video=N`` means
-    ``VideoRecording(every_n_evals=N)``.
-
-    One evaluation episode is rendered in the evaluation rounds ``0, N, 2N, ...``
-    (counted from the first round of ``fit``, sanity check excluded), on global rank
-    zero only.
+    """What ``RolloutEvaluation(record_video=...)`` records (``record_video=N``: ``VideoRecording(every_n_evals=N)``):
+    one episode of the evaluation rounds ``0, N, 2N, ...`` of ``fit`` (sanity check excluded), on global rank zero.
 
     Attributes:
         every_n_evals: record one episode every this many evaluation rounds (``1``: every round).
-        fps: frames per second of the clip; ``None`` (default): the env's
-            ``metadata["render_fps"]`` (50 for CartPole), else 30.
-        max_frames: frames kept per clip (the first ones of the episode, the reset frame
-            included); bounds the memory a clip holds until it is written.
+        fps: frames per second of the clip; ``None`` (default): the env's ``metadata["render_fps"]``, else 30.
+        max_frames: frames kept per clip (the first of the episode, reset frame included); bounds its memory.
         mp4: write ``<dirpath>/<prefix>-<step axis>-<step>.mp4`` (H.264, needs ``imageio-ffmpeg``).
-        tensorboard: write the clip to every ``TensorBoardLogger`` as the video summary
-            ``<prefix>/video`` (an animated GIF, shown in TensorBoard's Images tab; needs Pillow).
-        dirpath: folder of the MP4 files; ``None`` (default): ``videos/`` in the trainer's
-            ``log_dir`` (next to the TensorBoard event files).
+        tensorboard: write the clip to every ``TensorBoardLogger`` as the video summary ``<prefix>/video`` (an
+            animated GIF, in TensorBoard's Images tab; needs Pillow).
+        dirpath: folder of the MP4 files; ``None`` (default): ``videos/`` in the trainer's ``log_dir``.
 
     Raises:
         ValueError: a count or rate below 1, or both outputs turned off.
@@ -79,7 +69,7 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
 
     Raises:
         ValueError: neither ``None``, an int ``>= 1`` nor a :class:`VideoRecording`.
-        ImportError: an output's package is missing (names the extra to install).
+        ImportError: an output's package is missing.
     """
     if record_video is None:
         return None
@@ -98,19 +88,11 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
     return config
 
 
-# -- capture (env threads) -------------------------------------------------------------------------------------------
-
-
 class VideoRecorder:
-    """Captures one evaluation episode's frames and writes them out (internal to the Lightning layer).
+    """Captures one evaluation episode's frames (of ``config``) and writes them out.
 
-    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` are called from
-    the training process's main thread; the wrapped envs call :meth:`on_reset` / :meth:`on_step`
-    from their own threads. A lock guards the shared state; only the env that claimed the
-    recording renders.
-
-    Args:
-        config: what to record and where to write it.
+    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` run in the main thread, :meth:`on_reset`
+    / :meth:`on_step` in the wrapped envs' threads; a lock guards the state, only the claiming env renders.
     """
 
     def __init__(self, config: VideoRecording) -> None:
@@ -131,14 +113,10 @@ class VideoRecorder:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["config"])  # type: ignore[misc]
 
-    # -- evaluation envs ------------------------------------------------------------------------------------------
     def wrap_factory(self, factory: Callable[[], Any]) -> Callable[[], gym.Env]:
-        """A factory of evaluation envs that render ``rgb_array`` frames and can be recorded.
-
-        A :class:`~lightning_rollout.envs.GymMaker` (what a gymnasium id becomes) is rebuilt
-        with ``render_mode="rgb_array"``; any other factory must return a ``gymnasium.Env``
-        made with ``render_mode="rgb_array"`` (checked when it is called: ``ValueError``).
-        """
+        """A factory of recordable evaluation envs: a :class:`~lightning_rollout.envs.GymMaker` is rebuilt with
+        ``render_mode="rgb_array"``; another factory must return a ``gymnasium.Env`` made with it (checked when
+        called: ``ValueError``)."""
         if isinstance(factory, GymMaker):
             factory = GymMaker(factory.env_id, **{**factory.kwargs, "render_mode": "rgb_array"})
         return _RecordingFactory(factory, self)
@@ -149,11 +127,8 @@ class VideoRecorder:
             self._armed, self._owner, self._frames, self._steps = True, None, [], 0
 
     def take(self) -> list[np.ndarray] | None:
-        """The recorded frames (``[H, W, 3]`` uint8 each), or ``None`` when no episode started since :meth:`arm`.
-
-        An episode still being captured (cut by the loop's ``max_episode_steps``, which the env does
-        not see) ends here. Disarms the recorder.
-        """
+        """The recorded frames (``[H, W, 3]`` uint8 each), or ``None`` when no episode started since :meth:`arm`;
+        ends an episode still captured (cut by the loop's ``max_episode_steps``) and disarms the recorder."""
         with self._lock:
             frames = self._frames
             self._armed, self._owner, self._frames, self._steps = False, None, [], 0
@@ -199,17 +174,10 @@ class VideoRecorder:
             if frame is not None and len(self._frames) < self.config.max_frames:
                 self._frames.append(frame)
 
-    # -- writing (background thread) --------------------------------------------------------------------------------
     def write(self, frames: list[np.ndarray], *, mp4_path: str | None, summary_writers: list[Any], tag: str,
               step: int) -> None:
-        """Write ``frames`` in a background thread: the MP4 file at ``mp4_path`` (``None``: none) and the
-        video summary ``tag`` at ``step`` to each TensorBoard ``SummaryWriter``.
-
-        Waits for the previous write first (one clip is encoded at a time).
-
-        Raises:
-            RuntimeError: the previous write failed (its exception chained).
-        """
+        """Write ``frames`` in a background thread once the previous write is done (``RuntimeError`` if it
+        failed): the MP4 at ``mp4_path`` (``None``: none), the video summary ``tag`` at ``step`` to each writer."""
         self.wait()
         fps = self.fps
 
@@ -230,11 +198,8 @@ class VideoRecorder:
         self._writer.start()
 
     def wait(self, *, raise_errors: bool = True) -> None:
-        """Wait for the clip being written, if any.
-
-        Raises:
-            RuntimeError: that write failed and ``raise_errors`` (else a warning says so).
-        """
+        """Wait for the clip being written, if any; ``RuntimeError`` if that failed (a warning without
+        ``raise_errors``)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join()
@@ -293,19 +258,9 @@ class _RecordingEnv(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-# -- encoders -------------------------------------------------------------------------------------------------------
-
-
 def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
-    """Write ``frames`` (``[H, W, 3]`` uint8) as an H.264 MP4 (yuv420p, plays everywhere).
-
-    Odd heights or widths are padded by one edge pixel (yuv420p needs even sizes). The
-    folder is created. Runs ``imageio-ffmpeg``'s bundled ffmpeg in a subprocess.
-
-    Raises:
-        ImportError: ``imageio-ffmpeg`` is not installed.
-        ValueError: no frames.
-    """
+    """Write ``frames`` (``[H, W, 3]`` uint8) as an H.264 yuv420p MP4 with ``imageio-ffmpeg``'s ffmpeg, odd sizes
+    padded by one edge pixel, the folder created (``ValueError`` without frames)."""
     import imageio_ffmpeg
 
     if not frames:
@@ -326,26 +281,16 @@ def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
         writer.close()
 
 
-def encode_gif(frames: list[np.ndarray], *, fps: int) -> bytes:
-    """``frames`` as an animated GIF (looping; one adaptive palette per frame, fast octree).
-
-    GIF delays are whole centiseconds, so the clip plays at ``100 / round(100 / fps)`` fps;
-    consecutive identical frames are merged into one longer frame (the total duration stays).
-    """
-    from PIL import Image
-
-    images = [Image.fromarray(f).quantize(method=Image.Quantize.FASTOCTREE) for f in frames]
-    buffer = io.BytesIO()
-    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=1000 / fps, loop=0)
-    return buffer.getvalue()
-
-
 def video_summary(tag: str, frames: list[np.ndarray], *, fps: int) -> Any:
-    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes (an image whose encoded string is an
-    animated GIF), encoded with Pillow instead of ``moviepy.editor`` (which moviepy 2 removed)."""
+    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes, a looping animated GIF encoded with
+    Pillow (one fast-octree palette per frame; delays in whole centiseconds) instead of the removed
+    ``moviepy.editor``."""
+    from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
+    images = [Image.fromarray(f).quantize(method=Image.Quantize.FASTOCTREE) for f in frames]
+    gif = io.BytesIO()
+    images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=1000 / fps, loop=0)
     height, width, channels = frames[0].shape
-    image = Summary.Image(height=height, width=width, colorspace=channels,
-                          encoded_image_string=encode_gif(frames, fps=fps))
+    image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=gif.getvalue())
     return Summary(value=[Summary.Value(tag=tag, image=image)])
