@@ -137,14 +137,9 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
 
 
 def options(keywords: dict[str, Any]) -> Options:
-    """The keywords given, every TorchRL-only one checked against :data:`TORCHRL_ONLY`, the others taken into
-    :class:`Options`.
-
-    Raises:
-        ValueError: refused values (all named in one error, with what to do instead); a per-worker list of values
-            that are not one value.
-        TypeError: an unknown keyword, or ``frames_per_batch`` missing.
-    """
+    """The keywords given, TorchRL-only ones checked against :data:`TORCHRL_ONLY`, the others taken into
+    :class:`Options`. ``ValueError``: refused values (all named in one error, with what to do instead), or a
+    per-worker list of values that are not one; ``TypeError``: an unknown keyword, or no ``frames_per_batch``."""
     refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
                for name, (_, accepts, instead) in TORCHRL_ONLY.items()
                if name in keywords and not accepts(value := keywords[name])]
@@ -178,12 +173,8 @@ def signature() -> inspect.Signature:
 
 
 def check_options(o: Options) -> None:
-    """Refuse, with what to change, the options :class:`ThreadedCollector` checks before it builds anything.
-
-    Raises:
-        ValueError: a bad option, named.
-        TypeError: ``use_buffers=True`` with a ``replay_buffer`` (as TorchRL's ``Collector`` raises).
-    """
+    """Refuse (``ValueError``, named, with what to change) the options checked before anything is built;
+    ``TypeError`` for ``use_buffers=True`` with a ``replay_buffer``, as TorchRL's ``Collector`` raises."""
     check_int("worker_idx", o.worker_idx, 0, optional=True)
     check_int("num_threads", o.num_threads, 1, optional=True)
     if o.auto_register_policy_transforms not in (None, True, False):
@@ -258,14 +249,10 @@ class _with_kwargs:
 
 
 def env_source(create_env_fn: Any, o: Options) -> Any:
-    """``create_env_fn`` with TorchRL's ``create_env_kwargs`` applied (one dict, or one per env of a list); a list's
-    env instances as factories (an instance listed twice: a copy, as each of TorchRL's workers gets one); a lone
-    factory without ``num_envs`` called once, its env then taken as an instance (as TorchRL's ``Collector`` does).
-
-    Raises:
-        ValueError: ``create_env_kwargs`` per env for another number of envs; an instance listed twice that
-            cannot be copied.
-    """
+    """``create_env_fn`` with TorchRL's ``create_env_kwargs`` applied (one dict, or one per env of a list, else
+    ``ValueError``); a list's env instances as factories (one listed twice: a copy, as each of TorchRL's workers
+    gets one; ``ValueError`` when it cannot be copied); a lone factory without ``num_envs`` called once, its env
+    then taken as an instance (as TorchRL's ``Collector`` does)."""
     kwargs = o.create_env_kwargs
     if isinstance(create_env_fn, (list, tuple)):
         seen: set[int] = set()
@@ -356,11 +343,8 @@ class _TorchRLInterruptor(Interrupter):
 
 
 def interrupter(interruptor: Any) -> Interrupter | None:
-    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted.
-
-    Raises:
-        ValueError: neither.
-    """
+    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted;
+    ``ValueError`` for anything else."""
     if isinstance(interruptor, Interrupter) or interruptor is None:
         return interruptor
     if callable(getattr(interruptor, "collection_stopped", None)):

@@ -1,8 +1,5 @@
-"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`.
-
-Swap ``Collector(...)``, ``MultiSyncCollector(...)`` or ``MultiAsyncCollector(...)`` for ``ThreadedCollector(...)``
-and keep the rest of the script: batches in TorchRL's layout, weights pushed with ``update_policy_weights_()``,
-batches written to a ``replay_buffer=`` when given. Every keyword goes through :mod:`lightning_rollout._keywords`.
+"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`, for
+``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` (keywords: :mod:`lightning_rollout._keywords`).
 
 Policy sharing: with ``on_policy=True`` (default) nothing runs between batches and the policy passed acts as it is,
 as in TorchRL's ``Collector`` on one device; each batch is acted by one ``policy_version``. With ``on_policy=False``
@@ -54,11 +51,8 @@ _COPIED = ("trajs_per_batch", "trajs_per_write", "layout", "reset_at_each_iter",
 
 def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[EnvFactory], torch.Size | None, bool]:
     """``(factories, env_batch_size, native)``: each env's factory (:class:`PolicyTransforms` added for a module
-    policy), the batch dims of a batched env instance given (else ``None``), whether it is stepped as it is.
-
-    Raises:
-        ValueError: ``num_envs`` that does not match the envs given, or an empty list.
-    """
+    policy), the batch dims of a batched env instance given (else ``None``), whether it is stepped as it is;
+    ``ValueError`` for a ``num_envs`` the envs given do not match, or an empty list."""
     num_envs, batched = o.num_envs, None
     if is_batched(create_env_fn):
         batched = batched_env(create_env_fn, num_workers=o.num_workers)
@@ -86,15 +80,11 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
 
 def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, frames_per_batch: int,
             total_frames: int, max_frames_per_traj: int | None) -> tuple[LayoutChoice | None, int, int, bool | str]:
-    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)``: the knobs checked, ``"auto"`` resolved
-    (one thread in this process for a ``native`` batched env, else :mod:`~lightning_rollout.loop.auto`'s measure),
-    a layout likely to run well below ``"auto"`` warned about once (``LayoutWarning``); with ``layout="flat"``
-    on-policy a chosen ``envs_per_thread`` divides ``frames_per_batch`` (no batch mixes policy versions).
-
-    Raises:
-        ValueError: a knob neither ``"auto"`` nor an int ``>= 1``; ``num_workers > 1`` with one env; a given
-            ``envs_per_thread`` not dividing ``frames_per_batch`` with ``layout="flat"`` on-policy.
-    """
+    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)``: ``"auto"`` resolved (one thread in this
+    process for a ``native`` batched env, else :mod:`~lightning_rollout.loop.auto`'s measure), a layout likely to
+    run well below ``"auto"`` warned about (``LayoutWarning``); with ``layout="flat"`` on-policy ``envs_per_thread``
+    must divide ``frames_per_batch`` (a chosen one is made to), else ``ValueError``, as for a bad knob or
+    ``num_workers > 1`` with one env."""
     envs_per_thread, num_workers, parallel_steps = o.envs_per_thread, o.num_workers, o.parallel_steps
     check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
     if num_envs == 1 and not is_auto(num_workers) and num_workers > 1:
@@ -148,17 +138,14 @@ class _Claim:
                     f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a collector has "
                     f"one driver: iterate it from one thread at a time (exhaust or close() that iterator first), "
                     f"or give each thread its own collector")
-            if owner is not me:  # free, or its owner thread has ended
-                self.owner, self.depth = me, 0
-            self.depth += 1
+            self.owner, self.depth = me, (self.depth if owner is me else 0) + 1  # else free, or its owner ended
         try:
             yield
         finally:
             with lock:
                 if self.owner is me:
                     self.depth -= 1
-                    if self.depth == 0:
-                        self.owner = None
+                    self.owner = me if self.depth else None
 
 
 class _Background:
@@ -202,40 +189,37 @@ class ThreadedCollector(BaseCollector):
     env), TorchRL's keys, dtypes and trajectory ids, ``"_"``-prefixed entries left out.
 
     Args:
-        create_env_fn: a gymnasium id; a factory of a ``gymnasium.Env`` or torchrl ``EnvBase``; a list of
-            factories or env instances (an instance listed twice is copied); an env instance; or a batched env
-            (``SerialEnv``, ``ParallelEnv``, ``GymEnv(num_envs=k)``, a gymnasium vector env), taken apart into its
-            single envs or stepped as it is (``docs/torchrl.rst``, "Batched envs"). A lone factory without
-            ``num_envs`` is called once, as TorchRL's ``Collector`` does. A refused env is closed.
-        policy: what TorchRL's collectors accept (``None``: TorchRL's ``RandomPolicy``), or a one-argument
-            tensor function of the only observation; called on a TensorDict of ``k`` envs' rows.
+        create_env_fn: a gymnasium id; a factory of a ``gymnasium.Env`` or torchrl ``EnvBase`` (alone and without
+            ``num_envs``: called once, as TorchRL does); a list of factories or env instances (one listed twice
+            is copied); an env instance; or a batched env (``SerialEnv``, ``ParallelEnv``, ``GymEnv(num_envs=k)``,
+            a gymnasium vector env), taken apart or stepped as it is (``docs/torchrl.rst``, "Batched envs").
+        policy: what TorchRL's collectors accept (``None``: TorchRL's ``RandomPolicy``), or a one-argument tensor
+            function of the only observation; called on a TensorDict of ``k`` envs' rows.
 
     Keyword Args:
         update_at_each_batch: pull the weights of the policy passed before each batch (TorchRL's multi-collectors).
         num_threads: torch threads of the policy's thread (default: the constructing thread's), capped so that
             the busy threads fit the cores; env-stepping threads run with one.
         num_envs: number of envs (default: a list's length, else the batch size of the env, 1 if unbatched).
-        envs_per_thread, num_workers, parallel_steps: the layout (see :class:`MultiEnvLoop`); ``"auto"``
-            (default): chosen from a few timed steps of one env (kept in ``layout_choice``). ``num_workers`` are
-            processes stepping the ``num_envs`` envs, not TorchRL's one env a worker.
+        envs_per_thread, num_workers, parallel_steps: the layout (:class:`MultiEnvLoop`); ``"auto"`` (default):
+            chosen from a few timed steps of one env (``layout_choice``). ``num_workers``: processes stepping the
+            ``num_envs`` envs, not TorchRL's one env a worker.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"`` (``[num_envs, T]``) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
-        on_policy: see the module docs.
+        on_policy: see the module docs. step_timeout, policy_timeout: seconds before a hung call raises.
         seed: seeds the envs as ``env.set_seed(seed)`` seeds the batched env given (its chain for a ``SerialEnv``
             / ``ParallelEnv``), else env ``i`` with ``seed + i``; and the policy's own stream.
-        step_timeout, policy_timeout: seconds before a hung env step or policy call raises.
         info_keys, processor, name: see :class:`MultiEnvLoop`. The others: TorchRL's (``docs/torchrl.rst``).
 
     Raises:
-        ValueError: inconsistent options, or TorchRL option values this collector cannot honour (each named).
-        TypeError: an unknown keyword; a policy TorchRL could not call either; ``use_buffers=True`` with a
-            ``replay_buffer``.
+        ValueError: inconsistent options, or TorchRL values this collector cannot honour (each named; a refused
+            env is closed). TypeError: an unknown keyword; a policy TorchRL could not call either;
+            ``use_buffers=True`` with a ``replay_buffer``.
 
     Warns:
-        LayoutWarning: a layout likely to run well below the ``"auto"`` layout, with what to pass.
-        UserWarning: at the first batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since.
-        FutureWarning: TorchRL's, for a TorchRL env lacking transforms the policy needs (unless
-            ``auto_register_policy_transforms`` is given).
+        LayoutWarning: a layout likely to run well below ``"auto"``, with what to pass. UserWarning: at the first
+        batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since. FutureWarning: TorchRL's, for
+        a TorchRL env lacking transforms the policy needs (unless ``auto_register_policy_transforms`` is given).
     """
 
     def __init__(self, create_env_fn: Any, policy: Any = None, **keywords: Any) -> None:
@@ -291,7 +275,7 @@ class ThreadedCollector(BaseCollector):
                 raise exc.__cause__ from exc
             raise
         self._autobatch = self._loop.policy
-        self._wrapped_policy = self._autobatch.policy
+        self._wrapped_policy = self._autobatch.policy  # TorchRL's name for the policy as wrapped
         if self.policy is None:
             self.policy = self._acting_policy = self._wrapped_policy
         keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
@@ -326,8 +310,7 @@ class ThreadedCollector(BaseCollector):
         return self._autobatch
 
     def __len__(self) -> int:
-        """Number of batches of a finite collector; ``TypeError`` ("no length" to Lightning and ``len()`` users)
-        for an endless one (``total_frames=-1``)."""
+        """Number of batches; ``TypeError`` ("no length" to Lightning) for an endless one (``total_frames=-1``)."""
         if self.total_frames > 0:
             return -(-self.total_frames // self.frames_per_batch)
         raise TypeError("an endless ThreadedCollector (total_frames=-1) has no length")
@@ -337,24 +320,16 @@ class ThreadedCollector(BaseCollector):
                 f"total_frames={self.total_frames}, layout={self.layout!r}, on_policy={self.on_policy})")
 
     def __iter__(self) -> Iterator[TensorDictBase | None]:
-        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time.
-
-        Raises:
-            CollectionError: at the first ``next()``, when another thread is iterating this collector (refused at
-                once; that iteration goes on undisturbed); or the collector was shut down.
-            EnvError, PolicyError: a worker failed; the collector is shut down.
-        """
+        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time: ``CollectionError`` at
+        the first ``next()`` while another thread iterates (which goes on undisturbed) or once shut down;
+        ``EnvError`` / ``PolicyError`` when a worker failed (the collector is then shut down)."""
         with self._claim():  # refused before BaseCollector's handler, which would shut down
             yield from super().__iter__()
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """Yield batches until ``total_frames`` (forever when -1); with a replay buffer, write each batch there
         (``extend``, or ``add`` frame by frame in time order when ``extend_buffer=False``) and yield ``None``.
-
-        Raises:
-            EnvError, PolicyError: a worker failed; the collector is shut down.
-            CollectionError: the collector was shut down, or another thread is iterating it.
-        """
+        Raises as :meth:`__iter__`."""
         with self._claim():
             while self.total_frames < 0 or self._frames < self.total_frames:
                 batch = self.collect_batch()
@@ -375,12 +350,8 @@ class ThreadedCollector(BaseCollector):
 
     def collect_batch(self) -> TensorDictBase | None:
         """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``);
-        ``None`` when the interruptor stopped collection before any frame.
-
-        Raises:
-            CollectionError: the collector is shut down, or another thread is iterating it or collecting a batch
-                (refused at once, as :meth:`__iter__` refuses a second thread).
-        """
+        ``None`` when the interruptor stopped collection before any frame. Raises as :meth:`__iter__` (another
+        thread iterating or collecting is refused at once)."""
         with self._claim():
             if self._shut:
                 raise CollectionError("the collector is shut down")
@@ -396,15 +367,12 @@ class ThreadedCollector(BaseCollector):
                 self._started_env = None
             if self.reset_at_each_iter and self._iter >= 0:
                 self._loop.reset_envs()
-            if self.layout == "env_time":
-                batch = self._loop.run_env_steps(self.frames_per_batch // self.num_envs)
-            else:
-                batch = self._loop.run_steps(self.frames_per_batch)
+            batch = (self._loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
+                     else self._loop.run_steps(self.frames_per_batch))
             frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
             if frames == 0:
                 return None
-            self._frames += frames
-            self._iter += 1
+            self._frames, self._iter = self._frames + frames, self._iter + 1
             batch = self._export(batch)
             if self.split_trajs:
                 if self.layout == "flat":  # arrival order interleaves envs; split_trajectories needs them contiguous
@@ -450,11 +418,9 @@ class ThreadedCollector(BaseCollector):
     def fake_tensordict(self) -> TensorDictBase:
         """A zero-filled batch with the layout of this collector's batches (shape, dim names, keys, dtypes), built
         without collecting: TorchRL's ``Collector.fake_tensordict``."""
-        layout = self._loop.layout
-        if self.layout == "env_time":
-            shape, names = [self.num_envs, self.frames_per_batch // self.num_envs], [None, "time"]
-        else:
-            shape, names = [self.frames_per_batch], None
+        layout, env_time = self._loop.layout, self.layout == "env_time"
+        shape = [self.num_envs, self.frames_per_batch // self.num_envs] if env_time else [self.frames_per_batch]
+        names = [None, "time"] if env_time else None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
         return _drop_private(self._export(layout.to_tensordict(columns, shape, names=names)))
 
@@ -463,11 +429,8 @@ class ThreadedCollector(BaseCollector):
         return getattr(self.replay_buffer, attr)
 
     def start(self) -> None:
-        """Collect in a background thread into ``replay_buffer`` until ``total_frames`` or shutdown.
-
-        Raises:
-            RuntimeError: no replay buffer, or already started.
-        """
+        """Collect in a background thread into ``replay_buffer`` until ``total_frames`` or shutdown;
+        ``RuntimeError`` without a replay buffer or when already started."""
         if self.replay_buffer is None:
             raise RuntimeError("start() needs a replay_buffer: collected batches are written there")
         if self._background.thread is not None:
@@ -496,13 +459,9 @@ class ThreadedCollector(BaseCollector):
                 self.start()
 
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
-        """Stop every thread and close the envs; idempotent, safe from ``__del__`` or after an error.
-        ``async_shutdown`` (TorchRL's) calls it.
-
-        Raises:
-            Exception: the error that ended background collection, if any and ``raise_on_error``.
-            ValueError: ``timeout`` is not a finite number of seconds (or ``None``).
-        """
+        """Stop every thread and close the envs (``async_shutdown`` too); idempotent, safe from ``__del__`` or after
+        an error. Raises the error that ended background collection (if ``raise_on_error``), or ``ValueError``
+        for a ``timeout`` (seconds) that is neither finite nor ``None``."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if self._shut:
             return
@@ -524,16 +483,10 @@ class ThreadedCollector(BaseCollector):
             weights: TensorDictBase | dict | None = None, policy: TensorDictModuleBase | torch.nn.Module | None = None,
             worker_ids: Any = None, model_id: str | None = None, weights_dict: dict[str, Any] | None = None,
             **kwargs: Any) -> None:
-        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature).
-
-        No argument: pull them from the policy given at construction; else a module, a ``state_dict`` (taking the
-        non-persistent buffers it lacks from the policy given at construction) or a ``TensorDict`` of weights.
-        Requests already queued are answered with the old weights; with ``on_policy=True`` an update made while a
-        batch is collected applies from the next batch.
-
-        Raises:
-            ValueError: more than one source of weights, or an unknown ``model_id``.
-        """
+        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature): no argument
+        pulls them from the policy given at construction; else a module, a ``state_dict`` (the non-persistent
+        buffers it lacks from that policy) or a ``TensorDict``. Queued requests get the old weights; on-policy, an
+        update during a batch applies from the next. ``ValueError``: several sources, or an unknown ``model_id``."""
         sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(sources) > 1:
             raise ValueError("pass the new weights once: positional, weights= or policy=")
@@ -550,9 +503,8 @@ class ThreadedCollector(BaseCollector):
         """Seed the envs as ``env.set_seed(seed)`` seeds the batched env given (TorchRL's chain for a ``SerialEnv``
         / ``ParallelEnv``), else env ``i`` with ``seed + i``; returns the next unused seed, as TorchRL does.
 
-        Before iteration starts this only records the seeds; afterwards every env is reset with its new seed (a
-        running episode is cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility.
-        """
+        Before iteration it only records them; after, every env is reset with its new seed (a running episode is
+        cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility."""
         check_int("seed", seed, 0)
         self._seed, self._started_env = seed, None
         seeds = env_seeds(seed, self.num_envs, self._chained_seeds)
@@ -576,18 +528,16 @@ class ThreadedCollector(BaseCollector):
                            traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)})  # TorchRL's, same counter
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
-        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
-
-        Applied whole or not at all, by the iterating thread between batches or by any thread while none
-        iterates: ``frames``, ``batches``, ``next_traj_id``, ``policy_version`` ints ``>= 0`` and ``seed`` ``>= -1``
-        (numpy ints too; not bools, floats, strings or ``None``), ``policy_state_dict`` a mapping (empty: no
-        weights) with the acting policy's keys and shapes.
+        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts; applied whole or not at
+        all, between batches by the iterating thread or while none iterates. ``frames``, ``batches``,
+        ``next_traj_id``, ``policy_version`` are ints ``>= 0``, ``seed`` ``>= -1`` (numpy ints too, not bools),
+        ``policy_state_dict`` a mapping (empty: no weights) with the acting policy's keys and shapes.
 
         Raises:
             ValueError: a foreign or truncated state, a field of the wrong type or range, or weights of another
                 architecture, named with what it got.
-            CollectionError: another thread iterates the collector (``pause()`` a background collection first),
-                a collection call of this thread is running, or the collector is shut down.
+            CollectionError: another thread iterates (``pause()`` a background collection first), a collection
+                call of this thread is running, or the collector is shut down.
         """
         ints = {"frames": 0, "batches": 0, "next_traj_id": 0, "policy_version": 0, "seed": -1}  # name: minimum
         missing = {*ints, "policy_state_dict"} - set(state_dict) if isinstance(state_dict, Mapping) else None
