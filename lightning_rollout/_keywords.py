@@ -1,12 +1,7 @@
-"""The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into one config or refused, and
+"""The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into :class:`Options` or refused by
+:data:`TORCHRL_ONLY` (:func:`options`; :func:`signature` makes the collector's signature from both), and
 ``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads
-them.
-
-:class:`Options` holds every keyword :class:`~lightning_rollout.ThreadedCollector` takes with its meaning (TorchRL's
-``Collector``'s, its multi-collectors' that carry over, and its own), :data:`TORCHRL_ONLY` the TorchRL keywords whose
-meaning does not carry over, with the values that change nothing here and what to do instead. :func:`options`
-applies the two to the keywords given, :func:`signature` makes the collector's signature from them.
-"""
+them."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,12 +32,13 @@ __all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chai
 
 Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
+_DEVICES = ("device", "storing_device", "policy_device", "env_device")
 
 
 @dataclass(kw_only=True)
 class Options:
     """Every keyword :class:`ThreadedCollector` takes with its meaning, with TorchRL's default where TorchRL has
-    the keyword (``ThreadedCollector``'s signature is made of these fields and :data:`TORCHRL_ONLY`)."""
+    it (the collector's signature is these fields, then :data:`TORCHRL_ONLY`)."""
 
     policy_factory: Callable[[], Callable[..., Any]] | None = None
     frames_per_batch: int
@@ -95,12 +92,9 @@ class Options:
     name: str = "collector"
 
 
-def _none_or_empty(value: Any) -> bool:
-    return not value
-
-
 def _is(*accepted: Any) -> Callable[[Any], bool]:
     return lambda value: any(value is a or (type(value) is type(a) and value == a) for a in accepted)
+
 
 
 #: TorchRL keywords whose meaning does not carry over: ``name: (TorchRL's default, the values that change nothing
@@ -109,7 +103,7 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
     "backend": (None, _is(None, "direct"), "ThreadedCollector collects in this process (backend='direct'): envs in "
                 "threads, or in worker processes with num_workers=n; drop backend, or use torchrl's "
                 "Collector(backend={value}) for that kind of collection"),
-    "backend_options": (None, _none_or_empty, "ThreadedCollector has no backend to configure; pass its options as "
+    "backend_options": (None, operator.not_, "ThreadedCollector has no backend to configure; pass its options as "
                         "keyword arguments (num_envs=, num_workers=, envs_per_thread=...)"),
     "num_collectors": (None, _is(None), "ThreadedCollector is one collector; set num_envs= (envs stepped in "
                        "threads) and num_workers= (worker processes) instead"),
@@ -125,9 +119,9 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
                          "'reduce-overhead'} (CUDA graphs per batch size, by torch.compile)"),
     "weight_updater": (None, _is(None), "ThreadedCollector's envs share this process's policy; push weights with "
                        "collector.update_policy_weights_(module, state_dict or TensorDict)"),
-    "weight_sync_schemes": (None, _none_or_empty, "ThreadedCollector has no remote workers to send weights to; push "
+    "weight_sync_schemes": (None, operator.not_, "ThreadedCollector has no remote workers to send weights to; push "
                             "weights with collector.update_policy_weights_(...)"),
-    "weight_recv_schemes": (None, _none_or_empty, "ThreadedCollector has no parent collector to receive weights "
+    "weight_recv_schemes": (None, operator.not_, "ThreadedCollector has no parent collector to receive weights "
                             "from; push weights with collector.update_policy_weights_(...)"),
     # TorchRL's multi-collectors (MultiSyncCollector, MultiAsyncCollector)
     "collector_class": (None, lambda v: v is None or getattr(v, "__name__", None) == "Collector", "the envs are "
@@ -143,20 +137,16 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
 
 
 def options(keywords: dict[str, Any]) -> Options:
-    """The table applied to the keywords given: every TorchRL-only one checked (one ``ValueError`` naming each
-    value refused and what to do instead), the others taken into :class:`Options`.
-
-    Raises:
-        ValueError: a refused value; a keyword of several values (per worker) that are not one.
-        TypeError: an unknown keyword, or ``frames_per_batch`` missing.
-    """
+    """The keywords given, TorchRL-only ones checked against :data:`TORCHRL_ONLY`, the others taken into
+    :class:`Options`. ``ValueError``: refused values (all named in one error, with what to do instead), or a
+    per-worker list of values that are not one; ``TypeError``: an unknown keyword, or no ``frames_per_batch``."""
     refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
                for name, (_, accepts, instead) in TORCHRL_ONLY.items()
                if name in keywords and not accepts(value := keywords[name])]
     if refused:
         raise ValueError("ThreadedCollector cannot honour " + "; ".join(refused))
     taken = {k: v for k, v in keywords.items() if k not in TORCHRL_ONLY}
-    for name in ("frames_per_batch", "device", "storing_device", "policy_device", "env_device", "policy_factory"):
+    for name in ("frames_per_batch", *_DEVICES, "policy_factory"):
         value = taken.get(name)  # a multi-collector's value per worker: one value for every env here
         if isinstance(value, (list, tuple)):
             if len(set(map(str, value))) != 1 or name == "frames_per_batch":
@@ -169,37 +159,28 @@ def options(keywords: dict[str, Any]) -> Options:
         raise TypeError(str(exc).replace("Options.__init__()", "ThreadedCollector()")) from None
 
 
-def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
-    """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``) for these arguments.
-
-    ``storing_device``, else ``device``, else ``env_device`` when it equals ``policy_device`` (each of those
-    two defaulting to ``device``); ``None`` otherwise, the batch then having no device. Only the arguments
-    count, not where the env or the policy's weights are.
-    """
-    def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
-        d = None if d is None else torch.device(d)
-        if d is not None and d.type == "cuda" and d.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return d
-
-    policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
-    stored = as_dev(storing_device or device)
-    return env_ if stored is None and env_ == policy_ else stored
+def signature() -> inspect.Signature:
+    """``ThreadedCollector.__init__``'s signature: TorchRL's positional arguments, then every field of
+    :class:`Options` and key of :data:`TORCHRL_ONLY`, keyword-only, with its default."""
+    positional, kw = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", positional), inspect.Parameter("create_env_fn", positional),
+              inspect.Parameter("policy", positional, default=None)]
+    params += [inspect.Parameter(f.name, kw, annotation=f.type,
+                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+               for f in dataclasses.fields(Options)]
+    params += [inspect.Parameter(name, kw, default=default) for name, (default, _, _) in TORCHRL_ONLY.items()]
+    return inspect.Signature(params, return_annotation=None)
 
 
 def check_options(o: Options) -> None:
-    """Refuse, with what to change, the options :class:`ThreadedCollector` checks before it builds anything.
-
-    Raises:
-        ValueError: a bad option, named.
-        TypeError: ``use_buffers=True`` with a ``replay_buffer`` (as TorchRL's ``Collector`` raises).
-    """
+    """Refuse (``ValueError``, named, with what to change) the options checked before anything is built;
+    ``TypeError`` for ``use_buffers=True`` with a ``replay_buffer``, as TorchRL's ``Collector`` raises."""
     check_int("worker_idx", o.worker_idx, 0, optional=True)
     check_int("num_threads", o.num_threads, 1, optional=True)
     if o.auto_register_policy_transforms not in (None, True, False):
         raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
                          f"{o.auto_register_policy_transforms!r}")
-    for label in ("device", "storing_device", "policy_device", "env_device"):
+    for label in _DEVICES:
         check_device(label, getattr(o, label))  # "cuda" without CUDA is refused here, not in the first forward
     if o.layout not in ("env_time", "flat"):
         raise ValueError(f"layout must be 'env_time' or 'flat', got {o.layout!r}")
@@ -213,70 +194,103 @@ def check_options(o: Options) -> None:
 
 
 def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
-    """``(frames_per_batch, total_frames, init_random_frames, max_frames_per_traj)`` checked and rounded as TorchRL's
-    collector rounds them: whole time steps of every env a batch (``env_time``), whole batches in all (``-1``:
-    endless), each rounding with a warning; ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
-    frames_per_batch, total_frames, random_frames, max_traj = (o.frames_per_batch, o.total_frames,
-                                                               o.init_random_frames, o.max_frames_per_traj)
+    """``(frames_per_batch, total_frames, init_random_frames, max_frames_per_traj)`` checked and rounded as TorchRL
+    rounds them, with a warning each: whole time steps of every env a batch (``env_time``), whole batches in all
+    (``-1``: endless); ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
+    frames_per_batch, total, random_frames, max_traj = (o.frames_per_batch, o.total_frames, o.init_random_frames,
+                                                        o.max_frames_per_traj)
     check_int("frames_per_batch", frames_per_batch, 1)
-    if total_frames is None or (isinstance(total_frames, (float, np.floating)) and math.isinf(total_frames)):
-        total_frames = -1
-    if not isinstance(total_frames, (int, np.integer)) or isinstance(total_frames, bool) or (
-            total_frames < 1 and total_frames != -1):
-        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
+    if total is None or (isinstance(total, (float, np.floating)) and math.isinf(total)):
+        total = -1
+    if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
+        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
     random_frames = 0 if random_frames in (None, -1) else random_frames
     check_int("init_random_frames", random_frames, 0)
-    if max_traj is not None and max_traj != -1:
-        check_int("max_frames_per_traj", max_traj, 1)
-    else:
-        max_traj = None
+    max_traj = None if max_traj in (None, -1) else max_traj
+    check_int("max_frames_per_traj", max_traj, 1, optional=True)
     steps = -(-frames_per_batch // num_envs)
     if steps * num_envs != frames_per_batch and o.layout == "env_time":
         warn_user(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
                   f"({num_envs}); each batch will have {steps * num_envs} frames")
         frames_per_batch = steps * num_envs
-    if total_frames > 0 and total_frames % frames_per_batch:
-        warn_user(f"total_frames ({total_frames}) is not exactly divisible by frames_per_batch "
-                  f"({frames_per_batch}); {frames_per_batch - total_frames % frames_per_batch} additional "
-                  "frames will be collected")
-        total_frames = -(-total_frames // frames_per_batch) * frames_per_batch
+    if total > 0 and total % frames_per_batch:
+        warn_user(f"total_frames ({total}) is not exactly divisible by frames_per_batch ({frames_per_batch}); "
+                  f"{frames_per_batch - total % frames_per_batch} additional frames will be collected")
+        total = -(-total // frames_per_batch) * frames_per_batch
     if random_frames and random_frames % frames_per_batch:
         warn_user(f"init_random_frames ({random_frames}) is not exactly a multiple of frames_per_batch "
                   f"({frames_per_batch}); {-(-random_frames // frames_per_batch) * frames_per_batch} "
                   "random frames will be collected")
-    return int(frames_per_batch), int(total_frames), int(random_frames), max_traj
+    return int(frames_per_batch), int(total), int(random_frames), max_traj
 
 
-def signature() -> inspect.Signature:
-    """``ThreadedCollector.__init__``'s signature: TorchRL's positional arguments, then every keyword of
-    :class:`Options` and :data:`TORCHRL_ONLY`, keyword-only, with its default."""
-    kw = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("create_env_fn", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("policy", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
-    for f in dataclasses.fields(Options):
-        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
-        params.append(inspect.Parameter(f.name, kw, default=default, annotation=f.type))
-    params += [inspect.Parameter(name, kw, default=default) for name, (default, _, _) in TORCHRL_ONLY.items()]
-    return inspect.Signature(params, return_annotation=None)
+def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
+    """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``): ``storing_device``,
+    else ``device``, else ``env_device`` when it equals ``policy_device`` (each defaulting to ``device``), else
+    ``None`` (no device). Only the arguments count, not where the env or the weights are."""
+    def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
+        d = None if d is None else torch.device(d)
+        return torch.device("cuda", torch.cuda.current_device()) if d is not None and d.type == "cuda" and (
+            d.index is None) else d
+
+    policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
+    stored = as_dev(storing_device or device)
+    return env_ if stored is None and env_ == policy_ else stored
 
 
 class _with_kwargs:
     """A picklable factory calling ``factory(**kwargs)`` (TorchRL's ``create_env_kwargs``)."""
 
     def __init__(self, factory: Any, kwargs: dict[str, Any]) -> None:
-        self.factory = factory
-        self.kwargs = dict(kwargs)
+        self.factory, self.kwargs = factory, dict(kwargs)
 
     def __call__(self) -> Any:
         return self.factory(**self.kwargs)
 
 
+def env_source(create_env_fn: Any, o: Options) -> Any:
+    """``create_env_fn`` with TorchRL's ``create_env_kwargs`` applied (one dict, or one per env of a list, else
+    ``ValueError``); a list's env instances as factories (one listed twice: a copy, as each of TorchRL's workers
+    gets one; ``ValueError`` when it cannot be copied); a lone factory without ``num_envs`` called once, its env
+    then taken as an instance (as TorchRL's ``Collector`` does)."""
+    kwargs = o.create_env_kwargs
+    if isinstance(create_env_fn, (list, tuple)):
+        seen: set[int] = set()
+        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env
+                         for env in create_env_fn]
+    if isinstance(kwargs, (list, tuple)):
+        fns = create_env_fn if isinstance(create_env_fn, (list, tuple)) else [create_env_fn] * len(kwargs)
+        if len(fns) != len(kwargs):
+            raise ValueError(f"create_env_kwargs holds {len(kwargs)} dicts for {len(fns)} envs; pass one per env")
+        return [_with_kwargs(f, k) for f, k in zip(fns, kwargs)]
+    if kwargs:
+        create_env_fn = ([_with_kwargs(f, kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
+                         else _with_kwargs(create_env_fn, kwargs))
+    if o.num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
+        made = create_env_fn()
+        # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
+        create_env_fn = made if isinstance(made, (EnvBase, gym.Env, gym.vector.VectorEnv)) else lambda: made
+    return create_env_fn
+
+
+def _instance(env: Any, seen: set[int]) -> EnvFactory:
+    """A factory of the env instance ``env`` of a list: a copy of it when listed before (``ValueError`` when it
+    cannot be copied)."""
+    if id(env) in seen:
+        try:
+            env = copy.deepcopy(env)
+        except Exception as exc:
+            raise ValueError(f"create_env_fn lists one {type(env).__name__} instance more than once and it cannot "
+                             f"be copied ({type(exc).__name__}: {exc}); each env needs its own: pass a factory per "
+                             "env (e.g. [make_env] * n), or one factory with num_envs=n") from exc
+    seen.add(id(env))
+    return lambda: env
+
+
 class PolicyTransforms:
-    """A picklable factory whose TorchRL env gets the ``InitTracker`` / ``TensorDictPrimer`` an ``nn.Module`` policy
-    needs and the env lacks, by TorchRL's rule (``append``: ``auto_register_policy_transforms=True``), or is checked
-    for them (``None``: TorchRL's ``FutureWarning`` once, naming them). A gymnasium env needs neither: the loop
-    writes its ``is_init`` and carries the recurrent state itself."""
+    """A picklable env factory adding the ``InitTracker`` / ``TensorDictPrimer`` an ``nn.Module`` policy needs and
+    a TorchRL env lacks, by TorchRL's rule (``append``), or checking for them (TorchRL's ``FutureWarning`` once,
+    naming them). A gymnasium env needs neither: the loop writes its ``is_init`` and carries recurrent state."""
 
     def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool) -> None:
         self.factory, self.policy, self.append, self.checked = factory, policy, append, False
@@ -299,53 +313,6 @@ class PolicyTransforms:
                       "`auto_register_policy_transforms=True`. To opt out permanently, pass "
                       "`auto_register_policy_transforms=False`.", FutureWarning)
         return env
-
-
-def env_source(create_env_fn: Any, o: Options) -> Any:
-    """``create_env_fn`` as ``ThreadedCollector._factories`` takes it: TorchRL's ``create_env_kwargs`` (one
-    dict, or one per env of a list) applied; a list's env instances as envs (one instance listed twice: a copy,
-    as each of TorchRL's worker processes gets one); a lone factory without ``num_envs`` called once, its env
-    taken as that instance would be (as TorchRL's ``Collector`` calls it).
-
-    Raises:
-        ValueError: ``create_env_kwargs`` per env for another number of envs; an instance listed twice that
-            cannot be copied.
-    """
-    kwargs = o.create_env_kwargs
-    if isinstance(create_env_fn, (list, tuple)):
-        seen: set[int] = set()
-        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env
-                         for env in create_env_fn]
-    if isinstance(kwargs, (list, tuple)):
-        fns = create_env_fn if isinstance(create_env_fn, (list, tuple)) else [create_env_fn] * len(kwargs)
-        if len(fns) != len(kwargs):
-            raise ValueError(f"create_env_kwargs holds {len(kwargs)} dicts for {len(fns)} envs; pass one per env")
-        return [_with_kwargs(f, k) for f, k in zip(fns, kwargs)]
-    if kwargs:
-        create_env_fn = ([_with_kwargs(f, kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
-                         else _with_kwargs(create_env_fn, kwargs))
-    if o.num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
-        made = create_env_fn()
-        # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
-        create_env_fn = made if isinstance(made, (EnvBase, gym.Env, gym.vector.VectorEnv)) else lambda: made
-    return create_env_fn
-
-
-def _instance(env: Any, seen: set[int]) -> EnvFactory:
-    """A factory of the env instance ``env`` of a list, a copy of it when it was listed before.
-
-    Raises:
-        ValueError: it was listed before and cannot be copied.
-    """
-    if id(env) in seen:
-        try:
-            env = copy.deepcopy(env)
-        except Exception as exc:
-            raise ValueError(f"create_env_fn lists one {type(env).__name__} instance more than once and it cannot "
-                             f"be copied ({type(exc).__name__}: {exc}); each env needs its own: pass a factory per "
-                             "env (e.g. [make_env] * n), or one factory with num_envs=n") from exc
-    seen.add(id(env))
-    return lambda: env
 
 
 def chained_seeds(env: Any) -> bool:
@@ -376,7 +343,8 @@ class _TorchRLInterruptor(Interrupter):
 
 
 def interrupter(interruptor: Any) -> Interrupter | None:
-    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted."""
+    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted;
+    ``ValueError`` for anything else."""
     if isinstance(interruptor, Interrupter) or interruptor is None:
         return interruptor
     if callable(getattr(interruptor, "collection_stopped", None)):
@@ -386,22 +354,16 @@ def interrupter(interruptor: Any) -> Interrupter | None:
 
 
 def acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
-    """The policy the env threads call, and its device. A module is copied when the learner's must not be the one
-    acting (``on_policy=False``: weights change only at ``update_policy_weights_``) or when it acts on another
-    device; then moved to ``policy_device`` and compiled as asked."""
-    own_device = _param_device(policy)
+    """The policy the env threads call, and its device. A module is copied when the learner's must not act
+    (``on_policy=False``: weights change only at ``update_policy_weights_``) or it acts on another device; then
+    moved to ``policy_device`` and compiled as asked."""
+    module = isinstance(policy, torch.nn.Module)
+    own_device = next((p.device for p in policy.parameters()), torch.device("cpu")) if module else torch.device("cpu")
     policy_device = o.policy_device or o.device
     needs_copy = (not o.on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
-    acting = copy.deepcopy(policy) if needs_copy and isinstance(policy, torch.nn.Module) else policy
+    acting = copy.deepcopy(policy) if needs_copy and module else policy
     if policy_device is not None and isinstance(acting, torch.nn.Module):
         acting = acting.to(policy_device)
     if o.compile_policy:
         acting = torch.compile(acting, **(o.compile_policy if isinstance(o.compile_policy, dict) else {}))
     return acting, torch.device(policy_device) if policy_device is not None else own_device
-
-
-def _param_device(policy: Any) -> torch.device:
-    if isinstance(policy, torch.nn.Module):
-        for p in policy.parameters():
-            return p.device
-    return torch.device("cpu")

@@ -1,18 +1,13 @@
-"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`.
+"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`, for
+``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` (keywords: :mod:`lightning_rollout._keywords`).
 
-A TorchRL user swaps ``Collector(...)``, ``MultiSyncCollector(...)`` or ``MultiAsyncCollector(...)`` for
-``ThreadedCollector(...)`` and keeps the rest of the script: batches come in TorchRL's layout, weights are pushed
-with ``update_policy_weights_()``, batches go to a ``replay_buffer=`` when given. Every keyword of those
-collectors goes through one table, :mod:`lightning_rollout._keywords`: taken with its meaning, or
-refused with what to do instead (``docs/torchrl.rst``, "Keyword arguments of TorchRL's collectors").
+Policy sharing: with ``on_policy=True`` (default) nothing runs between batches and the policy passed acts as it is,
+as in TorchRL's ``Collector`` on one device; each batch is acted by one ``policy_version``. With ``on_policy=False``
+envs run one step ahead while you train, with a copy of the policy refreshed by ``update_policy_weights_()`` (at
+most one step per env acted by the previous version).
 
-Policy sharing and versions: with ``on_policy=True`` (default) nothing runs between batches and the policy object
-passed is used directly, as TorchRL's ``Collector`` does on one device; every batch is acted by one
-``policy_version``. With ``on_policy=False`` envs run one step ahead while you train, with a copy of the policy
-refreshed by ``update_policy_weights_()`` (at most one step per env acted by the previous version).
-
-Threading: iterate from one thread. ``start()`` runs the iteration in a background thread
-(``lightning_rollout-<name>-background``) writing into the replay buffer; ``shutdown()`` stops and joins it.
+Threading: iterate from one thread. ``start()`` collects into the replay buffer in a background thread
+(``lightning_rollout-<name>-background``); ``shutdown()`` stops and joins it.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -34,7 +29,7 @@ from torchrl.collectors import BaseCollector
 from torchrl.collectors.utils import _validate_traj_format, split_trajectories
 from torchrl.envs import EnvBase
 
-from ._batched import BatchedEnv, batched_env, is_batched, takes_apart
+from ._batched import batched_env, is_batched, takes_apart
 from ._checks import check_int, check_seconds, warn_user
 from ._keywords import (Options, PolicyTransforms, acting_policy, chained_seeds, check_options, env_seeds, env_source,
                         frame_budget, interrupter, options, signature, storing_device)
@@ -43,27 +38,53 @@ from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import (LayoutChoice, apply_choice, check_knobs, is_auto, one_env_threads_warning,
-                        resolve_layout)
+from .loop.auto import LayoutChoice, apply_choice, check_knobs, is_auto, one_env_threads_warning, resolve_layout
 from .specs import key_parts
 
 __all__ = ["ThreadedCollector"]
 
+_CLAIM_LOCK = threading.Lock()  # guards every collector's claim (owner, depth); held a few instructions a claim
+_COPIED = ("trajs_per_batch", "trajs_per_write", "layout", "reset_at_each_iter", "track_traj_ids", "postproc",
+           "track_policy_version", "set_truncated", "exploration_type", "replay_buffer", "extend_buffer", "on_policy",
+           "processor", "interruptor", "name", "worker_idx", "update_at_each_batch", "compact_obs", "no_cuda_sync")
+
+
+def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[EnvFactory], torch.Size | None, bool]:
+    """``(factories, env_batch_size, native)``: each env's factory (:class:`PolicyTransforms` added for a module
+    policy), the batch dims of a batched env instance given (else ``None``), whether it is stepped as it is;
+    ``ValueError`` for a ``num_envs`` the envs given do not match, or an empty list."""
+    num_envs, batched = o.num_envs, None
+    if is_batched(create_env_fn):
+        batched = batched_env(create_env_fn, num_workers=o.num_workers)
+        if num_envs not in (None, len(batched.factories)):
+            raise ValueError(f"num_envs={num_envs} but the batched env holds {len(batched.factories)} envs "
+                             f"(batch_size={tuple(batched.batch_size)}); leave num_envs out")
+        factories = batched.factories
+    elif isinstance(create_env_fn, (EnvBase, gym.Env)):
+        if num_envs not in (None, 1):
+            raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
+        factories = [lambda: create_env_fn]
+    elif isinstance(create_env_fn, (list, tuple)):
+        if not create_env_fn:
+            raise ValueError("create_env_fn is an empty list; pass at least one factory")
+        if num_envs is not None and num_envs != len(create_env_fn):
+            raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
+        factories = [resolve_env_factory(f) for f in create_env_fn]
+    else:
+        check_int("num_envs", 1 if num_envs is None else num_envs, 1)
+        factories = [resolve_env_factory(create_env_fn)] * (1 if num_envs is None else num_envs)
+    if isinstance(policy, torch.nn.Module) and o.auto_register_policy_transforms is not False:
+        factories = [PolicyTransforms(f, policy, append=bool(o.auto_register_policy_transforms)) for f in factories]
+    return factories, (None if batched is None else batched.batch_size), batched is not None and batched.native
+
 
 def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, frames_per_batch: int,
             total_frames: int, max_frames_per_traj: int | None) -> tuple[LayoutChoice | None, int, int, bool | str]:
-    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` for the loop: the knobs checked, the
-    ``"auto"`` ones resolved (one env thread and this process for ``native``, one natively batched env; else the
-    measure of :mod:`lightning_rollout.loop.auto`), and a layout likely to run well below ``"auto"`` warned about
-    (:class:`~lightning_rollout.LayoutWarning`, once: not here when the loop will warn about it). With
-    ``layout="flat"`` on-policy, a chosen ``envs_per_thread`` becomes a divisor of ``frames_per_batch``, so that
-    no batch mixes policy versions.
-
-    Raises:
-        ValueError: a knob that is neither ``"auto"`` nor an int ``>= 1``; TorchRL's multi-collector
-            ``num_workers`` (one env a worker) given with one env; a given ``envs_per_thread`` that does not
-            divide ``frames_per_batch`` with ``layout="flat"`` on-policy.
-    """
+    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)``: ``"auto"`` resolved (one thread in this
+    process for a ``native`` batched env, else :mod:`~lightning_rollout.loop.auto`'s measure), a layout likely to
+    run well below ``"auto"`` warned about (``LayoutWarning``); with ``layout="flat"`` on-policy ``envs_per_thread``
+    must divide ``frames_per_batch`` (a chosen one is made to), else ``ValueError``, as for a bad knob or
+    ``num_workers > 1`` with one env."""
     envs_per_thread, num_workers, parallel_steps = o.envs_per_thread, o.num_workers, o.parallel_steps
     check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
     if num_envs == 1 and not is_auto(num_workers) and num_workers > 1:
@@ -93,56 +114,112 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, fra
     return choice, int(num_workers), int(envs_per_thread), parallel_steps
 
 
+def _loop_seed(seed: int | None, num_envs: int, chained: bool) -> int | list[int] | None:
+    """What the loop is seeded with for ``seed``: the seed, or each env's (TorchRL's chain for a ``SerialEnv``)."""
+    return env_seeds(seed, num_envs, True) if seed is not None and chained else seed
+
+
+class _Claim:
+    """Which thread iterates a collector: one at a time (a loop has one driver), re-entrant in that thread."""
+
+    def __init__(self) -> None:
+        self.owner: threading.Thread | None = None
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """Hold the collector for this thread; raises ``CollectionError`` at once (nothing waits) while another
+        live thread holds it (an iterator of its own neither exhausted nor closed)."""
+        lock, me = _CLAIM_LOCK, threading.current_thread()  # local: at exit the module may be gone before finally
+        with lock:
+            owner = self.owner
+            if owner is not None and owner is not me and owner.is_alive():
+                raise CollectionError(
+                    f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a collector has "
+                    f"one driver: iterate it from one thread at a time (exhaust or close() that iterator first), "
+                    f"or give each thread its own collector")
+            self.owner, self.depth = me, (self.depth if owner is me else 0) + 1  # else free, or its owner ended
+        try:
+            yield
+        finally:
+            with lock:
+                if self.owner is me:
+                    self.depth -= 1
+                    self.owner = me if self.depth else None
+
+
+class _Background:
+    """The thread of ``start()``: iterates ``batches()`` until they end or :meth:`stop`; ``error`` ended it."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.stopping, self.interrupter = threading.Event(), None
+
+    def start(self, batches: Callable[[], Iterator[Any]], interrupter: Interrupter, name: str) -> None:
+        def run() -> None:
+            try:
+                for _ in batches():
+                    if self.stopping.is_set():
+                        return
+            except BaseException as exc:  # re-raised by shutdown
+                self.error = exc
+
+        self.stopping.clear()
+        self.interrupter, self.thread = interrupter, threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop through the interrupter and join the thread (``timeout``: seconds, default 10)."""
+        if self.thread is not None:
+            self.stopping.set()
+            self.interrupter.stop()
+            self.thread.join(timeout if timeout is not None else 10.0)
+            self.interrupter.reset()
+            self.thread = None
+
+
 class ThreadedCollector(BaseCollector):
     """TorchRL collector whose envs run in threads behind one autobatched policy.
 
     Takes every keyword of torchrl 0.14's ``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` with
-    TorchRL's default and rounding rules: those whose meaning carries over are honoured, the values of the others
-    that would change something are refused with what to do instead (the table of :mod:`~._keywords`, listed in
-    ``docs/torchrl.rst``, "Keyword arguments of TorchRL's collectors"). Batches have ``Collector``'s layout:
-    ``[num_envs, T]`` named ``[None, "time"]`` (``[T]`` for one env, ``[*batch_size, T]`` for a batched env),
-    TorchRL's keys, dtypes and trajectory ids, ``"_"``-prefixed entries left out.
+    TorchRL's defaults and rounding rules; values whose meaning does not carry over are refused with what to do
+    instead (``docs/torchrl.rst``, "Keyword arguments of TorchRL's collectors"). Batches have ``Collector``'s
+    layout: ``[num_envs, T]`` named ``[None, "time"]`` (``[T]`` for one env, ``[*batch_size, T]`` for a batched
+    env), TorchRL's keys, dtypes and trajectory ids, ``"_"``-prefixed entries left out.
 
     Args:
-        create_env_fn: a gymnasium id; a factory of a ``gymnasium.Env`` or torchrl ``EnvBase``; a list of
-            factories or env instances (one env each; an instance listed twice is copied, as each of TorchRL's
-            worker processes gets a copy); an env instance; or a batched env (``SerialEnv``, ``ParallelEnv``,
-            ``GymEnv(num_envs=k)``, a gymnasium vector env), taken apart into its single envs or stepped as it
-            is (``docs/torchrl.rst``, "Batched envs"). A lone factory without ``num_envs`` is called once, as
-            TorchRL's ``Collector`` calls it. The collector owns its envs: a refused env is closed first.
-        policy: what TorchRL's collectors accept (``None``: TorchRL's ``RandomPolicy``), or a one-argument
-            tensor function of the only observation; called on a TensorDict of ``k`` envs' rows.
+        create_env_fn: a gymnasium id; a factory of a ``gymnasium.Env`` or torchrl ``EnvBase`` (alone and without
+            ``num_envs``: called once, as TorchRL does); a list of factories or env instances (one listed twice
+            is copied); an env instance; or a batched env (``SerialEnv``, ``ParallelEnv``, ``GymEnv(num_envs=k)``,
+            a gymnasium vector env), taken apart or stepped as it is (``docs/torchrl.rst``, "Batched envs").
+        policy: what TorchRL's collectors accept (``None``: TorchRL's ``RandomPolicy``), or a one-argument tensor
+            function of the only observation; called on a TensorDict of ``k`` envs' rows.
 
     Keyword Args:
-        update_at_each_batch: pull the weights of the policy passed before each batch, as TorchRL's
-            multi-collectors do.
-        num_threads: torch threads of the thread running the policy (default: the constructing thread's),
-            capped so that the collection's busy threads fit the cores; env-stepping threads run with one.
+        update_at_each_batch: pull the weights of the policy passed before each batch (TorchRL's multi-collectors).
+        num_threads: torch threads of the policy's thread (default: the constructing thread's), capped so that
+            the busy threads fit the cores; env-stepping threads run with one.
         num_envs: number of envs (default: a list's length, else the batch size of the env, 1 if unbatched).
-        envs_per_thread, num_workers, parallel_steps: the layout (see :class:`MultiEnvLoop`); ``"auto"``
-            (default): chosen from a few timed steps of one env (kept in ``layout_choice``). ``num_workers``
-            are processes stepping the ``num_envs`` envs, not TorchRL's one env a worker.
+        envs_per_thread, num_workers, parallel_steps: the layout (:class:`MultiEnvLoop`); ``"auto"`` (default):
+            chosen from a few timed steps of one env (``layout_choice``). ``num_workers``: processes stepping the
+            ``num_envs`` envs, not TorchRL's one env a worker.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
         layout: ``"env_time"`` (``[num_envs, T]``) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
-        on_policy: see the module docs.
-        seed: seeds the envs as ``env.set_seed(seed)`` seeds the batched env given (its chain for a
-            ``SerialEnv`` / ``ParallelEnv``), else env ``i`` with ``seed + i``; and the policy's own stream.
-        step_timeout, policy_timeout: seconds before a hung env step or policy call raises.
-        info_keys, processor, name: see :class:`MultiEnvLoop`.
-        the others: TorchRL's (``docs/torchrl.rst``).
+        on_policy: see the module docs. step_timeout, policy_timeout: seconds before a hung call raises.
+        seed: seeds the envs as ``env.set_seed(seed)`` seeds the batched env given (its chain for a ``SerialEnv``
+            / ``ParallelEnv``), else env ``i`` with ``seed + i``; and the policy's own stream.
+        info_keys, processor, name: see :class:`MultiEnvLoop`. The others: TorchRL's (``docs/torchrl.rst``).
 
     Raises:
-        ValueError: inconsistent options, or TorchRL option values this collector cannot honour (each named,
-            with what to change).
-        TypeError: an unknown keyword; a policy TorchRL could not call either; ``use_buffers=True`` with a
-            ``replay_buffer``.
+        ValueError: inconsistent options, or TorchRL values this collector cannot honour (each named; a refused
+            env is closed). TypeError: an unknown keyword; a policy TorchRL could not call either;
+            ``use_buffers=True`` with a ``replay_buffer``.
 
     Warns:
-        LayoutWarning: a layout likely to run well below the ``"auto"`` layout, with what to pass.
-        UserWarning: at the first batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since (its
-            envs are rebuilt: pass ``seed=`` or call ``set_seed``).
-        FutureWarning: TorchRL's, for a TorchRL env lacking transforms the policy needs (unless
-            ``auto_register_policy_transforms`` is given).
+        LayoutWarning: a layout likely to run well below ``"auto"``, with what to pass. UserWarning: at the first
+        batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since. FutureWarning: TorchRL's, for
+        a TorchRL env lacking transforms the policy needs (unless ``auto_register_policy_transforms`` is given).
     """
 
     def __init__(self, create_env_fn: Any, policy: Any = None, **keywords: Any) -> None:
@@ -158,15 +235,26 @@ class ThreadedCollector(BaseCollector):
         # warned at the first batch unless seeded by then: its envs are rebuilt, a seed set on it is lost
         self._started_env = (None if not self._chained_seeds or create_env_fn.is_closed or o.seed is not None
                              else type(create_env_fn).__name__)
-        num_envs = o.num_envs
-        batched = batched_env(create_env_fn, num_workers=o.num_workers) if is_batched(create_env_fn) else None
-        native = batched is not None and batched.native  # stepped as it is
-        factories, self.env_batch_size = self._factories(create_env_fn, num_envs, batched)
-        num_envs = len(factories)
-        if isinstance(policy, torch.nn.Module) and o.auto_register_policy_transforms is not False:
-            factories = [PolicyTransforms(f, policy, append=bool(o.auto_register_policy_transforms))
-                         for f in factories]
-        self._configure(o, num_envs)
+        factories, self.env_batch_size, native = _env_factories(create_env_fn, policy, o)
+        # what TorchRL's code reads: the frame budget rounded, the devices by TorchRL's rule
+        self.num_envs = num_envs = len(factories)
+        self.frames_per_batch, self.total_frames, self.init_random_frames, self.max_frames_per_traj = (
+            frame_budget(o, num_envs))
+        self.requested_frames_per_batch = self.frames_per_batch
+        self.traj_format = _validate_traj_format(o.traj_format, o.trajs_per_batch,
+                                                 has_replay_buffer=o.replay_buffer is not None)
+        for name in _COPIED:
+            setattr(self, name, getattr(o, name))
+        self.split_trajs, self.trust_policy, self.compiled_policy = (
+            bool(o.split_trajs), bool(o.trust_policy), bool(o.compile_policy))
+        self.reset_when_done, self.return_same_td, self.cudagraphed_policy = True, False, False
+        self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
+        self.storing_device = storing_device(device=o.device, storing_device=o.storing_device,
+                                              policy_device=o.policy_device, env_device=o.env_device)
+        self.env_device, self.device = (None if d is None else torch.device(d) for d in (o.env_device, o.device))
+        self._interrupter = interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
+        self._frames, self._iter, self._seed, self._shut = 0, -1, o.seed, False
+        self._claim, self._background = _Claim(), _Background()
         self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(
             factories[0], num_envs, o, native=native, frames_per_batch=self.frames_per_batch,
             total_frames=self.total_frames, max_frames_per_traj=self.max_frames_per_traj)
@@ -178,7 +266,7 @@ class ThreadedCollector(BaseCollector):
                     factories, self._acting_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
                     parallel_steps=parallel_steps, autobatch_size=o.autobatch_size, max_wait=o.max_wait,
                     device=self.policy_device, exploration_type=o.exploration_type, lookahead=not o.on_policy,
-                    max_episode_steps=self.max_frames_per_traj, seed=self._loop_seed(o.seed),
+                    max_episode_steps=self.max_frames_per_traj, seed=_loop_seed(o.seed, num_envs, self._chained_seeds),
                     random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=o.step_timeout,
                     policy_timeout=o.policy_timeout, info_keys=o.info_keys, processor=o.processor,
                     interrupter=self._interrupter, env_shape=self.env_batch_size, name=o.name, start=False)
@@ -187,7 +275,7 @@ class ThreadedCollector(BaseCollector):
                 raise exc.__cause__ from exc
             raise
         self._autobatch = self._loop.policy
-        self._wrapped_policy = self._autobatch.policy
+        self._wrapped_policy = self._autobatch.policy  # TorchRL's name for the policy as wrapped
         if self.policy is None:
             self.policy = self._acting_policy = self._wrapped_policy
         keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
@@ -196,69 +284,6 @@ class ThreadedCollector(BaseCollector):
 
     __init__.__signature__ = signature()  # type: ignore[attr-defined]
 
-    # -- construction ------------------------------------------------------------------------
-    def _configure(self, o: Options, num_envs: int) -> None:
-        """The attributes TorchRL's code reads, from the options (frame budget rounded, devices resolved)."""
-        self.num_envs = num_envs
-        self.frames_per_batch, self.total_frames, self.init_random_frames, self.max_frames_per_traj = (
-            frame_budget(o, num_envs))
-        self.requested_frames_per_batch = self.frames_per_batch
-        self.traj_format = _validate_traj_format(o.traj_format, o.trajs_per_batch,
-                                                 has_replay_buffer=o.replay_buffer is not None)
-        for name in ("trajs_per_batch", "trajs_per_write", "layout", "reset_at_each_iter", "track_traj_ids",
-                     "track_policy_version", "set_truncated", "exploration_type", "replay_buffer", "extend_buffer",
-                     "postproc", "on_policy", "processor", "interruptor", "name", "worker_idx",
-                     "update_at_each_batch"):
-            setattr(self, name, getattr(o, name))
-        self.split_trajs, self.compact_obs, self.no_cuda_sync = bool(o.split_trajs), o.compact_obs, o.no_cuda_sync
-        self.trust_policy, self.compiled_policy = bool(o.trust_policy), bool(o.compile_policy)
-        self.reset_when_done, self.return_same_td, self.cudagraphed_policy = True, False, False
-        self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
-        # TorchRL's device rule: the batch's ``device`` is ``storing_device``, else ``device``, else the env's device
-        # when it is the policy's; otherwise ``None``, the tensors left where the env put them (here the CPU).
-        self.storing_device = storing_device(device=o.device, storing_device=o.storing_device,
-                                              policy_device=o.policy_device, env_device=o.env_device)
-        self._delivery_device = torch.device(self.storing_device or o.env_device or "cpu")
-        self.env_device = torch.device(o.env_device) if o.env_device is not None else None
-        self.device = torch.device(o.device) if o.device is not None else None
-        self._interrupter = interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
-        self._frames, self._iter, self._seed, self._shut = 0, -1, o.seed, False
-        self._background: threading.Thread | None = None
-        self._background_stop = threading.Event()
-        self._background_error: BaseException | None = None
-
-    def _loop_seed(self, seed: int | None) -> int | list[int] | None:
-        """What the loop is seeded with for ``seed``: the seed, or each env's (TorchRL's chain for a ``SerialEnv``)."""
-        if seed is None or not self._chained_seeds:
-            return seed
-        return env_seeds(seed, self.num_envs, True)
-
-    @staticmethod
-    def _factories(create_env_fn: Any, num_envs: int | None,
-                   batched: BatchedEnv | None) -> tuple[list[EnvFactory], torch.Size | None]:
-        """The factory of each env, and the batch dims of a batched env given as an instance (``batched``, else
-        ``None``)."""
-        if batched is not None:
-            if num_envs not in (None, len(batched.factories)):
-                raise ValueError(f"num_envs={num_envs} but the batched env holds {len(batched.factories)} envs "
-                                 f"(batch_size={tuple(batched.batch_size)}); leave num_envs out")
-            return batched.factories, batched.batch_size
-        if isinstance(create_env_fn, (EnvBase, gym.Env)):
-            if num_envs not in (None, 1):
-                raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
-            instance = create_env_fn
-            return [lambda: instance], None
-        if isinstance(create_env_fn, (list, tuple)):
-            if not create_env_fn:
-                raise ValueError("create_env_fn is an empty list; pass at least one factory")
-            if num_envs is not None and num_envs != len(create_env_fn):
-                raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
-            return [resolve_env_factory(f) for f in create_env_fn], None
-        n = 1 if num_envs is None else num_envs
-        check_int("num_envs", n, 1)
-        return [resolve_env_factory(create_env_fn)] * n, None
-
-    # -- properties TorchRL code reads ------------------------------------------------------------
     @property
     def frames(self) -> int:
         """Frames delivered so far (batches yielded or written to the buffer)."""
@@ -285,12 +310,7 @@ class ThreadedCollector(BaseCollector):
         return self._autobatch
 
     def __len__(self) -> int:
-        """Number of batches of a finite collector.
-
-        Raises:
-            TypeError: the collector is endless (``total_frames=-1``); Lightning and
-                ``len()`` users treat ``TypeError`` as "no length".
-        """
+        """Number of batches; ``TypeError`` ("no length" to Lightning) for an endless one (``total_frames=-1``)."""
         if self.total_frames > 0:
             return -(-self.total_frames // self.frames_per_batch)
         raise TypeError("an endless ThreadedCollector (total_frames=-1) has no length")
@@ -299,135 +319,84 @@ class ThreadedCollector(BaseCollector):
         return (f"{type(self).__name__}(num_envs={self.num_envs}, frames_per_batch={self.frames_per_batch}, "
                 f"total_frames={self.total_frames}, layout={self.layout!r}, on_policy={self.on_policy})")
 
-    # -- iteration ---------------------------------------------------------------------------------
-    # Which thread iterates each collector: one at a time (a loop has one driver). Class-level lock, held
-    # for a few instructions per iterator start and end; the owner and depth are per instance.
-    _ITERATION_LOCK = threading.Lock()
-    _iteration_owner: threading.Thread | None = None
-    _iteration_depth = 0
-
-    @contextlib.contextmanager
-    def _iteration_claim(self) -> Iterator[None]:
-        """Hold this collector for iteration by the current thread (re-entrant in that thread).
-
-        Raises:
-            CollectionError: another live thread holds it (an iterator of its own started
-                and neither exhausted nor closed). Nothing waits: the caller is refused at once.
-        """
-        lock = type(self)._ITERATION_LOCK  # held here: at interpreter exit the class may be gone before ``finally``
-        me = threading.current_thread()
-        with lock:
-            owner = self._iteration_owner
-            if owner is not None and owner is not me and owner.is_alive():
-                raise CollectionError(
-                    f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a collector has "
-                    f"one driver: iterate it from one thread at a time (exhaust or close() that iterator first), "
-                    f"or give each thread its own collector")
-            if owner is not me:  # free, or its owner thread has ended
-                self._iteration_owner, self._iteration_depth = me, 0
-            self._iteration_depth += 1
-        try:
-            yield
-        finally:
-            with lock:
-                if self._iteration_owner is me:
-                    self._iteration_depth -= 1
-                    if self._iteration_depth == 0:
-                        self._iteration_owner = None
-
     def __iter__(self) -> Iterator[TensorDictBase | None]:
-        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time.
-
-        Raises:
-            CollectionError: at the first ``next()``, when another thread is iterating
-                this collector (refused at once; that iteration goes on undisturbed);
-                or the collector was shut down.
-            EnvError, PolicyError: a worker failed; the collector is shut down.
-        """
-        with self._iteration_claim():  # refused before BaseCollector's handler, which would shut down
+        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time: ``CollectionError`` at
+        the first ``next()`` while another thread iterates (which goes on undisturbed) or once shut down;
+        ``EnvError`` / ``PolicyError`` when a worker failed (the collector is then shut down)."""
+        with self._claim():  # refused before BaseCollector's handler, which would shut down
             yield from super().__iter__()
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
-        """Yield batches until ``total_frames`` (forever when -1); ``None`` per batch with a replay buffer.
-
-        Raises:
-            EnvError, PolicyError: a worker failed; the collector is shut down.
-            CollectionError: the collector was shut down, or another thread is iterating it.
-        """
-        with self._iteration_claim():
+        """Yield batches until ``total_frames`` (forever when -1); with a replay buffer, write each batch there
+        (``extend``, or ``add`` frame by frame in time order when ``extend_buffer=False``) and yield ``None``.
+        Raises as :meth:`__iter__`."""
+        with self._claim():
             while self.total_frames < 0 or self._frames < self.total_frames:
                 batch = self.collect_batch()
                 if batch is None:
                     return
-                if self.replay_buffer is not None and not self._ignore_rb:
-                    self._extend(batch)
-                    yield None
-                else:
+                if self.replay_buffer is None or self._ignore_rb:
                     yield batch
+                    continue
+                if not self.extend_buffer:
+                    frames = batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch
+                    for i in range(frames.shape[0]):
+                        self.replay_buffer.add(frames[i])
+                else:
+                    storage = getattr(self.replay_buffer, "_storage", None)
+                    self.replay_buffer.extend(batch.reshape(-1) if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1
+                                              else batch)
+                yield None
 
     def collect_batch(self) -> TensorDictBase | None:
-        """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``).
-
-        Returns ``None`` when the interruptor stopped collection before any frame.
-
-        Raises:
-            CollectionError: the collector is shut down, or another thread is iterating it or
-                collecting a batch (refused at once, as :meth:`__iter__` refuses a second thread).
-        """
-        with self._iteration_claim():
-            return self._collect_batch()
-
-    def _collect_batch(self) -> TensorDictBase | None:
-        if self._shut:
-            raise CollectionError("the collector is shut down")
-        if self.pre_collect_hook is not None:
-            self.pre_collect_hook()
-        if self.update_at_each_batch:
-            self.update_policy_weights_()
-        if self._started_env is not None:
-            warn_user(f"the {self._started_env} given was started (seeded, reset or stepped): ThreadedCollector "
-                      "rebuilds its envs from their create_env_fn, so their state, a seed set with env.set_seed(...) "
-                      "included, is not carried over; pass seed= or call collector.set_seed(...) (they seed the envs "
-                      "as env.set_seed(seed) would)")
-            self._started_env = None
-        if self.reset_at_each_iter and self._iter >= 0:
-            self._loop.reset_envs()
-        if self.layout == "env_time":
-            batch = self._loop.run_env_steps(self.frames_per_batch // self.num_envs)
-        else:
-            batch = self._loop.run_steps(self.frames_per_batch)
-        frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
-        if frames == 0:
-            return None
-        self._frames += frames
-        self._iter += 1
-        batch = self._place(self._export(batch))
-        if self.split_trajs:
-            if self.layout == "flat":  # arrival order interleaves envs; split_trajectories needs them contiguous
-                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
-            batch = split_trajectories(batch, prefix="collector")
-        if self.postproc is not None:
-            batch = self.postproc(batch)
-        batch = _drop_private(batch, inplace=True)
-        if self.post_collect_hook is not None:
-            self.post_collect_hook(batch)
-        return batch
-
-    def _place(self, batch: TensorDictBase) -> TensorDictBase:
-        """Move a CPU batch to ``storing_device`` (else ``env_device``) and give it TorchRL's ``device``:
-        ``storing_device`` as resolved at construction, ``None`` when that is ``None``."""
-        if self._delivery_device.type != "cpu" or self.storing_device is not None:
-            batch = batch.to(self._delivery_device)  # tensors already on that device are not copied
-        if self.storing_device is None and batch.device is not None:
-            batch.clear_device_()
-        return batch
+        """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``);
+        ``None`` when the interruptor stopped collection before any frame. Raises as :meth:`__iter__` (another
+        thread iterating or collecting is refused at once)."""
+        with self._claim():
+            if self._shut:
+                raise CollectionError("the collector is shut down")
+            if self.pre_collect_hook is not None:
+                self.pre_collect_hook()
+            if self.update_at_each_batch:
+                self.update_policy_weights_()
+            if self._started_env is not None:
+                warn_user(f"the {self._started_env} given was started (seeded, reset or stepped): ThreadedCollector "
+                          "rebuilds its envs from their create_env_fn, so their state, a seed set with "
+                          "env.set_seed(...) included, is not carried over; pass seed= or call "
+                          "collector.set_seed(...) (they seed the envs as env.set_seed(seed) would)")
+                self._started_env = None
+            if self.reset_at_each_iter and self._iter >= 0:
+                self._loop.reset_envs()
+            batch = (self._loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
+                     else self._loop.run_steps(self.frames_per_batch))
+            frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
+            if frames == 0:
+                return None
+            self._frames, self._iter = self._frames + frames, self._iter + 1
+            batch = self._export(batch)
+            if self.split_trajs:
+                if self.layout == "flat":  # arrival order interleaves envs; split_trajectories needs them contiguous
+                    batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
+                batch = split_trajectories(batch, prefix="collector")
+            if self.postproc is not None:
+                batch = self.postproc(batch)
+            batch = _drop_private(batch, inplace=True)
+            if self.post_collect_hook is not None:
+                self.post_collect_hook(batch)
+            return batch
 
     def _export(self, batch: TensorDictBase) -> TensorDictBase:
-        """The loop's batch in TorchRL's layout: one env gives ``[T]``; entries TorchRL would not write
-        are left out (``("collector", "env_id")``; ``policy_version`` unless ``track_policy_version``;
-        the observations and state under ``"next"`` with ``compact_obs``)."""
-        if self.layout == "env_time":
-            batch = self._env_shaped(batch)
+        """The loop's CPU batch as TorchRL delivers it, ``"_"``-prefixed entries still in: ``[T]`` for one
+        unbatched env, ``[*env_batch_size, T]`` for a batched env (``env_time``); without what TorchRL does not
+        write (``("collector", "env_id")``, ``policy_version`` unless ``track_policy_version``, the observations
+        and state under ``"next"`` with ``compact_obs``); ``set_truncated`` applied; moved to ``storing_device``
+        (else ``env_device``), its ``device`` ``storing_device``."""
+        shape = self.env_batch_size
+        if self.layout == "env_time" and shape is None and self.num_envs == 1:
+            batch = batch[0]
+        elif self.layout == "env_time" and shape is not None and len(shape) > 1:
+            batch = batch.reshape(*shape, batch.shape[-1])
+            batch.names = [None] * len(shape) + ["time"]
         drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
@@ -439,141 +408,67 @@ class ThreadedCollector(BaseCollector):
         if not self.track_traj_ids and not batch.get("collector").keys():
             batch = batch.exclude("collector")
         if self.set_truncated and batch.numel():
-            self._truncate_last(batch)
-        return batch
-
-    def _env_shaped(self, batch: TensorDictBase) -> TensorDictBase:
-        """``[num_envs, T]`` as TorchRL shapes it for the env given: ``[T]`` for one unbatched env,
-        ``[*env_batch_size, T]`` for a batched env (``[1, T]`` for a batch of one)."""
-        if self.env_batch_size is None:
-            return batch[0] if self.num_envs == 1 else batch
-        if len(self.env_batch_size) == 1:
-            return batch
-        batch = batch.reshape(*self.env_batch_size, batch.shape[-1])
-        batch.names = [None] * len(self.env_batch_size) + ["time"]
+            _truncate_last(batch, flat=self.layout == "flat")
+        if self.storing_device is not None or self.env_device is not None and self.env_device.type != "cpu":
+            batch = batch.to(self.storing_device or self.env_device)  # tensors already there are not copied
+        if self.storing_device is None and batch.device is not None:
+            batch.clear_device_()
         return batch
 
     def fake_tensordict(self) -> TensorDictBase:
-        """A zero-filled batch with the layout of the batches this collector yields (shape, dim names, keys,
-        dtypes), built without collecting: TorchRL's ``Collector.fake_tensordict``."""
-        layout = self._loop.layout
-        if self.layout == "env_time":
-            shape, names = [self.num_envs, self.frames_per_batch // self.num_envs], [None, "time"]
-        else:
-            shape, names = [self.frames_per_batch], None
+        """A zero-filled batch with the layout of this collector's batches (shape, dim names, keys, dtypes), built
+        without collecting: TorchRL's ``Collector.fake_tensordict``."""
+        layout, env_time = self._loop.layout, self.layout == "env_time"
+        shape = [self.num_envs, self.frames_per_batch // self.num_envs] if env_time else [self.frames_per_batch]
+        names = [None, "time"] if env_time else None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
-        return _drop_private(self._place(self._export(layout.to_tensordict(columns, shape, names=names))))
-
-    def _truncate_last(self, batch: TensorDictBase) -> None:
-        """``set_truncated``: the last step of each env in the batch (of each trajectory, in the flat
-        layout) is marked truncated (and done)."""
-        nxt = batch.get("next")
-        flags = [k for k in nxt.keys(True, True) if key_parts(k)[-1] in ("truncated", "done")]
-        if not any(key_parts(k)[-1] == "truncated" for k in flags):
-            raise RuntimeError("set_truncated=True needs a 'truncated' entry in the env's done spec")
-        if self.layout == "flat":
-            traj = batch.get(("collector", "traj_ids")).numpy()
-            last = [int(np.flatnonzero(traj == e)[-1]) for e in np.unique(traj)]
-            index: Any = torch.as_tensor(last)
-        else:
-            index = (..., -1)
-        for k in flags:
-            value = nxt.get(k)
-            value[index] = True
-
-    def _extend(self, batch: TensorDictBase) -> None:
-        """Write a batch to the replay buffer: ``extend`` at once, or frame by frame in time order
-        (``add``) when ``extend_buffer=False``, as TorchRL does."""
-        storage = getattr(self.replay_buffer, "_storage", None)
-        if not self.extend_buffer:
-            frames = batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch
-            for i in range(frames.shape[0]):
-                self.replay_buffer.add(frames[i])
-            return
-        if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1:
-            batch = batch.reshape(-1)
-        self.replay_buffer.extend(batch)
+        return _drop_private(self._export(layout.to_tensordict(columns, shape, names=names)))
 
     def getattr_rb(self, attr: str) -> Any:
         """An attribute of the replay buffer (TorchRL's trainers read ``write_count``)."""
         return getattr(self.replay_buffer, attr)
 
-    # -- background collection -------------------------------------------------------------------------
     def start(self) -> None:
-        """Collect in a background thread into ``replay_buffer`` until ``total_frames`` or shutdown.
-
-        Raises:
-            RuntimeError: no replay buffer, or already started.
-        """
+        """Collect in a background thread into ``replay_buffer`` until ``total_frames`` or shutdown;
+        ``RuntimeError`` without a replay buffer or when already started."""
         if self.replay_buffer is None:
             raise RuntimeError("start() needs a replay_buffer: collected batches are written there")
-        if self._background is not None:
+        if self._background.thread is not None:
             raise RuntimeError("the collector is already running in the background")
-        self._background_stop.clear()
         if self._interrupter is None:
-            self._interrupter = Interrupter()
-            self._loop.interrupter = self._interrupter
-        self._background = threading.Thread(target=self._run_background,
-                                             name=f"lightning_rollout-{self.name}-background", daemon=True)
-        self._background.start()
+            self._interrupter = self._loop.interrupter = Interrupter()
+        # BaseCollector.__iter__'s choice, without its shutdown-on-error (that thread cannot join itself): with
+        # trajs_per_batch only complete trajectories reach the buffer, as TorchRL's start() writes them
+        batches = self.iterator if self.trajs_per_batch is None else self._iter_by_trajectories
+        self._background.start(batches, self._interrupter, name=f"lightning_rollout-{self.name}-background")
 
     def is_running(self) -> bool:
         """Whether background collection (:meth:`start`) is running (TorchRL's ``is_running``)."""
-        thread = self._background
+        thread = self._background.thread
         return thread is not None and thread.is_alive()
-
-    def _run_background(self) -> None:
-        # BaseCollector.__iter__'s choice, without its shutdown-on-error (this thread cannot join itself):
-        # with trajs_per_batch only complete trajectories reach the buffer, as TorchRL's start() writes them
-        batches = self.iterator() if self.trajs_per_batch is None else self._iter_by_trajectories()
-        try:
-            for _ in batches:
-                if self._background_stop.is_set():
-                    return
-        except BaseException as exc:  # re-raised by async_shutdown / shutdown
-            self._background_error = exc
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Pause background collection inside the ``with`` block."""
-        running = self._background is not None
-        if running:
-            self._stop_background()
+        running = self._background.thread is not None
+        self._background.stop()
         try:
             yield
         finally:
             if running and not self._shut:
                 self.start()
 
-    def _stop_background(self, timeout: float | None = None) -> None:
-        thread = self._background
-        if thread is None:
-            return
-        self._background_stop.set()
-        assert self._interrupter is not None
-        self._interrupter.stop()
-        thread.join(timeout if timeout is not None else 10.0)
-        self._interrupter.reset()
-        self._background = None
-
-    def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:
-        """Stop background collection and shut down (re-raises a background error)."""
-        self.shutdown(timeout=timeout, close_env=close_env)
-
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
-        """Stop every thread and close the envs; idempotent, safe from ``__del__`` or after an error.
-
-        Raises:
-            Exception: the error that ended background collection, if any and ``raise_on_error``.
-            ValueError: ``timeout`` is not a finite number of seconds (or ``None``).
-        """
+        """Stop every thread and close the envs (``async_shutdown`` too); idempotent, safe from ``__del__`` or after
+        an error. Raises the error that ended background collection (if ``raise_on_error``), or ``ValueError``
+        for a ``timeout`` (seconds) that is neither finite nor ``None``."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if self._shut:
             return
         self._shut = True
-        self._stop_background(timeout)
+        self._background.stop(timeout)
         self._loop.close()
-        error, self._background_error = self._background_error, None
+        error, self._background.error = self._background.error, None
         if error is not None and raise_on_error:
             raise error
 
@@ -583,28 +478,15 @@ class ThreadedCollector(BaseCollector):
         except Exception:  # never raise from a finalizer (modules may be gone at exit)
             pass
 
-    # -- weights -------------------------------------------------------------------------------------------
     def update_policy_weights_(
-        self,
-        policy_or_weights: TensorDictBase | TensorDictModuleBase | torch.nn.Module | dict | None = None,
-        *,
-        weights: TensorDictBase | dict | None = None,
-        policy: TensorDictModuleBase | torch.nn.Module | None = None,
-        worker_ids: Any = None,
-        model_id: str | None = None,
-        weights_dict: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature).
-
-        No argument: pull them from the policy given at construction; else a module, a ``state_dict`` or a
-        ``TensorDict`` of weights. Requests already queued are answered with the old weights; with
-        ``on_policy=True`` an update made while a batch is collected applies from the next batch. A
-        ``state_dict`` takes the non-persistent buffers it lacks from the policy given at construction.
-
-        Raises:
-            ValueError: more than one source of weights, or an unknown ``model_id``.
-        """
+            self, policy_or_weights: TensorDictBase | TensorDictModuleBase | torch.nn.Module | dict | None = None, *,
+            weights: TensorDictBase | dict | None = None, policy: TensorDictModuleBase | torch.nn.Module | None = None,
+            worker_ids: Any = None, model_id: str | None = None, weights_dict: dict[str, Any] | None = None,
+            **kwargs: Any) -> None:
+        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature): no argument
+        pulls them from the policy given at construction; else a module, a ``state_dict`` (the non-persistent
+        buffers it lacks from that policy) or a ``TensorDict``. Queued requests get the old weights; on-policy, an
+        update during a batch applies from the next. ``ValueError``: several sources, or an unknown ``model_id``."""
         sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(sources) > 1:
             raise ValueError("pass the new weights once: positional, weights= or policy=")
@@ -617,114 +499,115 @@ class ThreadedCollector(BaseCollector):
         source = sources[0] if sources else self.policy
         self._autobatch.update(source, buffers_from=self.policy if isinstance(self.policy, torch.nn.Module) else None)
 
-    # -- seeds, reset, state --------------------------------------------------------------------------------
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the envs as ``env.set_seed(seed)`` seeds the batched env given (TorchRL's chain for a ``SerialEnv``
         / ``ParallelEnv``), else env ``i`` with ``seed + i``; returns the next unused seed, as TorchRL does.
 
-        Before iteration starts this only records the seeds; afterwards every env is reset with its new seed (a
-        running episode is cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility.
-        """
+        Before iteration it only records them; after, every env is reset with its new seed (a running episode is
+        cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility."""
         check_int("seed", seed, 0)
         self._seed, self._started_env = seed, None
         seeds = env_seeds(seed, self.num_envs, self._chained_seeds)
         if self._loop.started:
             self._loop.reset_envs(seeds=seeds)
         else:
-            self._loop.seed = self._loop_seed(seed)
+            self._loop.seed = _loop_seed(seed, self.num_envs, self._chained_seeds)
         return seed_generator(seeds[-1]) if self._chained_seeds else seed + self.num_envs
 
     def reset(self, index: int | Sequence[int] | None = None, **kwargs: Any) -> None:
         """Start new episodes on the given envs (all by default)."""
-        ids = None if index is None else ([index] if isinstance(index, int) else list(index))
-        self._loop.reset_envs(ids)
+        self._loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
 
     def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
         """Counters, seed, policy version and, ``with_policy``, the acting weights (``torch.load(weights_only=True)``
         -safe; ``with_policy=False`` when they are saved elsewhere, e.g. in a LightningModule checkpoint)."""
-        return OrderedDict(
-            frames=self._frames,
-            batches=self._iter + 1,
-            next_traj_id=self._loop.next_traj_id,
-            policy_version=self._autobatch.version,
-            seed=-1 if self._seed is None else self._seed,
-            policy_state_dict=(self._autobatch.state()
-                               if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}),
-            traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)},  # TorchRL's entry for the same counter
-        )
+        weights = self._autobatch.state() if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}
+        return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self._loop.next_traj_id,
+                           policy_version=self._autobatch.version, seed=-1 if self._seed is None else self._seed,
+                           policy_state_dict=weights,
+                           traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)})  # TorchRL's, same counter
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
-        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts.
-
-        Applied whole or not at all, by the iterating thread between batches or by any thread while none
-        iterates: ``frames``, ``batches``, ``next_traj_id``, ``policy_version`` ints ``>= 0`` and ``seed`` ``>= -1``
-        (numpy ints too; not bools, floats, strings or ``None``), ``policy_state_dict`` a mapping (empty: no
-        weights) with the acting policy's keys and shapes.
+        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts; applied whole or not at
+        all, between batches by the iterating thread or while none iterates. ``frames``, ``batches``,
+        ``next_traj_id``, ``policy_version`` are ints ``>= 0``, ``seed`` ``>= -1`` (numpy ints too, not bools),
+        ``policy_state_dict`` a mapping (empty: no weights) with the acting policy's keys and shapes.
 
         Raises:
             ValueError: a foreign or truncated state, a field of the wrong type or range, or weights of another
                 architecture, named with what it got.
-            CollectionError: another thread iterates the collector (``pause()`` a background collection first),
-                a collection call of this thread is running, or the collector is shut down.
+            CollectionError: another thread iterates (``pause()`` a background collection first), a collection
+                call of this thread is running, or the collector is shut down.
         """
-        required = {"frames", "batches", "next_traj_id", "policy_version", "seed", "policy_state_dict"}
-        missing = required - set(state_dict) if isinstance(state_dict, Mapping) else None
+        ints = {"frames": 0, "batches": 0, "next_traj_id": 0, "policy_version": 0, "seed": -1}  # name: minimum
+        missing = {*ints, "policy_state_dict"} - set(state_dict) if isinstance(state_dict, Mapping) else None
         if missing is None or missing:
             got = f"missing {sorted(missing)}" if missing else f"expected a dict from state_dict(), got {state_dict!r}"
             raise ValueError(f"not a ThreadedCollector state: {got}")
-        fields: dict[str, int] = {}
-        for field, minimum in (("frames", 0), ("batches", 0), ("next_traj_id", 0), ("policy_version", 0),
-                               ("seed", -1)):
+        for field, minimum in ints.items():
             value = state_dict[field]
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
                 raise ValueError(f"ThreadedCollector state: {field!r} must be an int >= {minimum}, got {value!r} "
                                  f"({type(value).__name__})")
-            fields[field] = int(value)
         weights = state_dict["policy_state_dict"]
         if not isinstance(weights, Mapping):
             raise ValueError(f"ThreadedCollector state: 'policy_state_dict' must be a mapping (a state_dict, empty "
                              f"when no weights were saved), got {type(weights).__name__}")
-        has_weights = next(iter(weights.keys()), None) is not None
-        with self._iteration_claim():  # refused at once while another thread iterates: nothing changed yet
+        frames, seed = int(state_dict["frames"]), int(state_dict["seed"])
+        with self._claim():  # refused at once while another thread iterates: nothing changed yet
             if self._shut:
                 raise CollectionError("load_state_dict: the collector is shut down; load the state into a new one")
             if self._loop.collecting:
                 raise CollectionError("load_state_dict: called while this collector is collecting a batch (from an "
                                       "event processor or policy?); call it between batches")
-            if has_weights:
-                self._check_weights(weights)
+            if next(iter(weights.keys()), None) is not None:
+                _check_weights(self._autobatch.weights, weights)
                 self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
-            seed = fields["seed"]
             if self._loop.started and seed >= 0:
-                self._loop.reset_envs(seeds=env_seeds(seed + fields["frames"], self.num_envs, self._chained_seeds))
-            self._frames = fields["frames"]
-            self._iter = fields["batches"] - 1
-            self._autobatch.set_version(fields["policy_version"])
+                self._loop.reset_envs(seeds=env_seeds(seed + frames, self.num_envs, self._chained_seeds))
+            self._frames, self._iter = frames, int(state_dict["batches"]) - 1
+            self._autobatch.set_version(int(state_dict["policy_version"]))
             if not self._loop.started:
-                self._loop.set_traj_id_start(fields["next_traj_id"])
-                if seed >= 0:
-                    self._loop.seed = self._loop_seed(seed + self._frames)  # fresh, reproducible streams on resume
+                self._loop.set_traj_id_start(int(state_dict["next_traj_id"]))
+                if seed >= 0:  # fresh, reproducible streams on resume
+                    self._loop.seed = _loop_seed(seed + frames, self.num_envs, self._chained_seeds)
             if seed >= 0:
-                self._seed = seed + self._frames
+                self._seed = seed + frames
 
-    def _check_weights(self, weights: Mapping[str, Any]) -> None:
-        """Refuse (``ValueError``, naming it) a key or a shape the acting policy would take only in part:
-        ``load_state_dict`` copies the entries that fit before it raises about the others."""
-        if not isinstance(self._autobatch.weights, torch.nn.Module):
-            return  # a plain callable keeps whatever it is given
-        current = self._autobatch.weights.state_dict()
-        unexpected, absent = sorted(set(weights) - set(current)), sorted(set(current) - set(weights))
-        if unexpected or absent:
-            raise ValueError(f"ThreadedCollector state: the policy rejected the new weights (missing keys {absent}, "
-                             f"unexpected keys {unexpected}); load a state saved from a policy of the same "
-                             "architecture")
-        for key, value in weights.items():
-            have = current[key]
-            if isinstance(have, torch.Tensor) and (not isinstance(value, torch.Tensor) or value.shape != have.shape):
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"ThreadedCollector state: the policy rejected the new weights ({key!r} has shape "
-                                 f"{tuple(have.shape)} in the policy, {got} in the state); load a state saved from "
-                                 "a policy of the same architecture")
+
+def _check_weights(acting: Any, weights: Mapping[str, Any]) -> None:
+    """Refuse (``ValueError``, naming it) a key or a shape the acting module would take only in part:
+    ``load_state_dict`` copies the entries that fit before it raises about the others."""
+    if not isinstance(acting, torch.nn.Module):
+        return  # a plain callable keeps whatever it is given
+    current = acting.state_dict()
+    unexpected, absent = sorted(set(weights) - set(current)), sorted(set(current) - set(weights))
+    if unexpected or absent:
+        raise ValueError(f"ThreadedCollector state: the policy rejected the new weights (missing keys {absent}, "
+                         f"unexpected keys {unexpected}); load a state saved from a policy of the same architecture")
+    for key, value in weights.items():
+        have = current[key]
+        if isinstance(have, torch.Tensor) and (not isinstance(value, torch.Tensor) or value.shape != have.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"ThreadedCollector state: the policy rejected the new weights ({key!r} has shape "
+                             f"{tuple(have.shape)} in the policy, {got} in the state); load a state saved from "
+                             "a policy of the same architecture")
+
+
+def _truncate_last(batch: TensorDictBase, *, flat: bool) -> None:
+    """``set_truncated``: mark the last step of each env in the batch (of each trajectory when ``flat``) truncated
+    and done; ``RuntimeError`` when the env's done spec has no ``"truncated"`` entry."""
+    nxt = batch.get("next")
+    flags = [k for k in nxt.keys(True, True) if key_parts(k)[-1] in ("truncated", "done")]
+    if not any(key_parts(k)[-1] == "truncated" for k in flags):
+        raise RuntimeError("set_truncated=True needs a 'truncated' entry in the env's done spec")
+    if flat:
+        traj = batch.get(("collector", "traj_ids")).numpy()
+        index: Any = torch.as_tensor([int(np.flatnonzero(traj == e)[-1]) for e in np.unique(traj)])
+    else:
+        index = (..., -1)
+    for k in flags:
+        nxt.get(k)[index] = True
 
 
 def _drop_private(batch: TensorDictBase, inplace: bool = False) -> TensorDictBase:
