@@ -170,23 +170,49 @@ def test_page_script_keeps_the_page_lines():
         assert script[line - 1] == text[line - 1] == first, line
 
 
-@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 30)
-@pytest.mark.parametrize("page", [p for p in DOC_PAGES if python_blocks(p)])
-def test_page_runs_as_a_script(page, tmp_path):
-    """The page's Python blocks, concatenated in order, run as one script (``python script.py``) in a scratch
-    folder, with nothing from this test process but the environment."""
+SCRIPT_PAGES = [p for p in DOC_PAGES if python_blocks(p)]
+# Scripts run side by side, this many at a time (each is mostly one core's work: a fresh interpreter importing torch,
+# TorchRL and Lightning, then small training runs), the longest first; the tests then read their results in order.
+SCRIPT_JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+def run_page_script(page: str, folder: Path) -> str | None:
+    """Run ``page``'s script in ``folder``; ``None`` when it exits with 0, else what went wrong (its output's end)."""
     # never a module's name: a script named torchrl.py or lightning.py would shadow the package it imports
-    script = tmp_path / f"page_{re.sub(r'[^0-9A-Za-z]+', '_', page)}.py"
+    script = folder / f"page_{re.sub(r'[^0-9A-Za-z]+', '_', page)}.py"
     script.write_text(page_script(page), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
                               timeout=SCRIPT_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         output = [x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout, exc.stderr) if x]
-        pytest.fail(f"{page} as a script ran past {SCRIPT_TIMEOUT_S} s; its output:\n" + "\n".join(output)[-6000:])
-    assert done.returncode == 0, (f"{page} as a script exited with {done.returncode} (its line numbers are the "
-                                  f"page's):\n{done.stderr[-6000:]}")
+        return f"{page} as a script ran past {SCRIPT_TIMEOUT_S} s; its output:\n" + "\n".join(output)[-6000:]
+    if done.returncode:
+        return (f"{page} as a script ({script}) exited with {done.returncode} (its line numbers are the page's):\n"
+                f"{done.stderr[-6000:]}")
+    return None
+
+
+@pytest.fixture(scope="module")
+def page_scripts(request, tmp_path_factory):
+    """The selected pages' scripts, started side by side (``SCRIPT_JOBS`` at a time): ``{page: future}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = {item.callspec.params["page"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_page_runs_as_a_script"}
+    pages = sorted(selected, key=lambda page: -len(page_script(page)))  # the longest first
+    with ThreadPoolExecutor(max_workers=SCRIPT_JOBS) as pool:
+        yield {page: pool.submit(run_page_script, page, tmp_path_factory.mktemp("page")) for page in pages}
+
+
+@pytest.mark.timeout(len(SCRIPT_PAGES) * SCRIPT_TIMEOUT_S)
+@pytest.mark.parametrize("page", SCRIPT_PAGES)
+def test_page_runs_as_a_script(page, page_scripts):
+    """The page's Python blocks, concatenated in order, run as one script (``python script.py``) in a scratch
+    folder of their own, sharing nothing with this test process but the environment."""
+    problem = page_scripts[page].result()
+    assert problem is None, problem
 
 
 def test_budgets_name_real_lines():
