@@ -6,7 +6,10 @@ The Sphinx build itself runs with ``make docs`` (warnings are errors), not in th
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,12 +68,16 @@ def test_lightning_names_in_api_reference():
     assert not missing, f"lightning_rollout.lightning names missing from docs/api.rst: {missing}"
 
 
-# -- the docs' Python code runs (issue 13, item 6) ---------------------------------------------------------------------
+# -- the docs' Python code runs as a script (issue 13 item 6, issue item E2) --------------------------------------------
 #
-# Every Python block of README.md and of each docs/*.rst page runs as written, top to bottom, one namespace per page
-# (a new user copies a page's snippets in order): ```python fences in the README; ``.. code-block:: python`` (also
-# ``code`` / ``sourcecode``), ``.. testsetup::`` and ``.. testcode::`` (sphinx.ext.doctest) in the pages. Blocks that
-# are not meant to run are ``console`` / ``text`` blocks, and every block names its language.
+# Every page's code runs as a script, as written: the Python blocks of README.md and of each docs/*.rst page,
+# concatenated in order as a reader pastes them into one file, are written to a scratch folder and run there by this
+# interpreter (the venv's python) in a process of their own. So a block that starts processes (``ParallelEnv``,
+# ``num_workers > 1``: ``spawn`` imports the script again in each child) must guard its work with
+# ``if __name__ == "__main__":``, as a real script must, and the page's unguarded work runs again in every child.
+# Python blocks: ```python fences in the README; ``.. code-block:: python`` (also ``code`` / ``sourcecode``),
+# ``.. testsetup::`` and ``.. testcode::`` (sphinx.ext.doctest) in the pages. Blocks that are not meant to run are
+# ``console`` / ``text`` blocks, and every block names its language.
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_PAGES = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.rst"))]
@@ -142,20 +149,70 @@ def runnable(page: str, code: str) -> str:
     return code
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("page", [p for p in DOC_PAGES if python_blocks(p)])
-def test_page_snippets_run(page, tmp_path, monkeypatch):
-    """The page's Python blocks run as written, in order, in one namespace, in a scratch folder."""
-    import torch
+SCRIPT_TIMEOUT_S = 240  # a page's script, its child processes included
 
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    namespace: dict[str, object] = {"__name__": "__main__"}
+
+def page_script(page: str) -> str:
+    """The page's Python blocks as one script, in order; each block starts at its own line of the page (blank lines
+    between blocks), so a traceback's line numbers are the page's."""
+    lines = [f"# The Python blocks of {page}, each at its line of the page (tests/test_docs.py)."]
+    for line, code in python_blocks(page):
+        assert len(lines) < line, (page, line)  # blocks come in page order and never overlap
+        lines += [""] * (line - 1 - len(lines)) + runnable(page, code).rstrip("\n").split("\n")
+    return "\n".join(lines) + "\n"
+
+
+def test_page_script_keeps_the_page_lines():
+    script = page_script("README.md").split("\n")
+    text = (REPO / "README.md").read_text(encoding="utf-8").split("\n")
+    for line, code in python_blocks("README.md"):
+        first = code.split("\n")[0]
+        assert script[line - 1] == text[line - 1] == first, line
+
+
+SCRIPT_PAGES = [p for p in DOC_PAGES if python_blocks(p)]
+# Scripts run side by side, this many at a time (each is mostly one core's work: a fresh interpreter importing torch,
+# TorchRL and Lightning, then small training runs), the longest first; the tests then read their results in order.
+SCRIPT_JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+def run_page_script(page: str, folder: Path) -> str | None:
+    """Run ``page``'s script in ``folder``; ``None`` when it exits with 0, else what went wrong (its output's end)."""
+    # never a module's name: a script named torchrl.py or lightning.py would shadow the package it imports
+    script = folder / f"page_{re.sub(r'[^0-9A-Za-z]+', '_', page)}.py"
+    script.write_text(page_script(page), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     try:
-        for line, code in python_blocks(page):
-            exec(compile("\n" * (line - 1) + runnable(page, code), str(REPO / page), "exec"), namespace)
-    finally:
-        torch.set_num_threads(threads)
+        done = subprocess.run([sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=SCRIPT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        output = [x.decode(errors="replace") if isinstance(x, bytes) else x for x in (exc.stdout, exc.stderr) if x]
+        return f"{page} as a script ran past {SCRIPT_TIMEOUT_S} s; its output:\n" + "\n".join(output)[-6000:]
+    if done.returncode:
+        return (f"{page} as a script ({script}) exited with {done.returncode} (its line numbers are the page's):\n"
+                f"{done.stderr[-6000:]}")
+    return None
+
+
+@pytest.fixture(scope="module")
+def page_scripts(request, tmp_path_factory):
+    """The selected pages' scripts, started side by side (``SCRIPT_JOBS`` at a time): ``{page: future}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = {item.callspec.params["page"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_page_runs_as_a_script"}
+    pages = sorted(selected, key=lambda page: -len(page_script(page)))  # the longest first
+    with ThreadPoolExecutor(max_workers=SCRIPT_JOBS) as pool:
+        yield {page: pool.submit(run_page_script, page, tmp_path_factory.mktemp("page")) for page in pages}
+
+
+@pytest.mark.timeout(len(SCRIPT_PAGES) * SCRIPT_TIMEOUT_S)
+@pytest.mark.parametrize("page", SCRIPT_PAGES)
+def test_page_runs_as_a_script(page, page_scripts):
+    """The page's Python blocks, concatenated in order, run as one script (``python script.py``) in a scratch
+    folder of their own, sharing nothing with this test process but the environment."""
+    problem = page_scripts[page].result()
+    assert problem is None, problem
 
 
 def test_budgets_name_real_lines():
