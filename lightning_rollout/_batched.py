@@ -17,7 +17,8 @@ sum is an entry of the env's tensordict, one per row (``step_count``, ``episode_
 Anything else is stepped as it is: ``GymEnv(name, num_envs=k)`` (its ``VecGymEnvTransform`` relies
 on the vector env resetting itself), a transform with state or parameters (``CatFrames``,
 ``VecNorm``, ``ObservationNorm``...), a ``SerialEnv`` of batched envs, a gymnasium vector env
-(through TorchRL's ``GymWrapper``, as TorchRL steps one), envpool, VMAS, any other batched env.
+(through TorchRL's ``GymWrapper``, as TorchRL steps one), envpool, VMAS, any other batched env, and one
+whose rebuilt single env's entries are not one row of its own (a heterogeneous stack).
 
 A taken-apart env is closed (its worker processes end): it is never stepped. Nothing here holds a
 thread or a lock.
@@ -107,15 +108,15 @@ def _leaf_layout(spec: Any) -> dict[Any, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(leaf.shape), leaf.dtype) for k, leaf in spec.items(True, True)}
 
 
-def _check_row_specs(env: EnvBase, factory: EnvFactory) -> None:
-    """Refuse a rebuilt single env whose entries (keys, shapes, dtypes) are not one row of the batched env's."""
+def _rows_match(env: EnvBase, factory: EnvFactory) -> bool:
+    """Whether a rebuilt single env's entries (keys, shapes, dtypes) are one row of the batched env's (a
+    heterogeneous stack, whose rows cannot be read alone, is not shown to match)."""
     single = factory()
     try:
-        for part in ("output_spec", "input_spec"):
-            row, mine = _leaf_layout(getattr(env, part)[0]), _leaf_layout(getattr(single, part))
-            if mine != row:
-                raise ValueError(f"{type(env).__name__}: its rebuilt single env's {part} entries {mine} are not one "
-                                 f"row of its own, {row}; pass a factory of one env and num_envs")
+        return all(_leaf_layout(getattr(env, part)[0]) == _leaf_layout(getattr(single, part))
+                   for part in ("output_spec", "input_spec"))
+    except (IndexError, RuntimeError, ValueError):
+        return False
     finally:
         close_quietly([single])
 
@@ -137,9 +138,8 @@ def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
             rebuilt single env whose specs are not one row of ``env``'s.
     """
     try:
-        if takes_apart(env):
-            factories = _singles(env)
-            _check_row_specs(env, factories[0])
+        factories = _singles(env) if takes_apart(env) else None
+        if factories is not None and _rows_match(env, factories[0]):  # else stepped as it is, as Collector does
             _close(env)
             return BatchedEnv(factories, torch.Size(env.batch_size), native=False)
         batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))

@@ -68,15 +68,30 @@ def test_parallel_steps_give_the_same_batches_as_sequential_steps_value_for_valu
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, parallel_steps=False, **kwargs) as sequential:
         reference = [sequential.run_env_steps(40), sequential.run_steps(8), sequential.run_env_steps(40),
                      sequential.run_steps(4)]
+    if mode == "free":  # arrival order, and so each env's share of a flat batch, follow timing: compare each env's
+        ours, reference = [_per_env(ours)], [_per_env(reference)]  # own steps, over the calls, up to the shorter
+        for env in range(4):
+            n = min(len(ours[0][env]), len(reference[0][env]))
+            assert n >= 80
+            ours[0][env], reference[0][env] = ours[0][env][:n], reference[0][env][:n]
+        ours, reference = [torch.cat(ours[0])], [torch.cat(reference[0])]
     assert_batches_equal(ours, reference)
     assert episode["next", "done"][-1].item()
+
+
+def _per_env(batches: list) -> list:
+    """Each env's steps over ``batches`` (``[envs, time]`` or flat), in order."""
+    steps = [b if b.ndim == 1 else b.transpose(0, 1).reshape(-1) for b in batches]  # env-time: time-major
+    merged = torch.cat(steps).exclude(("collector", "traj_ids"))  # new ids go in delivery order
+    env_ids = merged["collector", "env_id"]
+    return [merged[env_ids == env] for env in range(4)]
 
 
 @pytest.mark.parametrize("mode", [True, "free"])
 def test_env_error_in_a_pool_thread_names_the_env_and_keeps_what_was_collected(mode):
     """Lock-step, every env completed the steps before the failed one's: all of them are kept. Free-running, the
     other envs may be behind the failed one: what is kept is each env's first complete, continuous steps."""
-    with MultiEnvLoop(count_envs(4, fail_at={2: 3}), zero_policy, envs_per_thread=4, parallel_steps=mode,
+    with MultiEnvLoop(count_envs(4, fail_at={2: 3}, length=100), zero_policy, envs_per_thread=4, parallel_steps=mode,
                       lookahead=False) as loop:
         with pytest.raises(EnvError, match=r"env 2 failed in step at step 3: RuntimeError: env 2 step 3 broke") as info:
             loop.run_env_steps(20)

@@ -228,8 +228,9 @@ def test_nested_observation_entry_under_a_reserved_key_is_refused():
         ThreadedCollector(functools.partial(NamedEntryEnv, ("reward", "x")), None, frames_per_batch=4, num_workers=1)
 
 
-def test_reserved_observation_entry_is_refused_in_a_worker_process_naming_it():
-    with pytest.raises(EnvError, match="entry 'done' of the observation space collides with TorchRL's done flag"):
+def test_reserved_observation_entry_is_refused_with_worker_processes_naming_it():
+    # the same ValueError as in one process: this process builds the first shard's envs before any child starts
+    with pytest.raises(ValueError, match="entry 'done' of the observation space collides with TorchRL's done flag"):
         ThreadedCollector([functools.partial(NamedEntryEnv, "done")] * 2, None, frames_per_batch=4, num_workers=2,
                           envs_per_thread=1)
 

@@ -50,7 +50,7 @@ if __name__ == "__main__":
     samples = [sample()]
     for cycle in range({cycles}):
         collector = ThreadedCollector(GymMaker("CartPole-v1"), None, frames_per_batch=8, total_frames=16,
-                                      num_envs=2, num_workers=2, envs_per_thread=2, name="soak")
+                                      num_envs=2, num_workers=2, envs_per_thread=1, name="soak")
         frames = sum(batch.numel() for batch in collector)
         collector.shutdown()
         assert frames == 16, frames

@@ -205,6 +205,13 @@ class _Local(Envs):
         close_quietly(self.units)
         return []
 
+    def release(self) -> None:
+        """Drop every view of the slots (closed): shared memory is freed, its file descriptor closed, with its last
+        view, without waiting for the garbage collector."""
+        for unit in self.units:
+            unit.slots = None  # type: ignore[assignment]
+        self.slots = None  # type: ignore[assignment]
+
 
 class SerialEnvs(_Local):
     """Units stepped one after the other in the thread that calls :meth:`recv` (see the module docstring)."""

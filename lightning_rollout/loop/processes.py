@@ -457,4 +457,7 @@ class ProcessEnvs(Envs):
             except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
                 pass
             self.children.pop(0)
+        if local is not None:
+            local.release()
+        self.slots = None  # type: ignore[assignment]
         return stuck
