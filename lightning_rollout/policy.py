@@ -1,18 +1,15 @@
 """The policy: one batched call on numpy rows, versioned weights, and the standalone :class:`AutobatchPolicy`.
 
-* :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict, by
-  TorchRL's own wrapping rule.
-* :class:`PolicyCall` runs it on the rows of some envs (one call, in the calling thread: a loop's stepping
-  thread), each row the envs' root entries, and returns numpy outputs. Its weights carry a version:
-  :meth:`PolicyCall.update` increments it, and :meth:`PolicyCall.pinned` keeps one version for a span (an
-  on-policy batch). With ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
-* :class:`AutobatchPolicy` is the seed's ``AsyncPolicy``: many threads submit requests through
-  :class:`Agent` s, one inference thread answers them with one batched call when
-  ``pending >= min(active, autobatch_size)`` rows are queued or the oldest waited ``max_wait``.
+* :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict (TorchRL's rule).
+* :class:`PolicyCall` runs it on the rows of some envs in the calling thread and returns numpy outputs; its
+  weights carry a version (:meth:`PolicyCall.update` +1, :meth:`PolicyCall.pinned` holds one for a span). With
+  ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
+* :class:`AutobatchPolicy`: many threads submit requests through :class:`Agent` s; one inference thread answers
+  them with one call once ``pending >= min(active, autobatch_size)`` rows are queued or the oldest waited ``max_wait``.
 
-Locks: :class:`PolicyCall` owns ``_weights`` (held by a call or an update) and ``_pin`` (a condition over
-the pins and deferred updates); :class:`AutobatchPolicy` owns ``_lock`` (its queue and agents). No thread
-holding ``_weights`` takes another lock.
+Locks: :class:`PolicyCall` owns ``_weights`` (held by a call or an update) and ``_pin`` (a condition over pins and
+deferred updates); :class:`AutobatchPolicy` owns ``_lock`` (its queue and agents). No thread holding ``_weights``
+takes another lock.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -44,18 +42,15 @@ __all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "P
            "as_policy_module"]
 
 NestedKey = str | tuple[str, ...]
+OutputSpec = dict[NestedKey, tuple[tuple[int, ...], np.dtype]]  # {key: (shape of a row, dtype)}
 _POLL_S = 0.05
 
 
 # -- wrapping ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Wrapped:
-    """A policy made callable on a TensorDict.
-
-    Attributes:
-        module: what is called.
-        weights: whose weights updates and ``state`` move (the object the user gave).
-        batched: the seed's tensor form: always called with a ``[rows]`` batch, even for one env.
+    """A policy made callable on a TensorDict: ``module`` is called; ``weights`` (the object the user gave) is what
+    updates and ``state`` move; ``batched``: a tensor function always called with a ``[rows]`` batch, even for one env.
     """
 
     module: Any
@@ -68,19 +63,18 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
                      policy_timeout: float | None = None, name: str = "loop") -> Wrapped:
     """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
 
-    * A ``TensorDictModuleBase`` (actors, ``TensorDictSequential``, exploration modules), TorchRL's
-      ``RandomPolicy`` and a function of one TensorDict argument (named ``tensordict`` / ``td`` or annotated)
-      are used as they are; spec-less exploration modules and ``RandomPolicy()`` get ``action_spec``.
+    * A ``TensorDictModuleBase``, TorchRL's ``RandomPolicy`` and a function of one TensorDict argument (named
+      ``tensordict`` / ``td`` or annotated) are used as they are; spec-less exploration modules and
+      ``RandomPolicy()`` get ``action_spec``.
     * An ``nn.Module`` or function whose parameter names are keys of ``observation_spec`` is wrapped in a
-      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ``output2``...), by the
-      rule of TorchRL's ``_make_compatible_policy``.
+      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule.
     * Beyond TorchRL: a function of one other argument reads ``single_key`` (the env's only observation).
 
-    Wrapping calls the policy once on a sample of the spec (to count its outputs); with ``policy_timeout``
-    in a helper thread ``lightning_rollout-<name>-wrap``.
+    Wrapping calls the policy once on a spec sample (to count its outputs), with ``policy_timeout`` in a helper
+    thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
-        TypeError: TorchRL cannot wrap it (its message says why). PolicyError: the wrapping call hung.
+        TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
     """
     from torchrl.envs.utils import RandomPolicy
 
@@ -95,10 +89,21 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         return Wrapped(policy, policy)
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-    bounded = lambda fn: call_bounded(fn, policy_timeout, name=f"lightning_rollout-{name}-wrap",  # noqa: E731
-                                      what="while wrapping the policy at construction (one call on a sample of "
-                                           "the observation spec)")
-    return _wrap(policy, observation_spec, action_keys, single_key, bounded)
+    what = "while wrapping the policy at construction (one call on a sample of the observation spec)"
+    return _wrap(policy, observation_spec, action_keys, single_key,
+                 lambda fn: call_bounded(fn, policy_timeout, name=f"lightning_rollout-{name}-wrap", what=what))
+
+
+_INCOMPATIBLE_SIGNATURE = (  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
+    "This error is raised because TorchRL tried to automatically wrap your policy in\n"
+    "a TensorDictModule. If you're confident the policy can directly process environment outputs, set\n"
+    "the `trust_policy` argument to `True` in the constructor.\n\n"
+    "Arguments to policy.forward are incompatible with entries in\n"
+    "env.observation_spec (got incongruent signatures:\nthe function signature is {names} but the specs have keys "
+    "{spec_keys}).\nIf you want TorchRL to automatically wrap your policy with a TensorDictModule\n"
+    "then the arguments to policy.forward must correspond one-to-one with entries\n"
+    "in env.observation_spec.\nFor more complex behavior and more control you can consider writing your\n"
+    "own TensorDictModule.")
 
 
 def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None,
@@ -122,36 +127,26 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     spec_keys = set(observation_spec.keys()) if observation_spec is not None else set()
-    out_keys = list(action_keys)
     device = _module_device(policy)
+    output = None
     if observation_spec is not None and required and required <= spec_keys:
-        in_keys = [n for n in params if n in spec_keys]
+        in_keys, batched = [n for n in params if n in spec_keys], False
         sample = {k: observation_spec[k].rand().to(device) for k in in_keys}
         output = call(lambda: policy(**sample))
-        if isinstance(output, tuple):
-            out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
-        return Wrapped(TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys), policy)
-    if len(required) == 1 and single_key is not None:
+    elif len(required) == 1 and single_key is not None:
+        in_keys, batched = [single_key], True
         if observation_spec is not None and single_key in spec_keys:
             try:
                 output = call(lambda: policy(observation_spec[single_key].rand((1,)).to(device)))
             except _CallTimedOut:
                 raise
             except Exception:  # the real probe, with every error named, comes later
-                output = None
-            if isinstance(output, tuple):
-                out_keys += [f"output{i + 1}" for i in range(len(output) - 1)]
-        return Wrapped(TensorDictModule(policy, in_keys=[single_key], out_keys=out_keys), policy, batched=True)
-    raise TypeError(  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
-        "This error is raised because TorchRL tried to automatically wrap your policy in\n"
-        "a TensorDictModule. If you're confident the policy can directly process environment outputs, set\n"
-        "the `trust_policy` argument to `True` in the constructor.\n\n"
-        "Arguments to policy.forward are incompatible with entries in\n"
-        f"env.observation_spec (got incongruent signatures:\nthe function signature is {names} but the specs have "
-        f"keys {spec_keys}).\nIf you want TorchRL to automatically wrap your policy with a TensorDictModule\n"
-        "then the arguments to policy.forward must correspond one-to-one with entries\n"
-        "in env.observation_spec.\nFor more complex behavior and more control you can consider writing your\n"
-        "own TensorDictModule.")
+                pass
+    else:
+        raise TypeError(_INCOMPATIBLE_SIGNATURE.format(names=names, spec_keys=spec_keys))
+    extra = len(output) - 1 if isinstance(output, tuple) else 0  # outputs beyond the first: output1, output2...
+    out_keys = [*action_keys, *(f"output{i + 1}" for i in range(extra))]
+    return Wrapped(TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys), policy, batched=batched)
 
 
 class BatchedRandomPolicy(TensorDictModuleBase):
@@ -201,23 +196,22 @@ class _CallTimedOut(PolicyError):
 
 
 class _Bounded:
-    """Calls run in one daemon thread ``name`` and waited for at most ``timeout`` seconds each; a call that hangs
-    is abandoned with its thread (a later call starts another thread)."""
+    """Calls run in one daemon thread ``name``, each waited for at most ``timeout`` s; one that hangs is abandoned
+    with its thread (the next call starts another)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.thread: threading.Thread | None = None
-        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event]] = queue.SimpleQueue()
+        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], futures.Future[Any]] | None] = queue.SimpleQueue()
 
     def _serve(self, calls: queue.SimpleQueue[Any]) -> None:
         torch.set_grad_enabled(False)
         while (call := calls.get()) is not None:
-            fn, box, done = call
+            fn, future = call
             try:
-                box["value"] = fn()
+                future.set_result(fn())
             except BaseException as exc:  # re-raised in the caller's thread
-                box["error"] = exc
-            done.set()
+                future.set_exception(exc)
 
     def close(self, timeout: float) -> None:
         """End the thread (within ``timeout`` seconds; a stuck one stays abandoned)."""
@@ -230,26 +224,23 @@ class _Bounded:
         if self.thread is None:
             self.thread = threading.Thread(target=self._serve, args=(self.calls,), name=self.name, daemon=True)
             self.thread.start()
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        self.calls.put((fn, box, done))
-        if not done.wait(timeout):
+        future: futures.Future[Any] = futures.Future()
+        self.calls.put((fn, future))
+        if not futures.wait([future], timeout).done:
             abandon(self.thread)
             self.calls.put(None)  # the stuck thread ends once its call returns
             stuck, self.thread, self.calls = self.thread, None, queue.SimpleQueue()
             raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {stuck.name!r} is "
                                 "stuck inside the policy's call and is abandoned (daemon)")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        return future.result()
 
 
 def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
-    """``fn()``, in this thread when ``timeout`` is ``None``, else in a daemon thread ``name`` waited for at most
-    ``timeout`` seconds (abandoned when it hangs).
+    """``fn()``: in this thread when ``timeout`` is ``None``, else in a daemon thread ``name`` waited for at most
+    ``timeout`` s (abandoned when it hangs).
 
     Raises:
-        PolicyError: the call did not return in time. Exception: whatever ``fn`` raised.
+        PolicyError: it did not return within ``timeout``. Exception: whatever ``fn`` raised.
     """
     if timeout is None:
         return fn()
@@ -264,12 +255,10 @@ def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, wha
 def _direct_module(policy: Any) -> Callable[..., Any] | None:
     """The inner module of a plain ``TensorDictModule`` (positional in_keys, no hooks or key remapping), called on
     the stacked tensors directly (TensorDict dispatch costs more than a small MLP's forward); else ``None``."""
-    if type(policy) is not TensorDictModule or policy._forward_hooks or policy._forward_pre_hooks:
-        return None
-    if policy._kwargs is not None or policy.method is not None or policy.method_kwargs or \
-            getattr(policy, "out_to_in_map", None):
-        return None
-    return policy.module
+    plain = (type(policy) is TensorDictModule and not (policy._forward_hooks or policy._forward_pre_hooks)
+             and policy._kwargs is None and policy.method is None and not policy.method_kwargs
+             and not getattr(policy, "out_to_in_map", None))
+    return policy.module if plain else None
 
 
 def _to_numpy(value: Any, key: NestedKey) -> np.ndarray:
@@ -286,10 +275,8 @@ def _as_key(key: Any) -> NestedKey:
 
 
 def _module_device(policy: Any) -> torch.device:
-    if isinstance(policy, torch.nn.Module):
-        for p in policy.parameters():
-            return p.device
-    return torch.device("cpu")
+    param = next(policy.parameters(), None) if isinstance(policy, torch.nn.Module) else None
+    return torch.device("cpu") if param is None else param.device
 
 
 def _non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -322,7 +309,7 @@ class PolicyCall:
         self.policy_timeout = policy_timeout
         self.name = name
         self._direct = _direct_module(self.policy)
-        self._direct_in = [_as_key(k) for k in self.policy.in_keys] if self._direct is not None else []
+        self._direct_in = self.in_keys if self._direct is not None else []
         self._direct_out = [_as_key(k) for k in self.policy.out_keys] if self._direct is not None else []
         self.input_keys: list[NestedKey] | None = None
         self.output_keys: list[NestedKey] | None = None
@@ -357,39 +344,26 @@ class PolicyCall:
         Raises:
             ValueError: the policy reads keys the env does not provide.
         """
-        declared = self.in_keys
-        if self._direct is not None and declared is not None:
-            missing = [k for k in declared if k not in available]
-            if missing:
-                raise ValueError(f"the policy reads {missing}, which the env does not provide "
-                                 f"(root entries: {list(available)})")
-            self.input_keys = list(declared)
-        else:
-            self.input_keys = list(available)
+        keys = self.in_keys if self._direct is not None else list(available)
+        missing = [k for k in keys if k not in available]
+        if missing:
+            raise ValueError(f"the policy reads {missing}, which the env does not provide (root entries: "
+                             f"{list(available)})")
+        self.input_keys = keys
         self.sub_batch = dict(sub_batch)
         self.env_shape = None if env_shape is None or self._batched else tuple(int(d) for d in env_shape)
         return self.input_keys
 
-    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int) -> dict[NestedKey, tuple[tuple[int, ...],
-                                                                                               np.dtype]]:
+    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int) -> OutputSpec:
         """Call the policy once on ``inputs``; fix and return its outputs: ``{key: (shape of a row, dtype)}``.
 
         Raises:
             PolicyError: it failed, wrote nothing, or did not answer within ``policy_timeout``.
         """
         self.output_keys = None
-        try:
-            outputs = self._bounded(lambda: self._call(inputs, rows, ExplorationType.RANDOM),
-                                    f"while probing the policy with {rows} observation(s) at construction")
-        except _CallTimedOut as error:  # the stuck call keeps running: every later call fails
-            self.failure = error
-            raise
-        except PolicyError:
-            raise
-        except Exception as exc:
-            error = PolicyError(f"{type(exc).__name__}: {exc} (while probing the policy with the envs' first "
-                                "observations)")
-            raise error from exc
+        outputs = self._run(lambda: self._call(inputs, rows, ExplorationType.RANDOM),
+                            f"while probing the policy with {rows} observation(s) at construction",
+                            " (while probing the policy with the envs' first observations)")
         self.output_keys = list(outputs)
         return {k: (tuple(v.shape[1:]), v.dtype) for k, v in outputs.items()}
 
@@ -402,28 +376,29 @@ class PolicyCall:
         """
         if self.failure is not None:
             raise PolicyError(self.failure.reason) from self.failure
+        outputs = self._run(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
+        self.calls += 1
+        self.rows += rows
+        return outputs, self.version
+
+    def _run(self, fn: Callable[[], Any], what: str, context: str = "") -> Any:
+        """``fn()`` holding ``_weights``, bounded by ``policy_timeout``; what it raises as a :class:`PolicyError`
+        (``context`` appended). A call past ``policy_timeout`` keeps running: every later call fails."""
         try:
             if self.policy_timeout is None and self._weights.acquire(blocking=False):  # the usual case: no wait
                 try:
-                    outputs = self._call(inputs, rows, mode)
+                    return fn()
                 finally:
                     self._weights.release()
-            else:
-                outputs = self._bounded(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
+            with self._weights_held("the policy cannot be called"):
+                return fn() if self.policy_timeout is None else self._bounded_calls(fn, self.policy_timeout, what)
         except _CallTimedOut as error:
             self.failure = error
             raise
         except PolicyError:
             raise
         except Exception as exc:
-            raise PolicyError(f"{type(exc).__name__}: {exc}") from exc
-        self.calls += 1
-        self.rows += rows
-        return outputs, self.version
-
-    def _bounded(self, fn: Callable[[], Any], what: str) -> Any:
-        with self._weights_held("the policy cannot be called"):
-            return fn() if self.policy_timeout is None else self._bounded_calls(fn, self.policy_timeout, what)
+            raise PolicyError(f"{type(exc).__name__}: {exc}{context}") from exc
 
     def _call(self, inputs: Mapping[NestedKey, np.ndarray], rows: int, mode: ExplorationType
               ) -> dict[NestedKey, np.ndarray]:
@@ -458,8 +433,6 @@ class PolicyCall:
 
     def _direct_outputs(self, result: Any) -> dict[NestedKey, np.ndarray]:
         out_keys = self._direct_out
-        if type(result) is torch.Tensor and len(out_keys) == 1:
-            return {out_keys[0]: _to_numpy(result, out_keys[0])}
         if isinstance(result, dict):
             missing = [k for k in out_keys if k not in result]
             if missing:
@@ -489,14 +462,13 @@ class PolicyCall:
         if not isinstance(out, TensorDictBase):
             raise PolicyError(f"the policy returned {type(out).__name__}; a TensorDict policy must return "
                               "a TensorDict (wrap a tensor function in a TensorDictModule)")
-        if self.output_keys is None:
+        keys = self.output_keys
+        if keys is None:  # the probe: every leaf added or replaced, and the declared out_keys it holds
             keys = [k for k, v in out.items(True, True) if given.get(k) is not v]
             declared = getattr(self.policy, "out_keys", None) or []
             keys += [k for k in map(_as_key, declared) if k not in keys and k in out.keys(True, True)]
             if not keys:
                 raise PolicyError("the policy wrote nothing (no action)")
-        else:
-            keys = self.output_keys
         outputs = {}
         for k in keys:
             value = out.get(k, None)
@@ -560,15 +532,14 @@ class PolicyCall:
         """Replace the weights; returns the new :attr:`version` (+1 an update).
 
         ``state``: a ``state_dict``, a module of the same architecture, a ``TensorDict`` of weights, the acting
-        policy itself (only the version moves), or for a callable without ``load_state_dict`` any object (kept,
-        returned by :meth:`state`). Non-persistent buffers travel with a module, a TensorDict, or ``buffers_from``
-        for a ``state_dict``. While pinned (:meth:`pinned`) the update waits for the span to end (up to
-        ``timeout`` s); made from the pinning thread, or with ``wait=False``, it is applied when the span ends
-        (the version it will then have is returned).
+        policy itself (only the version moves), or, for a callable without ``load_state_dict``, any object (kept,
+        returned by :meth:`state`). Non-persistent buffers travel with a module, a TensorDict, or ``buffers_from``.
+        While pinned (:meth:`pinned`) it waits up to ``timeout`` s for the span to end; from the pinning thread or
+        with ``wait=False`` it is applied when the span ends (the version it will then have is returned).
 
         Raises:
-            ValueError: the policy rejected ``state`` (the version is unchanged). CollectionError: still pinned
-                after ``timeout``. PolicyError: the policy failed (a call stuck past ``policy_timeout``).
+            ValueError: ``state`` rejected (the version is unchanged). CollectionError: still pinned after
+                ``timeout``. PolicyError: the policy failed (a call stuck past ``policy_timeout``).
         """
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if state is self.policy or state is self.weights:
@@ -578,18 +549,15 @@ class PolicyCall:
         elif (isinstance(buffers_from, torch.nn.Module) and buffers_from is not self.weights
               and isinstance(state, Mapping) and not isinstance(state, TensorDictBase)):
             state = (state, _non_persistent_buffers(buffers_from))
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._pin:
             if self._pinned_by and (threading.get_ident() in self._pinned_by or not wait):
                 self._deferred.append(state)
                 return self.version + len(self._deferred)
             self._waiting += 1
-            try:
-                while self._pinned_by:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise CollectionError(f"policy update not applied within {timeout} s: an on-policy "
-                                              "collection call held the weights")
-                    self._pin.wait(_POLL_S)
+            try:  # the last pin to end notifies
+                if not self._pin.wait_for(lambda: not self._pinned_by, timeout):
+                    raise CollectionError(f"policy update not applied within {timeout} s: an on-policy "
+                                          "collection call held the weights")
                 self._apply(state)
             finally:
                 self._waiting -= 1
@@ -668,13 +636,15 @@ class _Request:
         self.error: BaseException | None = None
         self.done = threading.Event()
 
+    def finish(self, answer: PolicyAnswer | None = None, error: BaseException | None = None) -> None:
+        """Hand the waiting thread its ``answer`` or ``error``."""
+        self.answer, self.error = answer, error
+        self.done.set()
+
 
 class Agent:
     """One client of an :class:`AutobatchPolicy`, owned by one thread; ``with policy.register() as agent`` closes it.
-
-    Attributes:
-        rows: observations a request carries. env_ids: the envs it speaks for (in error messages).
-    """
+    ``rows``: observations a request carries; ``env_ids``: the envs it speaks for (in error messages)."""
 
     def __init__(self, server: AutobatchPolicy, rows: int, env_ids: tuple[int, ...]) -> None:
         self.server, self.rows, self.env_ids = server, rows, env_ids
@@ -746,8 +716,13 @@ class Agent:
         return self.result(stop)
 
 
+def _read_from_call(name: str, doc: str) -> property:
+    """A read-only property returning ``self.call.<name>``."""
+    return property(lambda self: getattr(self.call, name), doc=doc)
+
+
 class AutobatchPolicy:
-    """Answer observations from many threads with one batched call (the seed's ``AsyncPolicy``).
+    """Answer observations from many threads with one batched call.
 
     A flush takes the oldest queued requests, up to ``autobatch_size`` rows (whole requests, at least one), as
     soon as ``pending_rows >= min(active_rows, autobatch_size)`` (re-checked whenever an agent parks or leaves)
@@ -794,36 +769,13 @@ class AutobatchPolicy:
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
 
-    # -- what the loops and users read ------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        """Version of the current weights: 0 at start, +1 an update."""
-        return self.call.version
-
-    @property
-    def weights(self) -> Any:
-        """The object whose weights :meth:`update` and :meth:`state` move."""
-        return self.call.weights
-
-    @property
-    def policy(self) -> Any:
-        """The policy as it is called (on TensorDicts)."""
-        return self.call.policy
-
-    @property
-    def mean_batch_size(self) -> float:
-        """Mean rows per call since creation (0.0 before the first)."""
-        return self.call.mean_batch_size
-
-    @property
-    def num_flushes(self) -> int:
-        """Calls made since creation."""
-        return self.call.calls
-
-    @property
-    def num_rows(self) -> int:
-        """Rows answered since creation."""
-        return self.call.rows
+    # -- what the loops and users read (read-only, from the PolicyCall) ------------------------------------
+    version = _read_from_call("version", "Version of the current weights: 0 at start, +1 an update.")
+    weights = _read_from_call("weights", "The object whose weights :meth:`update` and :meth:`state` move.")
+    policy = _read_from_call("policy", "The policy as it is called (on TensorDicts).")
+    mean_batch_size = _read_from_call("mean_batch_size", "Mean rows per call since creation (0.0 before the first).")
+    num_flushes = _read_from_call("calls", "Calls made since creation.")
+    num_rows = _read_from_call("rows", "Rows answered since creation.")
 
     @property
     def pending_updates(self) -> int:
@@ -831,12 +783,10 @@ class AutobatchPolicy:
         return len(self._updates) + self.call.pending_updates
 
     def updates_held(self) -> contextlib.AbstractContextManager[None]:
-        """Pin the weights for a ``with`` block: every answer meanwhile has one version (see
-        :meth:`PolicyCall.pinned`)."""
+        """Pin the weights for a ``with`` block: every answer meanwhile has one version (:meth:`PolicyCall.pinned`)."""
         return self.call.pinned()
 
-    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> dict[NestedKey, tuple[tuple[int, ...],
-                                                                                                np.dtype]]:
+    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
         """Call the policy once on ``obs`` and fix the outputs every answer carries (see :meth:`PolicyCall.probe`)."""
         return self.call.probe(obs, rows)
 
@@ -909,8 +859,7 @@ class AutobatchPolicy:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
             if self.failure is not None:  # answered at once with the inference thread's error
-                request.error = PolicyError(self.failure.reason, env_ids=request.agent.env_ids)
-                request.done.set()
+                request.finish(error=PolicyError(self.failure.reason, env_ids=request.agent.env_ids))
                 return
             alone = (self.flush_in_caller and not self._pending and not self._updates
                      and (request.rows >= self._threshold() or self.max_wait == 0))
@@ -947,40 +896,33 @@ class AutobatchPolicy:
                 pending, self._pending = self._pending, []
                 updates, self._updates = self._updates, []
             for request in pending:
-                request.error = PolicyError(error.reason, env_ids=request.agent.env_ids)
-                request.done.set()
+                request.finish(error=PolicyError(error.reason, env_ids=request.agent.env_ids))
             for _, marker in updates:
-                marker.error = error
-                marker.done.set()
+                marker.finish(error=error)
+
+    def _due(self) -> bool:
+        """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
+        waited = time.perf_counter() - self._pending[0].t0
+        rows = sum(r.rows for r in self._pending)
+        return rows >= self._threshold() or (self.max_wait is not None and waited >= self.max_wait)
 
     def _flushes(self) -> None:
         torch.set_num_threads(self._torch_threads)
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                while True:
-                    if self.closed:
-                        return
-                    pending = sum(r.rows for r in self._pending)
-                    oldest = self._pending[0].t0 if self._pending else None
-                    if self._updates and not self._pending:
-                        update, batch = self._updates.pop(0), None
-                        break
-                    if self._pending and (pending >= self._threshold() or self._updates or (
-                            self.max_wait is not None and time.perf_counter() - oldest >= self.max_wait)):
-                        update, batch = None, self._take()
-                        break
+                while not (self.closed or self._updates or (self._pending and self._due())):
                     timeout = _POLL_S
-                    if self.max_wait is not None and oldest is not None:
-                        timeout = max(0.0, oldest + self.max_wait - time.perf_counter())
+                    if self.max_wait is not None and self._pending:
+                        timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
                     self._wake.wait(timeout)
-            if batch is not None:
-                by_mode: dict[ExplorationType, list[_Request]] = {}
-                for request in batch:
-                    by_mode.setdefault(request.mode, []).append(request)
-                for group in by_mode.values():
-                    self._answer(group)
-            elif update is not None:
+                if self.closed:
+                    return
+                batch = self._take() if self._pending else []  # requests queued before an update go first
+                update = None if batch else self._updates.pop(0)
+            for mode in dict.fromkeys(r.mode for r in batch):  # deterministic and random requests never share a call
+                self._answer([r for r in batch if r.mode == mode])
+            if update is not None:
                 (state, buffers_from), marker = update
                 try:  # never waits here: a pinned span applies it when it ends
                     self.call.update(state, buffers_from=buffers_from, wait=False)
@@ -999,15 +941,14 @@ class AutobatchPolicy:
         except PolicyError as exc:
             env_ids = tuple(i for r in batch for i in r.agent.env_ids)
             for request in batch:
-                request.error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
-                request.error.__cause__ = exc.__cause__
-                request.done.set()
+                error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
+                error.__cause__ = exc.__cause__
+                request.finish(error=error)
             return
         start = 0
         for request in batch:
-            request.answer = PolicyAnswer(outputs, start, start + request.rows, version)
+            request.finish(PolicyAnswer(outputs, start, start + request.rows, version))
             start += request.rows
-            request.done.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the inference thread, fail queued requests, join within ``timeout`` s (a stuck one is abandoned).
@@ -1025,8 +966,7 @@ class AutobatchPolicy:
             pending, self._pending = self._pending, []
             self._wake.notify_all()
         for request in pending:
-            request.error = CollectionError("the AutobatchPolicy was closed")
-            request.done.set()
+            request.finish(error=CollectionError("the AutobatchPolicy was closed"))
         self.call.close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
