@@ -32,11 +32,14 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
-from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.data import Composite
+from torchrl.envs.utils import ExplorationType, RandomPolicy, set_exploration_type
+from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
 
 from ._checks import check_device, check_seconds
 from ._exit import abandon, close_at_exit
 from .errors import CollectionError, PolicyError
+from .specs import random_sample
 
 __all__ = ["Agent", "AutobatchPolicy", "BatchedRandomPolicy", "PolicyAnswer", "PolicyCall", "Wrapped",
            "as_policy_module"]
@@ -50,8 +53,7 @@ _POLL_S = 0.05
 @dataclass(frozen=True)
 class Wrapped:
     """A policy made callable on a TensorDict: ``module`` is called; ``weights`` (the object the user gave) is what
-    updates and ``state`` move; ``batched``: a tensor function always called with a ``[rows]`` batch, even for one env.
-    """
+    updates and ``state`` move; ``batched``: a tensor function called with a ``[rows]`` batch even for one env."""
 
     module: Any
     weights: Any
@@ -76,14 +78,10 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
     Raises:
         TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
     """
-    from torchrl.envs.utils import RandomPolicy
-
     if isinstance(policy, RandomPolicy):
         return Wrapped(BatchedRandomPolicy.for_env(policy, action_spec), policy)
     if isinstance(policy, TensorDictModuleBase):
         if action_spec is not None and isinstance(policy, torch.nn.Module):
-            from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
-
             spec = action_spec[action_keys[0]] if len(action_keys) == 1 else action_spec
             set_exploration_modules_spec_from_env(policy, SimpleNamespace(action_spec=spec, action_spec_unbatched=spec))
         return Wrapped(policy, policy)
@@ -160,8 +158,6 @@ class BatchedRandomPolicy(TensorDictModuleBase):
 
     def __init__(self, action_spec: Any, *, action_key: NestedKey = "action") -> None:
         super().__init__()
-        from torchrl.data import Composite
-
         spec = action_spec if isinstance(action_spec, Composite) else Composite({action_key: action_spec})
         while tuple(spec.shape):
             spec = spec[0]
@@ -172,8 +168,6 @@ class BatchedRandomPolicy(TensorDictModuleBase):
     @classmethod
     def for_env(cls, policy: Any, env_action_spec: Any) -> BatchedRandomPolicy:
         """From TorchRL's ``RandomPolicy``: its spec reduced to one env's, or the env's own when it has none."""
-        from torchrl.data import Composite
-
         spec = policy.action_spec if policy.action_spec is not None else env_action_spec
         if spec is None:
             raise TypeError("RandomPolicy() has no action_spec and no env spec was given to fill it")
@@ -186,8 +180,6 @@ class BatchedRandomPolicy(TensorDictModuleBase):
         return cls(spec, action_key=policy.action_key)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        from .specs import random_sample
-
         return tensordict.update(random_sample(self.action_spec, tensordict.batch_size))
 
 
