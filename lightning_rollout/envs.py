@@ -109,10 +109,8 @@ class CheckFailed(Explained):
 
 def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec], rows: int | None = None
                   ) -> str | None:
-    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
-
-    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked.
-    """
+    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``;
+    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
         v = values.get(k)
         if v is None:
@@ -228,11 +226,8 @@ def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey
 
 
 def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
-    """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples.
-
-    Raises:
-        ValueError: ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings.
-    """
+    """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples; ``ValueError``
+    if ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings."""
     if info_keys is None:
         return []
     if isinstance(info_keys, str):
@@ -321,11 +316,9 @@ class GymUnit(Unit):
         self._n = int(space.n) if isinstance(space, gym.spaces.Discrete) else 0
         self._start = int(getattr(space, "start", 0)) if self._n else 0
         self._nvec = np.asarray(space.nvec) if isinstance(space, gym.spaces.MultiDiscrete) else None
-        self._box: tuple[float, float] | None = None  # (low, high) when every dim shares its bounds
-        if isinstance(space, gym.spaces.Box) and space.shape:
-            low, high = np.unique(space.low), np.unique(space.high)
-            if low.size == 1 and high.size == 1:
-                self._box = (float(low[0]), float(high[0]))
+        low, high = (np.unique(space.low), np.unique(space.high)) if isinstance(space, gym.spaces.Box) else ((), ())
+        # (low, high) of a Box whose dims all share their bounds
+        self._box = (float(low[0]), float(high[0])) if space.shape and len(low) == len(high) == 1 else None
 
     def _info_specs(self, env: gym.Env, info_keys: InfoKeys | None) -> dict[NestedKey, TensorSpec]:
         keys = info_key_list(info_keys)
@@ -340,14 +333,12 @@ class GymUnit(Unit):
             fix = "store it in info under another name (e.g. with a gymnasium Wrapper)"
             if problem := reserved_key_problem([k], _GYM_RESERVED, where="info_keys", fix=fix):
                 raise ValueError(problem)
-            spec = given.get(k)
-            if spec is None:
+            if (spec := given.get(k)) is None:
                 if given:
                     raise ValueError(f"info_keys as a dict maps every key to a TorchRL spec; {k!r} has None")
                 if first is None:
                     _, first = env.reset()
-                value = _info_value(first, k)
-                if value is _MISSING:
+                if (value := _info_value(first, k)) is _MISSING:
                     raise ValueError(f"info key {k!r} is not in the info of the env's first reset (it has "
                                      f"{sorted(first)}); pass info_keys={{{k!r}: spec}} to give its spec, "
                                      "e.g. Unbounded((), dtype=torch.bool) for an 'is_success' set at the end")
@@ -501,16 +492,16 @@ def _torchrl_keys(env: EnvBase) -> EnvKeys:
 
 
 class TorchRLUnit(Unit):
-    """TorchRL envs (unbatched, or batched: ``rows`` is the sum of their batch sizes, row-major over each
-    env's batch dims), each stepped with ``env.step_and_maybe_reset``, as TorchRL's ``Collector`` steps it.
+    """TorchRL envs (unbatched, or batched: ``rows`` is the sum of their batch sizes, row-major over each env's batch
+    dims), each stepped with ``env.step_and_maybe_reset``, as TorchRL's ``Collector`` steps it.
 
     ``max_episode_steps`` appends TorchRL's ``StepCounter(max_episode_steps)``, as ``Collector`` does for
-    ``max_frames_per_traj``. A batched env resets the rows a step ended with TorchRL's partial reset; it is
-    seeded as a whole (``env.set_seed``) with its first row's seed.
+    ``max_frames_per_traj``. A batched env resets the rows a step ended with TorchRL's partial reset; it is seeded as
+    a whole (``env.set_seed``) with its first row's seed.
 
     Raises:
-        ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose
-            specs differ, or a ``step_count`` entry that the cap would clash with.
+        ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose specs
+            differ, or a ``step_count`` entry that the cap would clash with.
     """
 
     loop_keys = False
@@ -550,8 +541,7 @@ class TorchRLUnit(Unit):
         td = TensorDict({k: torch.from_numpy(np.asarray(v)).reshape((*lead, *v.shape[1:])) for k, v in values.items()},
                         batch_size=self.batch)
         for prefix, dims in self.keys.sub_batch.items():
-            sub = td.get(prefix, None)
-            if sub is not None:
+            if (sub := td.get(prefix, None)) is not None:
                 sub.batch_size = torch.Size([*lead, *dims])
         return td
 
@@ -694,11 +684,8 @@ class GymMaker:
 
 
 def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory:
-    """Turn a gymnasium id or a factory into a factory.
-
-    Raises:
-        ValueError: ``env`` is neither a registered gymnasium id nor callable.
-    """
+    """Turn a gymnasium id or a factory into a factory; ``ValueError`` if ``env`` is neither a registered id nor
+    callable."""
     if isinstance(env, str):
         if env not in gym.registry:
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
@@ -722,13 +709,11 @@ def close_quietly(envs: Sequence[Any]) -> None:
 
 def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, validate: bool = True,
               info_keys: InfoKeys | None = None) -> Unit:
-    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env
-    goes through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env. The envs are closed
-    when refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name
-    entries of its observation spec.
-
-    Raises:
-        ValueError: an env of another kind, or one whose spaces or specs cannot be stored in columns.
+    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env goes
+    through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env; the envs are closed when
+    refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name entries
+    of its observation spec. Raises ``ValueError``: an env of another kind, or one whose spaces or specs cannot be
+    stored in columns.
     """
     envs = list(envs)
     try:

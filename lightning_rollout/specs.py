@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDictBase
-from torchrl.data import Composite, TensorSpec
+from torchrl.data import Bounded, Composite, TensorSpec
 
 __all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "key_parts",
            "next_key", "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
@@ -109,14 +109,9 @@ class EnvKeys:
 
 
 def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *, where: str, fix: str) -> str | None:
-    """The message refusing the first of ``keys`` whose top-level name is in ``reserved``, or ``None``.
-
-    Args:
-        keys: entry keys (nested keys as tuples).
-        reserved: root name -> what it holds (:data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`).
-        where: what the keys are ("observation space"), for the message.
-        fix: what to do, for the message.
-    """
+    """The message refusing the first of ``keys`` (nested ones as tuples) whose top-level name is in ``reserved``
+    (root name -> what it holds: :data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`), or ``None``. ``where``: what
+    the keys are ("observation space"), ``fix``: what to do, both for the message."""
     for key in keys:
         root = key[0] if isinstance(key, tuple) else key
         if root in reserved:
@@ -136,21 +131,18 @@ def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
     ``spec``: a leaf or a ``Composite`` without batch dims beyond its leaves'; ``shape``: leading batch dims.
     """
     sample = spec.rand(shape)
-    if isinstance(spec, Composite):
-        for key, leaf in spec.items(True, True):
-            finite = _finite_sample(leaf, tuple(shape), sample.get(key))
-            if finite is not None:
-                sample.set(key, finite)
-        return sample
-    finite = _finite_sample(spec, tuple(shape), sample)
-    return sample if finite is None else finite
+    if not isinstance(spec, Composite):
+        finite = _finite_sample(spec, tuple(shape), sample)
+        return sample if finite is None else finite
+    for key, leaf in spec.items(True, True):
+        if (finite := _finite_sample(leaf, tuple(shape), sample.get(key))) is not None:
+            sample.set(key, finite)
+    return sample
 
 
 def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
     """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn``, TorchRL's
     uniform sample, kept in the dims bounded on both sides), else ``None``."""
-    from torchrl.data import Bounded
-
     if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
         return None
     low, high = leaf.space.low, leaf.space.high
@@ -202,19 +194,15 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
 
 def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Shapes of the nested composites of ``spec`` (their batch dims inside one env)."""
-    out: dict[tuple[str, ...], tuple[int, ...]] = {}
-    for key, sub in spec.items(True, False):
-        if isinstance(sub, Composite) and tuple(sub.shape):
-            out[key_parts(key)] = tuple(int(d) for d in sub.shape)
-    return out
+    return {key_parts(key): tuple(int(d) for d in sub.shape) for key, sub in spec.items(True, False)
+            if isinstance(sub, Composite) and tuple(sub.shape)}
 
 
 def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
     """``{key: numpy view}`` of ``keys`` in a CPU tensordict (missing keys are skipped)."""
     out = {}
     for k in keys:
-        value = td.get(k, None)
-        if value is not None:
+        if (value := td.get(k, None)) is not None:
             out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
                 else value.numpy()
     return out
