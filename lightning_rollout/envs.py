@@ -1,20 +1,18 @@
 """Env units: the one step API over gymnasium envs, TorchRL envs and envpool, described by TorchRL specs.
 
-A *unit* steps ``rows`` envs in one call and autoresets the ones a step ended (TorchRL's
-``step_and_maybe_reset``), writing into a :class:`Slots` view of its executor's arrays:
+A *unit* steps ``rows`` envs in one call and autoresets the ones a step ended (TorchRL's ``step_and_maybe_reset``),
+writing into a :class:`Slots` view of its executor's arrays:
 
-* :class:`GymUnit`: gymnasium envs, each ``env.step`` in turn. Their specs are TorchRL's
-  conversion of each leaf space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``, ``"1"``...);
-  the loop adds what ``InitTracker``, ``StepCounter`` and ``RewardSum`` would (``loop_keys``).
-  ``info_keys`` reads entries of ``info`` as observations.
-* :class:`TorchRLUnit`: TorchRL envs, unbatched or batched (a ``SerialEnv``, VMAS, a gymnasium vector
-  env through TorchRL's ``GymWrapper``), each stepped with ``env.step_and_maybe_reset`` as TorchRL's
-  ``Collector`` steps it.
+* :class:`GymUnit`: gymnasium envs, each ``env.step`` in turn; their specs are TorchRL's conversion of each leaf
+  space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``, ``"1"``...); the loop adds what ``InitTracker``,
+  ``StepCounter`` and ``RewardSum`` would (``loop_keys``); ``info_keys`` reads entries of ``info`` as observations.
+* :class:`TorchRLUnit`: TorchRL envs, unbatched or batched (a ``SerialEnv``, VMAS, a gymnasium vector env through
+  TorchRL's ``GymWrapper``), each stepped with ``env.step_and_maybe_reset`` as TorchRL's ``Collector`` steps it.
 * :class:`EnvpoolUnit`: an envpool env, its batch in one call, done envs reset by id.
 
 A unit is owned by one thread (the loop's, a pool thread's, or a worker process's). Errors come out as
-:class:`EnvFailure`, naming the row and the phase. Building a unit reads the env's spaces or specs, so a
-bad env fails at the boundary with a ``ValueError``.
+:class:`EnvFailure`, naming the row and the phase. Building a unit reads the env's spaces or specs, so a bad env
+fails at the boundary with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -29,6 +27,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import Composite, TensorSpec, Unbounded
 from torchrl.envs import EnvBase
+from torchrl.envs.libs.gym import GymWrapper
+from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform as _gym_spec
 
 from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, columns_of, key_parts, leaves,
                     reserved_key_problem)
@@ -46,6 +46,7 @@ _RETURN = ArraySpec((1,), np.dtype(np.float32))
 _GYM_RESERVED = {**TORCHRL_ROOT_KEYS, **LOOP_ROOT_KEYS}
 _SUPPORTED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 _MISSING = object()
+_LOOP_OBS = {"is_init": torch.bool, "step_count": torch.int64, "episode_reward": torch.float32}  # the loop writes
 
 
 class ActionError(ValueError):
@@ -88,9 +89,8 @@ class EnvFailure(Exception):
 
     def shifted(self, offset: int, process: int | None = None) -> EnvFailure:
         """This failure, for the same env seen ``offset`` rows further in a larger executor."""
-        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause, self.process)
-        if process is not None:
-            failure.process = process
+        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause,
+                             self.process if process is None else process)
         failure.completed, failure.lost = self.completed + offset, self.lost + offset
         return failure
 
@@ -109,10 +109,8 @@ class CheckFailed(Explained):
 
 def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec], rows: int | None = None
                   ) -> str | None:
-    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
-
-    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked.
-    """
+    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``;
+    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
         v = values.get(k)
         if v is None:
@@ -133,8 +131,7 @@ def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, Arr
 
 def _checked(row: int, values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec],
              rows: int | None = None) -> None:
-    problem = check_entries(values, specs, rows)
-    if problem is not None:
+    if (problem := check_entries(values, specs, rows)) is not None:
         raise EnvFailure(row, "check", "env", CheckFailed(problem))
 
 
@@ -161,9 +158,8 @@ class Slots:
 
     def rows(self, a: int, b: int) -> Slots:
         """Rows ``a`` to ``b - 1`` (views)."""
-        return Slots({k: v[a:b] for k, v in self.inputs.items()}, {k: v[a:b] for k, v in self.next.items()},
-                     {k: v[a:b] for k, v in self.root.items()}, self.reward[a:b], self.terminated[a:b],
-                     self.truncated[a:b], self.reset[a:b])
+        inputs, nxt, root = ({k: v[a:b] for k, v in d.items()} for d in (self.inputs, self.next, self.root))
+        return Slots(inputs, nxt, root, self.reward[a:b], self.terminated[a:b], self.truncated[a:b], self.reset[a:b])
 
     @classmethod
     def allocate(cls, rows: int, *, inputs: Mapping[NestedKey, ArraySpec], next: Mapping[NestedKey, ArraySpec],
@@ -185,8 +181,7 @@ class Unit:
         observation_spec, action_spec: one env's TorchRL composites (for wrapping a policy, random actions).
         loop_keys: the loop writes ``is_init``, ``step_count``, ``episode_reward`` and the done flags.
         partial: a step may take some of the rows only.
-        writes: the entries a step writes into ``Slots.next``; ``reads``: those it reads from ``Slots.inputs``
-            (``None``: every root entry and action).
+        writes: the entries a step writes into ``Slots.next``.
     """
 
     rows: int
@@ -220,12 +215,9 @@ class Unit:
 
 # -- gymnasium --------------------------------------------------------------------------------------
 def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey, gym.Space]) -> None:
-    if isinstance(space, gym.spaces.Dict):
-        for k, s in space.spaces.items():
+    if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        for k, s in (space.spaces.items() if isinstance(space, gym.spaces.Dict) else enumerate(space.spaces)):
             _space_leaves(s, (*prefix, str(k)), out)
-    elif isinstance(space, gym.spaces.Tuple):
-        for i, s in enumerate(space.spaces):
-            _space_leaves(s, (*prefix, str(i)), out)
     elif isinstance(space, _SUPPORTED):
         out[prefix[0] if len(prefix) == 1 else prefix] = space
     else:
@@ -233,18 +225,9 @@ def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey
                          "MultiDiscrete, or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
 
 
-def _gym_spec(space: gym.Space, *, categorical: bool) -> Any:
-    from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform
-
-    return _gym_to_torchrl_spec_transform(space, categorical_action_encoding=categorical)
-
-
 def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
-    """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples.
-
-    Raises:
-        ValueError: ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings.
-    """
+    """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples; ``ValueError``
+    if ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings."""
     if info_keys is None:
         return []
     if isinstance(info_keys, str):
@@ -272,28 +255,24 @@ def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
 def _leaf_values(value: Any, path: tuple[str, ...], out: dict[NestedKey, Any], keys: set[tuple[str, ...]]) -> None:
     if path in keys:
         out[path[0] if len(path) == 1 else path] = value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            _leaf_values(v, (*path, str(k)), out, keys)
     else:
-        for i, v in enumerate(value):
-            _leaf_values(v, (*path, str(i)), out, keys)
+        for k, v in (value.items() if isinstance(value, Mapping) else enumerate(value)):
+            _leaf_values(v, (*path, str(k)), out, keys)
 
 
 class GymUnit(Unit):
-    """Gymnasium envs, stepped one after the other (``rows = len(envs)``).
+    """Gymnasium envs, stepped one after the other (``rows = len(envs)``); all share the first's spaces.
 
-    Actions are taken as an index or one-hot for discrete spaces, as the policy gives them, and checked
-    against the action space (:class:`ActionError`). ``info_keys`` reads entries of the ``info`` dict as
-    observation entries, at the root (from ``reset``) and under ``"next"`` (from ``step``): their specs
-    given (``{key: TorchRL spec}``) or inferred from one reset's ``info`` as TorchRL's
-    ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is stored as zeros.
-    ``max_episode_steps`` truncates an episode at that length. Every env must share the first's spaces.
+    Actions are taken as an index or one-hot for discrete spaces, as the policy gives them, and checked against the
+    action space (:class:`ActionError`). ``info_keys`` reads ``info`` entries as observation entries, at the root
+    (from ``reset``) and under ``"next"`` (from ``step``): specs given (``{key: TorchRL spec}``) or inferred from one
+    reset's ``info`` as TorchRL's ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is
+    stored as zeros. ``max_episode_steps`` truncates an episode at that length.
 
     Raises:
-        ValueError: an unsupported space; an observation or info entry named after a root key of TorchRL's or
-            the loop's (``action``, ``reward``, ``done``, ``is_init``, ``collector``...); an info key that clashes
-            with an observation, is missing from the first reset's ``info`` without a spec, or is not numeric.
+        ValueError: an unsupported space; an observation or info entry named after a root key of TorchRL's or the
+            loop's (``action``, ``reward``, ``done``, ``is_init``, ``collector``...); an info key that clashes with an
+            observation, is missing from the first reset's ``info`` without a spec, or is not numeric.
     """
 
     loop_keys = True
@@ -302,9 +281,7 @@ class GymUnit(Unit):
                  max_episode_steps: int | None = None) -> None:
         self.envs = list(envs)
         env = self.envs[0]
-        self.rows = len(self.envs)
-        self.validate = validate
-        self.cap = max_episode_steps
+        self.rows, self.validate, self.cap = len(self.envs), validate, max_episode_steps
         self.count = np.zeros(self.rows, dtype=np.int64)
         spaces: dict[NestedKey, gym.Space] = {}
         obs_space = env.observation_space
@@ -313,41 +290,35 @@ class GymUnit(Unit):
         _space_leaves(obs_space, self._obs_root, spaces)
         if not spaces:
             raise ValueError(f"the observation space {obs_space!r} has no entries")
-        problem = reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
-                                       fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)")
-        if problem is not None:
+        if problem := reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
+                                           fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)"):
             raise ValueError(problem)
         self._obs_paths = {key_parts(k) for k in spaces}
-        self.observation_spec = Composite({k: _gym_spec(s, categorical=True) for k, s in spaces.items()})
-        for key, dtype in (("is_init", torch.bool), ("step_count", torch.int64), ("episode_reward", torch.float32)):
-            self.observation_spec[key] = Unbounded((1,), dtype=dtype)
+        specs = {k: _gym_spec(s, categorical_action_encoding=True) for k, s in spaces.items()}
+        self.observation_spec = Composite({**specs, **{k: Unbounded((1,), dtype=d) for k, d in _LOOP_OBS.items()}})
         self._info = self._info_specs(env, info_keys)
         for k, spec in self._info.items():
             self.observation_spec[k] = spec
-        self.action_space = env.action_space
-        if not isinstance(self.action_space, _SUPPORTED):
-            raise ValueError(f"unsupported action space {self.action_space!r}: use Box, Discrete, MultiBinary or "
+        space = self.action_space = env.action_space
+        if not isinstance(space, _SUPPORTED):
+            raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or "
                              "MultiDiscrete")
-        self.action_spec = Composite(action=_gym_spec(self.action_space, categorical=False))
+        self.action_spec = Composite(action=_gym_spec(space, categorical_action_encoding=False))
         self.keys = EnvKeys(observation=columns_of(self.observation_spec, where="observation space"), state={},
                             reward={"reward": _RETURN}, done={"done": _FLAG, "terminated": _FLAG, "truncated": _FLAG},
                             action=columns_of(self.action_spec, where="action space"))
         for i, other in enumerate(self.envs[1:], 1):
-            if other.observation_space != obs_space or other.action_space != self.action_space:
+            if other.observation_space != obs_space or other.action_space != space:
                 raise ValueError(f"env {i} has spaces {other.observation_space}, {other.action_space}; env 0 has "
-                                 f"{obs_space}, {self.action_space}: all envs of a loop must share their spaces")
-        self._checked = {k: v for k, v in self.keys.observation.items() if k not in ("is_init", "step_count",
-                                                                                      "episode_reward")}
+                                 f"{obs_space}, {space}: all envs of a loop must share their spaces")
+        self._checked = {k: v for k, v in self.keys.observation.items() if k not in _LOOP_OBS}
         self._plain = not self._dict_obs and not self._info
-        space = self.action_space
         self._n = int(space.n) if isinstance(space, gym.spaces.Discrete) else 0
         self._start = int(getattr(space, "start", 0)) if self._n else 0
         self._nvec = np.asarray(space.nvec) if isinstance(space, gym.spaces.MultiDiscrete) else None
-        self._box: tuple[float, float] | None = None  # (low, high) when every dim shares its bounds
-        if isinstance(space, gym.spaces.Box) and space.shape:
-            low, high = np.unique(space.low), np.unique(space.high)
-            if low.size == 1 and high.size == 1:
-                self._box = (float(low[0]), float(high[0]))
+        low, high = (np.unique(space.low), np.unique(space.high)) if isinstance(space, gym.spaces.Box) else ((), ())
+        # (low, high) of a Box whose dims all share their bounds
+        self._box = (float(low[0]), float(high[0])) if space.shape and len(low) == len(high) == 1 else None
 
     def _info_specs(self, env: gym.Env, info_keys: InfoKeys | None) -> dict[NestedKey, TensorSpec]:
         keys = info_key_list(info_keys)
@@ -359,18 +330,15 @@ class GymUnit(Unit):
             if k in taken or (isinstance(k, tuple) and k[0] in self.observation_spec.keys()):
                 raise ValueError(f"info key {k!r} clashes with an observation entry of the env (or the loop's "
                                  "is_init / step_count / episode_reward)")
-            problem = reserved_key_problem([k], _GYM_RESERVED, where="info_keys",
-                                           fix="store it in info under another name (e.g. with a gymnasium Wrapper)")
-            if problem is not None:
+            fix = "store it in info under another name (e.g. with a gymnasium Wrapper)"
+            if problem := reserved_key_problem([k], _GYM_RESERVED, where="info_keys", fix=fix):
                 raise ValueError(problem)
-            spec = given.get(k)
-            if spec is None:
+            if (spec := given.get(k)) is None:
                 if given:
                     raise ValueError(f"info_keys as a dict maps every key to a TorchRL spec; {k!r} has None")
                 if first is None:
                     _, first = env.reset()
-                value = _info_value(first, k)
-                if value is _MISSING:
+                if (value := _info_value(first, k)) is _MISSING:
                     raise ValueError(f"info key {k!r} is not in the info of the env's first reset (it has "
                                      f"{sorted(first)}); pass info_keys={{{k!r}: spec}} to give its spec, "
                                      "e.g. Unbounded((), dtype=torch.bool) for an 'is_success' set at the end")
@@ -386,7 +354,7 @@ class GymUnit(Unit):
             out[k] = spec
         return out
 
-    def _write(self, out: dict[NestedKey, np.ndarray], i: int, obs: Any, info: Mapping[str, Any], phase: str) -> None:
+    def _write(self, out: dict[NestedKey, np.ndarray], i: int, obs: Any, info: Mapping[str, Any]) -> None:
         """Env ``i``'s observation (and info entries) into row ``i`` of ``out``, checked when validating."""
         if self._plain:
             if self.validate and not (type(obs) is np.ndarray and obs.shape == out["observation"].shape[1:]
@@ -394,11 +362,9 @@ class GymUnit(Unit):
                 _checked(i, {"observation": np.asarray(obs)}, self._checked)
             out["observation"][i] = obs
             return
-        values: dict[NestedKey, Any] = {}
+        values: dict[NestedKey, Any] = {} if self._dict_obs else {"observation": obs}
         if self._dict_obs:
             _leaf_values(obs, self._obs_root, values, self._obs_paths)
-        else:
-            values["observation"] = obs
         values = {k: np.asarray(v) for k, v in values.items()}
         for k, spec in self._info.items():
             value = _info_value(info, k)
@@ -413,7 +379,7 @@ class GymUnit(Unit):
         for i, seed in zip(rows, seeds):
             try:
                 obs, info = self.envs[i].reset(seed=seed)
-                self._write(root, i, obs, info, "reset")
+                self._write(root, i, obs, info)
             except EnvFailure:
                 raise
             except BaseException as exc:
@@ -430,7 +396,7 @@ class GymUnit(Unit):
             for i, action in zip(rows, actions):
                 try:
                     obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-                    self._write(nxt, i, obs, info, "step")
+                    self._write(nxt, i, obs, info)
                 except EnvFailure:
                     raise
                 except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
@@ -458,17 +424,15 @@ class GymUnit(Unit):
         """Rows ``rows`` of ``action`` -> what ``env.step`` takes, converted (and checked) at once where the space
         allows it. Raises :class:`EnvFailure` (kind ``"action"``) for the first invalid row."""
         action = action[rows] if not isinstance(rows, range) else action
-        rows = list(rows)
+        dtype = self.action_space.dtype  # numpy scalars or arrays, as a vector env passes them
         if self._n > 1 and action.ndim == 2 and action.shape[1] == self._n:  # one-hot rows
-            index = action.argmax(1) + self._start
-            return list(index.astype(self.action_space.dtype, copy=False))
+            return list((action.argmax(1) + self._start).astype(dtype, copy=False))
         if self._n and action.ndim == 1 and (not self.validate or (  # indices, checked at once
                 action.dtype.kind in "iu" and 0 <= action.min() and action.max() < max(self._n, 2))):
-            index = (action if self._n > 1 else np.zeros_like(action)) + self._start
-            return list(index.astype(self.action_space.dtype, copy=False))  # numpy scalars, as a vector env passes
+            return list(((action if self._n > 1 else np.zeros_like(action)) + self._start).astype(dtype, copy=False))
         if self._box is not None and action.shape[1:] == self.action_space.shape and (
                 not self.validate or (self._box[0] <= action.min() and action.max() <= self._box[1])):
-            return list(action.astype(self.action_space.dtype, copy=False))
+            return list(action.astype(dtype, copy=False))
         out = []
         for i, row in zip(rows, action):
             try:
@@ -498,7 +462,7 @@ class GymUnit(Unit):
             else:
                 raise ActionError(f"action of shape {action.shape} for {space!r}: give {nvec.shape} indices or "
                                   f"{int(nvec.sum())} concatenated one-hots")
-            if self.validate and (np.any(indices < 0) or np.any(indices >= nvec) or np.any(indices != np.round(indices))):
+            if self.validate and np.any((indices < 0) | (indices >= nvec) | (indices != np.round(indices))):
                 raise ActionError(f"action {indices!r} is out of {space!r}")
             return indices.astype(space.dtype)
         if action.shape != space.shape:
@@ -521,24 +485,23 @@ def _torchrl_keys(env: EnvBase) -> EnvKeys:
     keys = EnvKeys.from_specs(observation=env.full_observation_spec[row], state=env.full_state_spec[row],
                               reward=env.full_reward_spec[row], done=env.full_done_spec[row],
                               action=env.full_action_spec[row], where="env's")
-    problem = reserved_key_problem([*keys.root, *keys.next, *keys.action], LOOP_ROOT_KEYS, where="env's specs",
-                                   fix="rename it with TorchRL's RenameTransform")
-    if problem is not None:
+    if problem := reserved_key_problem([*keys.root, *keys.next, *keys.action], LOOP_ROOT_KEYS, where="env's specs",
+                                       fix="rename it with TorchRL's RenameTransform"):
         raise ValueError(problem)
     return keys
 
 
 class TorchRLUnit(Unit):
-    """TorchRL envs (unbatched, or batched: ``rows`` is the sum of their batch sizes, row-major over each
-    env's batch dims), each stepped with ``env.step_and_maybe_reset``, as TorchRL's ``Collector`` steps it.
+    """TorchRL envs (unbatched, or batched: ``rows`` is the sum of their batch sizes, row-major over each env's batch
+    dims), each stepped with ``env.step_and_maybe_reset``, as TorchRL's ``Collector`` steps it.
 
     ``max_episode_steps`` appends TorchRL's ``StepCounter(max_episode_steps)``, as ``Collector`` does for
-    ``max_frames_per_traj``. A batched env resets the rows a step ended with TorchRL's partial reset; it is
-    seeded as a whole (``env.set_seed``) with its first row's seed.
+    ``max_frames_per_traj``. A batched env resets the rows a step ended with TorchRL's partial reset; it is seeded as
+    a whole (``env.set_seed``) with its first row's seed.
 
     Raises:
-        ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose
-            specs differ, or a ``step_count`` entry that the cap would clash with.
+        ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose specs
+            differ, or a ``step_count`` entry that the cap would clash with.
     """
 
     loop_keys = False
@@ -554,8 +517,7 @@ class TorchRLUnit(Unit):
                                  "been set. Possible solutions: Set max_frames_per_traj to 0 or remove the "
                                  "StepCounter limit from the environment transforms.")  # TorchRL's check and message
             envs = [env.append_transform(StepCounter(max_episode_steps)) for env in envs]
-        self.envs = list(envs)
-        self.validate = validate
+        self.envs, self.validate = list(envs), validate
         self.keys = _torchrl_keys(self.envs[0])
         for i, env in enumerate(self.envs[1:], 1):
             if not _torchrl_keys(env).same_layout(self.keys) or env.batch_size != self.envs[0].batch_size:
@@ -566,22 +528,20 @@ class TorchRLUnit(Unit):
         self.action_spec = self.envs[0].full_action_spec[row]
         self.batch = torch.Size(self.envs[0].batch_size)
         self.size = self.batch.numel()
-        self.rows = self.size * len(self.envs)
-        self.partial = self.size == 1
+        self.rows, self.partial = self.size * len(self.envs), self.size == 1
         done = list(self.keys.done)
         self._terminated = [k for k in done if key_parts(k)[-1] == "terminated"] or \
             [k for k in done if key_parts(k)[-1] == "done"]
         self._truncated = [k for k in done if key_parts(k)[-1] == "truncated"]
         self._root_done = "done" in self.keys.done
-        self._checked_next = {k: v for k, v in self.keys.observation.items()} if validate else {}
+        self._checked_next = dict(self.keys.observation) if validate else {}
 
     def _td(self, values: Mapping[NestedKey, np.ndarray]) -> TensorDict:
         lead = tuple(self.batch)
         td = TensorDict({k: torch.from_numpy(np.asarray(v)).reshape((*lead, *v.shape[1:])) for k, v in values.items()},
                         batch_size=self.batch)
         for prefix, dims in self.keys.sub_batch.items():
-            sub = td.get(prefix, None)
-            if sub is not None:
+            if (sub := td.get(prefix, None)) is not None:
                 sub.batch_size = torch.Size([*lead, *dims])
         return td
 
@@ -627,20 +587,12 @@ class TorchRLUnit(Unit):
             try:
                 out, root = env.step_and_maybe_reset(self._td({k: v[a:b] for k, v in s.inputs.items()}))
             except BaseException as exc:
-                failure = EnvFailure(a, "step", "env", exc)
-                failure.completed = np.arange(a) if rows is None else rows[rows < a]
-                failure.lost = np.arange(a, self.rows) if rows is None else rows[rows >= a]
-                raise failure from exc
+                raise self._cut(EnvFailure(a, "step", "env", exc), rows, a) from exc
             nxt = self._rows_of(out.get("next"), list(self.keys.next))
-            if self.validate:
-                problem = check_entries(nxt, self._checked_next, rows=self.size)
-                if problem is not None:
-                    bad = next((i for i in range(self.size) if check_entries(
-                        {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
-                    failure = EnvFailure(a + bad, "check", "env", CheckFailed(problem))
-                    failure.completed = np.arange(a) if rows is None else rows[rows < a]
-                    failure.lost = np.arange(a, self.rows) if rows is None else rows[rows >= a]
-                    raise failure
+            if self.validate and (problem := check_entries(nxt, self._checked_next, rows=self.size)) is not None:
+                bad = next((i for i in range(self.size) if check_entries(
+                    {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
+                raise self._cut(EnvFailure(a + bad, "check", "env", CheckFailed(problem)), rows, a)
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)
@@ -659,6 +611,12 @@ class TorchRLUnit(Unit):
             if done.any():
                 for k, v in self._rows_of(root, list(self.keys.root)).items():
                     s.root[k][a:b][done] = v[done]
+
+    def _cut(self, failure: EnvFailure, rows: np.ndarray | None, a: int) -> EnvFailure:
+        """``failure`` of a step on ``rows`` (``None``: all) that failed at env row ``a``: rows before it completed."""
+        stepped = np.arange(self.rows) if rows is None else rows
+        failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
+        return failure
 
     def close(self) -> None:
         for env in self.envs:
@@ -715,8 +673,7 @@ class GymMaker:
     worker processes)."""
 
     def __init__(self, env_id: str, **kwargs: Any) -> None:
-        self.env_id = env_id
-        self.kwargs = kwargs
+        self.env_id, self.kwargs = env_id, kwargs
 
     def __call__(self) -> gym.Env:
         return gym.make(self.env_id, **self.kwargs)
@@ -727,11 +684,8 @@ class GymMaker:
 
 
 def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory:
-    """Turn a gymnasium id or a factory into a factory.
-
-    Raises:
-        ValueError: ``env`` is neither a registered gymnasium id nor callable.
-    """
+    """Turn a gymnasium id or a factory into a factory; ``ValueError`` if ``env`` is neither a registered id nor
+    callable."""
     if isinstance(env, str):
         if env not in gym.registry:
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
@@ -753,29 +707,21 @@ def close_quietly(envs: Sequence[Any]) -> None:
             pass
 
 
-def _is_envpool(env: Any) -> bool:
-    return any(cls.__module__.startswith("envpool") for cls in type(env).__mro__)
-
-
 def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, validate: bool = True,
               info_keys: InfoKeys | None = None) -> Unit:
-    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env
-    goes through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env. The envs are closed
-    when refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name
-    entries of its observation spec.
-
-    Raises:
-        ValueError: an env of another kind, or one whose spaces or specs cannot be stored in columns.
+    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env goes
+    through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env; the envs are closed when
+    refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name entries
+    of its observation spec. Raises ``ValueError``: an env of another kind, or one whose spaces or specs cannot be
+    stored in columns.
     """
     envs = list(envs)
     try:
-        if _is_envpool(envs[0]):
+        if any(cls.__module__.startswith("envpool") for cls in type(envs[0]).__mro__):
             if len(envs) != 1:
                 raise ValueError("an envpool env is stepped alone: pass one envpool env (its num_envs is the batch)")
             return EnvpoolUnit(envs[0], validate=validate, max_episode_steps=max_episode_steps)
         if all(isinstance(e, gym.vector.VectorEnv) for e in envs):
-            from torchrl.envs.libs.gym import GymWrapper
-
             try:
                 envs = [GymWrapper(e) for e in envs]
             except Exception as exc:

@@ -1,20 +1,14 @@
 """TorchRL specs -> the column layout of a transition (no hand-written key list).
 
-Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL
-specs: what it fills at the root on reset and under ``"next"`` after a step
-(observations, primers, ``is_init``, ``step_count``, masks...), its rewards, its
-done flags and the actions it reads. :class:`EnvKeys` lists those leaves with
-their per-env shape and numpy dtype (:class:`ArraySpec`), nested keys
-included, plus the shapes of nested sub-tensordicts (the agent dim of a
-multi-agent group) so a batch is laid out as TorchRL's collector lays it out.
+Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs: what it fills at the root on
+reset and under ``"next"`` after a step (observations, primers, ``is_init``, ``step_count``, masks...), its
+rewards, its done flags and the actions it reads. :class:`EnvKeys` lists those leaves with their per-env shape and
+numpy dtype (:class:`ArraySpec`), nested keys included, plus the shapes of nested sub-tensordicts (the agent dim
+of a multi-agent group), so a batch is laid out as TorchRL's collector lays it out.
 
-Columns hold fixed-shape tensors. Specs that cannot be stored in a
-preallocated column are refused with a :class:`ValueError` that says so:
-dynamic shapes (``-1``), lazily stacked heterogeneous specs, and non-tensor
-entries (their keys may be dropped with an env transform such as
-``ExcludeTransform``).
-
-Nothing here holds state or threads.
+Columns hold fixed-shape tensors: dynamic shapes (``-1``), lazily stacked heterogeneous specs and non-tensor
+entries (drop those with an env transform such as ``ExcludeTransform``) are refused with a :class:`ValueError`
+that says so. Nothing here holds state or threads.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDictBase
-from torchrl.data import Composite, TensorSpec
+from torchrl.data import Bounded, Composite, TensorSpec
 
 __all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "key_parts",
            "next_key", "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
@@ -65,17 +59,15 @@ class EnvKeys:
     """What one env reads and writes, leaf by leaf, from its TorchRL specs.
 
     Attributes:
-        observation: root entries the env fills on reset and again under
-            ``"next"`` after each step (TorchRL's ``full_observation_spec``;
-            state entries it reads back are in ``state``).
-        state: entries of ``full_state_spec`` that are not observations (read by
-            the env at the root, written by reset; carried from step to step).
+        observation: root entries the env fills on reset and again under ``"next"`` after each step (TorchRL's
+            ``full_observation_spec``; state entries it reads back are in ``state``).
+        state: entries of ``full_state_spec`` that are not observations (read by the env at the root, written by
+            reset; carried from step to step).
         reward: entries found under ``"next"`` only.
-        done: done flags (``done``, ``terminated``, ``truncated``, nested ones too),
-            present at the root and under ``"next"``.
+        done: done flags (``done``, ``terminated``, ``truncated``, nested ones too), at the root and under ``"next"``.
         action: entries the env reads from the policy.
-        sub_batch: shapes of nested sub-tensordicts beyond the env's batch
-            (``{("agents",): (3,)}``), applied when a batch is built.
+        sub_batch: shapes of nested sub-tensordicts beyond the env's batch (``{("agents",): (3,)}``), applied when a
+            batch is built.
     """
 
     observation: dict[NestedKey, ArraySpec]
@@ -97,8 +89,7 @@ class EnvKeys:
 
     def same_layout(self, other: EnvKeys) -> bool:
         """True when two envs can share columns (same keys, shapes and dtypes)."""
-        return (self.observation, self.state, self.reward, self.done, self.action, self.sub_batch) == (
-            other.observation, other.state, other.reward, other.done, other.action, other.sub_batch)
+        return self == other  # the dataclass equality: every field
 
     @classmethod
     def from_specs(cls, *, observation: Composite, state: Composite, reward: Composite, done: Composite,
@@ -110,9 +101,7 @@ class EnvKeys:
         """
         obs_cols = columns_of(observation, where=f"{where} observation spec")
         state_cols = {k: v for k, v in columns_of(state, where=f"{where} state spec").items() if k not in obs_cols}
-        sub = {}
-        for spec in (observation, state, reward, done, action):
-            sub.update(sub_batch_dims(spec))
+        sub = {k: v for spec in (observation, state, reward, done, action) for k, v in sub_batch_dims(spec).items()}
         return cls(observation=obs_cols, state=state_cols,
                    reward=columns_of(reward, where=f"{where} reward spec"),
                    done=columns_of(done, where=f"{where} done spec"),
@@ -120,14 +109,9 @@ class EnvKeys:
 
 
 def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *, where: str, fix: str) -> str | None:
-    """The message refusing the first of ``keys`` whose top-level name is in ``reserved``, or ``None``.
-
-    Args:
-        keys: entry keys (nested keys as tuples).
-        reserved: root name -> what it holds (:data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`).
-        where: what the keys are ("observation space"), for the message.
-        fix: what to do, for the message.
-    """
+    """The message refusing the first of ``keys`` (nested ones as tuples) whose top-level name is in ``reserved``
+    (root name -> what it holds: :data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`), or ``None``. ``where``: what
+    the keys are ("observation space"), ``fix``: what to do, both for the message."""
     for key in keys:
         root = key[0] if isinstance(key, tuple) else key
         if root in reserved:
@@ -138,39 +122,27 @@ def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *,
 
 
 def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
-    """``spec.rand(shape)``, with finite values where a continuous ``Bounded`` leaf has an infinite bound.
+    """``spec.rand(shape)`` (a tensor, or a TensorDict for a ``Composite``), finite where a float ``Bounded``
+    leaf has an infinite bound (TorchRL's uniform draw gives ``inf`` / ``NaN`` there).
 
-    TorchRL samples ``Bounded`` leaves uniformly in ``[low, high]``, which gives ``inf`` or ``NaN`` for a
-    dim with an infinite bound (a gymnasium ``Box(0, inf)``). Those leaves are sampled per dim as
-    gymnasium's ``Box.sample`` samples them: unbounded on both sides from a standard normal, bounded below
-    as ``low + Exponential(1)``, bounded above as ``high - Exponential(1)``, bounded on both sides
-    uniformly. Draws from torch's default CPU generator (a seeded :class:`AutobatchPolicy` swaps its own
-    stream in around a forward pass).
-
-    Args:
-        spec: a leaf spec or a ``Composite`` (nested leaves included) without batch dims of its own
-            beyond those its leaves carry.
-        shape: leading batch dims of the sample.
-
-    Returns:
-        What ``spec.rand(shape)`` returns (a tensor, or a TensorDict for a composite).
+    Those dims are drawn as gymnasium's ``Box.sample`` draws them: unbounded from a standard normal, bounded below
+    as ``low + Exponential(1)``, above as ``high - Exponential(1)``, on both sides uniformly. Draws from torch's
+    default CPU generator (a seeded :class:`AutobatchPolicy` swaps its own stream in around a forward pass).
+    ``spec``: a leaf or a ``Composite`` without batch dims beyond its leaves'; ``shape``: leading batch dims.
     """
     sample = spec.rand(shape)
-    if isinstance(spec, Composite):
-        for key, leaf in spec.items(True, True):
-            finite = _finite_sample(leaf, tuple(shape), sample.get(key))
-            if finite is not None:
-                sample.set(key, finite)
-        return sample
-    finite = _finite_sample(spec, tuple(shape), sample)
-    return sample if finite is None else finite
+    if not isinstance(spec, Composite):
+        finite = _finite_sample(spec, tuple(shape), sample)
+        return sample if finite is None else finite
+    for key, leaf in spec.items(True, True):
+        if (finite := _finite_sample(leaf, tuple(shape), sample.get(key))) is not None:
+            sample.set(key, finite)
+    return sample
 
 
 def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
     """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn``, TorchRL's
     uniform sample, kept in the dims bounded on both sides), else ``None``."""
-    from torchrl.data import Bounded
-
     if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
         return None
     low, high = leaf.space.low, leaf.space.high
@@ -200,14 +172,6 @@ def next_key(key: NestedKey) -> tuple[str, ...]:
     return ("next", *key_parts(key))
 
 
-def _leaf_problem(spec: TensorSpec) -> str | None:
-    if type(spec).__name__.startswith("NonTensor"):
-        return "is a non-tensor entry"
-    if any(d < 0 for d in spec.shape):
-        return f"has a dynamic shape {tuple(spec.shape)}"
-    return None
-
-
 def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
     """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples).
 
@@ -219,8 +183,9 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
                          "fixed-shape columns: give every entry one shape (pad), or use torchrl's Collector")
     out: dict[NestedKey, ArraySpec] = {}
     for key, leaf in spec.items(True, True):
-        problem = _leaf_problem(leaf)
-        if problem is not None:
+        non_tensor = type(leaf).__name__.startswith("NonTensor")
+        if non_tensor or any(d < 0 for d in leaf.shape):
+            problem = "is a non-tensor entry" if non_tensor else f"has a dynamic shape {tuple(leaf.shape)}"
             raise ValueError(f"entry {key!r} of the {where} {problem}; ThreadedCollector stores fixed-shape "
                              f"tensors: drop it with ExcludeTransform({key!r}) or use torchrl's Collector")
         out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), np_dtype(leaf.dtype))
@@ -229,19 +194,15 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
 
 def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Shapes of the nested composites of ``spec`` (their batch dims inside one env)."""
-    out: dict[tuple[str, ...], tuple[int, ...]] = {}
-    for key, sub in spec.items(True, False):
-        if isinstance(sub, Composite) and tuple(sub.shape):
-            out[key_parts(key)] = tuple(int(d) for d in sub.shape)
-    return out
+    return {key_parts(key): tuple(int(d) for d in sub.shape) for key, sub in spec.items(True, False)
+            if isinstance(sub, Composite) and tuple(sub.shape)}
 
 
 def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
     """``{key: numpy view}`` of ``keys`` in a CPU tensordict (missing keys are skipped)."""
     out = {}
     for k in keys:
-        value = td.get(k, None)
-        if value is not None:
+        if (value := td.get(k, None)) is not None:
             out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
                 else value.numpy()
     return out
