@@ -708,11 +708,6 @@ class Agent:
         return self.result(stop)
 
 
-def _read_from_call(name: str, doc: str) -> property:
-    """A read-only property returning ``self.call.<name>``."""
-    return property(lambda self: getattr(self.call, name), doc=doc)
-
-
 class AutobatchPolicy:
     """Answer observations from many threads with one batched call.
 
@@ -762,12 +757,35 @@ class AutobatchPolicy:
         self._torch_threads = torch.get_num_threads()
 
     # -- what the loops and users read (read-only, from the PolicyCall) ------------------------------------
-    version = _read_from_call("version", "Version of the current weights: 0 at start, +1 an update.")
-    weights = _read_from_call("weights", "The object whose weights :meth:`update` and :meth:`state` move.")
-    policy = _read_from_call("policy", "The policy as it is called (on TensorDicts).")
-    mean_batch_size = _read_from_call("mean_batch_size", "Mean rows per call since creation (0.0 before the first).")
-    num_flushes = _read_from_call("calls", "Calls made since creation.")
-    num_rows = _read_from_call("rows", "Rows answered since creation.")
+    @property
+    def version(self) -> int:
+        """Version of the current weights: 0 at start, +1 an update."""
+        return self.call.version
+
+    @property
+    def weights(self) -> Any:
+        """The object whose weights :meth:`update` and :meth:`state` move."""
+        return self.call.weights
+
+    @property
+    def policy(self) -> Any:
+        """The policy as it is called (on TensorDicts)."""
+        return self.call.policy
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Mean rows per call since creation (0.0 before the first)."""
+        return self.call.mean_batch_size
+
+    @property
+    def num_flushes(self) -> int:
+        """Calls made since creation."""
+        return self.call.calls
+
+    @property
+    def num_rows(self) -> int:
+        """Rows answered since creation."""
+        return self.call.rows
 
     @property
     def pending_updates(self) -> int:
