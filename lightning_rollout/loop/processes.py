@@ -231,9 +231,8 @@ class ProcessEnvs(Envs):
     ``threads``: shard 0 in a pool thread (for ``step_timeout``); ``timeout``: seconds a child may take to build
     and reset its envs.
 
-    Raises:
-        ValueError: an unpicklable factory; envs whose specs differ. CollectionError: a daemonic process, or no
-            process could be started. EnvFailure: an env failed to build or reset (named by its row).
+    Raises ValueError (an unpicklable factory, specs that differ), CollectionError (a daemonic process, no
+    process started), EnvFailure (an env failed to build or reset, named by its row).
     """
 
     def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,

@@ -38,9 +38,9 @@ class Layout:
 
     Attributes:
         carried: root entries each env keeps between steps: its observations and state, what the policy wrote
-            under ``"next"`` that the env does not provide (recurrent state, zero at each reset), and what it
-            wrote at the root besides the action (kept as TorchRL's ``step_mdp(keep_other=True)`` keeps it).
-        done_keys: done flags; false at the root (an env is reset as soon as it is done): no root columns.
+            under ``"next"`` the env does not provide (recurrent state, zeroed at a reset), and what it wrote at
+            the root besides the action (as ``step_mdp(keep_other=True)`` keeps it).
+        done_keys: done flags (no root columns: false at the root, an env being reset once done).
         env_next: entries a step writes (``Slots.next``) that the loop stores.
         shared: the observations stored once: step ``t``'s ``("next", key)`` is row ``t + 1``'s ``key``.
         advance: ``(root key, column)``: where each other carried entry comes from after a step.
