@@ -1,18 +1,13 @@
 """``"auto"``: the executor for a loop's envs, from a short measure of one env.
 
-:func:`measure_env` times a few random-action steps of one env (the run-queue waits other processes' load
-imposed left out) and, for a step of 100 us or more, reads how much of it holds the GIL: a probe thread sleeps
-about 100 us over and over, and a wake-up that overshoots by tens of microseconds found the GIL held. The rule
-(:func:`choose_layout`, ``docs/tuning.rst``):
-
-* a step that releases the GIL at least half of its time and takes 500 us or more: a pool thread an env
-  (``parallel_steps``);
-* a step that holds it, with at least two cores, when the env time of a step of all envs the other processes
-  would take (``num_envs x step x (1 - 1 / processes)``) exceeds a round trip (300 us) and the factory pickles:
-  worker processes, one a core, each with a share of at least 200 us of env time (this process steps one);
-* otherwise every env in the stepping thread.
-
-A natively batched env is stepped as it is. A measure that fails or hangs falls back to the stepping thread.
+:func:`measure_env` times a few random-action steps of one env (run-queue waits left out) and, for a step of
+100 us or more, how much of it holds the GIL (a probe thread's ~100 us sleeps overshooting by tens of us found it
+held). The rule (:func:`choose_layout`, ``docs/tuning.rst``): a step releasing the GIL at least half its time
+and taking 500 us or more gets a pool thread an env (``parallel_steps``); one holding it gets worker processes
+(one a core, each with at least 200 us of env time, this process stepping one) given two cores or more, a
+factory that pickles, and more than a 300 us round trip of env time for the other processes
+(``num_envs x step x (1 - 1 / processes)``); otherwise every env runs in the stepping thread. A natively
+batched env is stepped as it is; a failed or hung measure falls back to the stepping thread.
 """
 
 from __future__ import annotations
@@ -29,10 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from .._checks import check_int
 from .._exit import abandon
 from ..envs import EnvFactory, close_quietly
+from ..policy import BatchedRandomPolicy
 from .executors import SerialEnvs, batch_rows, build_units
 
 __all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "cgroup_cpu_limit", "choose_layout", "measure_env",
@@ -199,11 +196,7 @@ def _held_share(step: Any, window: float, period: float = 100e-6) -> float | Non
 def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int | None = None,
                 cheap_s: float = 100e-6, rounds: int = 5, probe_s: float = 0.1) -> EnvTiming:
     """Time one env built by ``factory`` (3 warm-up steps, ``steps`` timed, random actions) and, for a step of
-    ``cheap_s`` or more, read its GIL share ``rounds`` times (the median kept); see the module docstring.
-
-    Raises:
-        Exception: whatever building or stepping the env raised.
-    """
+    ``cheap_s`` or more, read its GIL share ``rounds`` times (the median kept). Raises what the env raised."""
     env = factory()
     batch = batch_rows(env)
     if batch is not None:
@@ -213,10 +206,6 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
                                   info_keys=None), [None])
     delay = RunDelay()
     try:
-        from tensordict import TensorDict
-
-        from ..policy import BatchedRandomPolicy
-
         keys, slots, row = envs.unit.keys, envs.slots, np.zeros(1, dtype=np.int64)
         envs.attach({**keys.root, **keys.action, **keys.done})
         random_policy = BatchedRandomPolicy(envs.unit.action_spec)

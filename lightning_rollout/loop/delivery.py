@@ -1,10 +1,7 @@
-"""Delivery: batches gathered from the stepper's rings, trajectory ids, counts and events.
-
-A call's steps are copied out of the ring once, into recycled batch columns (:class:`~.storage.BatchPool`), and
-wrapped in one TensorDict. Trajectory ids are assigned as TorchRL's collector assigns them: an env keeps its
-id until a done step, and new ids are handed out in delivery order (time, then env), so they do not depend on
-timing. Events are built here, in the calling thread: ``run_steps`` announces steps as they arrive, the other
-calls when their batch or episode is complete.
+"""Delivery: a call's steps copied out of the ring once into recycled columns (:class:`~.storage.BatchPool`) and
+wrapped in one TensorDict; trajectory ids as TorchRL's collector assigns them (an env keeps its id until a done
+step; new ids in delivery order, time then env, independent of timing); counts; events, in the calling thread
+(``run_steps`` announces steps as they arrive, the other calls when their batch or episode is complete).
 """
 
 from __future__ import annotations
@@ -75,14 +72,14 @@ class Delivery:
         cursor.ring.forget(cursor.consumed)
         done = out[TERMINATED] | out[TRUNCATED]
         out[TRAJ][...] = self._traj_env_time(done)
-        if processor is None:
-            self.frames += done.size
-            self.episodes += int(np.count_nonzero(done))
-        else:  # events in time order, env by env within a step
+        first = self.frames + 1
+        self.frames += done.size
+        if processor is not None and done.size:  # events in time order, env by env within a step
             by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in out.items()
                        if (isinstance(k, tuple) and k[0] == "_loop") or k in (ENV_ID, VERSION)
                        or k in self.info_next or processor.wants_timesteps}
-            self._count(by_time, range(done.size), processor)
+            self._emit(by_time, range(done.size), processor, -1, first)
+        self.episodes += int(np.count_nonzero(done))
         return self.layout.to_tensordict(out, [n, steps], names=[None, "time"])
 
     def pending(self, cursor: Cursor) -> tuple[np.ndarray, np.ndarray]:
@@ -178,16 +175,7 @@ class Delivery:
         self.next_traj += count
         return traj.T
 
-    # -- counts and events -------------------------------------------------------------------------------
-    def _count(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor | None) -> None:
-        if not len(rows):
-            return
-        first = self.frames + 1
-        self.frames += len(rows)
-        if processor is not None:
-            self._emit(cols, rows, processor, -1, first)
-        self.episodes += int(np.count_nonzero(cols[TERMINATED][rows] | cols[TRUNCATED][rows]))
-
+    # -- events ------------------------------------------------------------------------------------------
     def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor, total: int,
               first: int) -> None:
         """Events for rows ``rows`` of ``cols``; row ``rows[i]`` is frame (or finished episode) ``first + i``."""

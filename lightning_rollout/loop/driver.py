@@ -1,14 +1,10 @@
-"""The env loops: :class:`MultiEnvLoop` (the seed's ``MultiAgentEnvLoop``) and :class:`EnvLoop`.
+"""The env loops :class:`MultiEnvLoop` and :class:`EnvLoop`: envs built in an executor, the policy probed on
+their first observations to lay out the columns, then collection on request (``T`` steps of every env, ``n``
+frames in arrival order, ``k`` fresh episodes), each call running the stepping loop in the calling thread.
 
-A loop builds its envs in an executor (:mod:`~lightning_rollout.loop.executors`,
-:mod:`~lightning_rollout.loop.processes`), probes the policy on their first observations to lay out the
-columns, and then collects on request: ``T`` steps of every env, ``n`` frames in arrival order, or ``k``
-fresh episodes. Each call runs the one stepping loop (:mod:`~lightning_rollout.loop.stepper`) in the calling
-thread and copies its steps out once (:mod:`~lightning_rollout.loop.delivery`). One call runs at a time: it
-claims the loop, and a call from a second thread, or from inside the call (an event processor), is refused.
-An error in an env or the policy closes the loop and is raised naming the env and step, with the steps
-collected before it on ``exc.partial``; ``close`` from another thread ends a running call with
-:class:`~lightning_rollout.errors.CollectionError`.
+One call at a time (a second thread's, or one from inside a call, is refused). An env or policy error closes
+the loop and is raised naming env and step, the steps before it on ``exc.partial``; ``close`` from another
+thread ends a running call with :class:`~lightning_rollout.errors.CollectionError`.
 """
 
 from __future__ import annotations
@@ -25,13 +21,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torchrl.envs.utils import ExplorationType
+from torchrl.envs.utils import ExplorationType, RandomPolicy
+from torchrl.envs.utils import exploration_type as current_exploration_type
 
 from .._checks import check_device, check_int, check_seconds, warn_user
 from .._exit import close_at_exit
 from .._threads import torch_threads, torch_threads_set
 from ..envs import EnvFactory, EnvFailure, InfoKeys, info_key_list, resolve_env_factory
-from ..errors import CollectionError, PolicyError
+from ..errors import CollectionError, EnvError, PolicyError
 from ..events import EventProcessor, Interrupter
 from ..policy import AutobatchPolicy, BatchedRandomPolicy, PolicyCall, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey
@@ -62,9 +59,8 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                 raise CollectionError(f"the loop {self.name!r} is closed")
             self._driver = threading.current_thread()
             self.collecting = True
-        delivery = getattr(self, "_delivery", None)
-        if delivery is not None:  # counts set from outside between calls (a resume) are the ones to continue
-            delivery.frames, delivery.episodes = self.frames, self.episodes
+        delivery = self._delivery  # counts set from outside between calls (a resume) are the ones to continue
+        delivery.frames, delivery.episodes = self.frames, self.episodes
         try:
             self.start()
             if self._agent is not None:
@@ -86,8 +82,7 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if self._agent is not None:
                 self._agent.park()
-            if delivery is not None:
-                self.frames, self.episodes, self.next_traj_id = delivery.frames, delivery.episodes, delivery.next_traj
+            self.frames, self.episodes, self.next_traj_id = delivery.frames, delivery.episodes, delivery.next_traj
             self._driver = None
             self.collecting = False
 
@@ -99,22 +94,21 @@ class MultiEnvLoop:
 
     Args:
         env: a gymnasium id, a factory returning a ``gymnasium.Env`` or a TorchRL ``EnvBase`` (batched ones
-            included: a ``SerialEnv``, VMAS, a gymnasium vector env), or a list of ``num_envs`` such factories.
+            included: ``SerialEnv``, VMAS, a gymnasium vector env), or a list of ``num_envs`` such factories.
         policy: anything TorchRL's collectors accept (a ``TensorDictModule``, a function of a TensorDict, an
-            ``nn.Module`` or function whose arguments are named after observation keys, a one-argument tensor
-            function, ``None`` for TorchRL's ``RandomPolicy``), called on a TensorDict of batch ``[k]`` holding
-            every root entry of ``k`` envs; or a shared :class:`~lightning_rollout.AutobatchPolicy` (then
-            ``autobatch_size``, ``max_wait``, ``device`` and ``policy_timeout`` are its own).
+            ``nn.Module`` or function with arguments named after observation keys, a one-argument tensor function,
+            ``None`` for ``RandomPolicy``), called on a TensorDict ``[k]`` of every root entry of ``k`` envs; or a
+            shared :class:`~lightning_rollout.AutobatchPolicy` (owning ``autobatch_size``, ``max_wait``, ``device``
+            and ``policy_timeout``).
 
     Keyword Args:
         num_envs: envs (``>= 1``); inferred from a list of factories.
-        envs_per_thread: envs one unit steps in one call: ``num_envs`` steps them in the calling thread, fewer
-            gives each group a pool thread (for steps that release the GIL); a natively batched env's batch is
-            its own. ``"auto"``: chosen with ``num_workers`` from a few timed steps of one env (``layout_choice``).
-        num_workers: processes stepping the envs, this one counted: ``n > 1`` gives ``n - 1`` worker processes a
-            share each (picklable factories). ``"auto"``: see ``envs_per_thread``.
-        parallel_steps: each env in a pool thread of its own (True, or ``"free"``: the same, the recv rule then
-            taking whichever envs are ready, for uneven step times); ``"auto"``: what ``"auto"`` chose.
+        envs_per_thread: envs a unit steps in one call: ``num_envs`` steps all in the calling thread, fewer gives
+            each group a pool thread (for steps releasing the GIL); a natively batched env's batch is its own.
+            ``"auto"``: chosen with ``num_workers`` from a few timed steps of one env (``layout_choice``).
+        num_workers: processes stepping envs, this one counted (``n - 1`` worker processes; picklable factories).
+        parallel_steps: a pool thread per env (True, or ``"free"``: the recv rule then takes whichever envs are
+            ready, for uneven step times); ``"auto"``: what ``"auto"`` chose.
         autobatch_size: a round acts on at least ``min(in flight, autobatch_size)`` envs; ``None``: all in flight
             (lock-step: reproducible). max_wait: seconds a partial round waits for stragglers.
         device: where the policy runs. exploration_type: of every policy call (``None``: the one set by
@@ -126,8 +120,8 @@ class MultiEnvLoop:
             from its own stream seeded with ``seed``. random_steps_per_env: each env's first steps act at random.
         step_timeout, policy_timeout: seconds an env call or a policy call may take (then
             :class:`~lightning_rollout.errors.StepTimeoutError` / :class:`~lightning_rollout.errors.PolicyError`).
-        validate: check every observation's shape, dtype and NaNs, and every action.
-        info_keys: entries of a gymnasium env's ``info`` read as observations (a list, or ``{key: spec}``).
+        validate: check every observation's shape, dtype and NaNs, and every action. info_keys: entries of a
+            gymnasium env's ``info`` read as observations (a list, or ``{key: spec}``).
         processor, interrupter: defaults of every call. traj_id_start: the first trajectory id.
         env_shape: the batch dims of the batched env the envs were taken from: a call on every env gets them.
         name: used in thread names. join_timeout: seconds :meth:`close` waits for each thread or process.
@@ -137,8 +131,9 @@ class MultiEnvLoop:
         ValueError: bad configuration, with what to change.
     """
 
-    def __init__(self, env: str | EnvFactory | Sequence[EnvFactory], policy: AutobatchPolicy | Callable[..., Any] | None,
-                 *, num_envs: int | None = None, envs_per_thread: int | str = 1, num_workers: int | str = 1,
+    def __init__(self, env: str | EnvFactory | Sequence[EnvFactory],
+                 policy: AutobatchPolicy | Callable[..., Any] | None, *, num_envs: int | None = None,
+                 envs_per_thread: int | str = 1, num_workers: int | str = 1,
                  parallel_steps: bool | Literal["auto", "free"] = "auto", autobatch_size: int | None = None,
                  max_wait: float | None = None, device: torch.device | str | None = None,
                  exploration_type: ExplorationType | None = None, lookahead: bool = True,
@@ -172,8 +167,7 @@ class MultiEnvLoop:
         self.exploration_type, self.lookahead, self.eval = exploration_type, lookahead, eval
         self.max_episode_steps, self.validate, self.step_timeout = max_episode_steps, validate, step_timeout
         self.info_keys = info_key_list(info_keys)
-        self.processor, self.interrupter = processor, interrupter
-        self.seed = seed
+        self.processor, self.interrupter, self.seed = processor, interrupter, seed
         self._claim = threading.Lock()
         self._driver: threading.Thread | None = None
         self.collecting = False  # a collection call runs, in some thread
@@ -183,14 +177,11 @@ class MultiEnvLoop:
         self.closed = self._shut = self._closed_by_other = False
         self._shutdown_lock = threading.Lock()
         self._agent = None
-        self._owns_call = not isinstance(policy, AutobatchPolicy)
         self._envs: Envs | None = None
         try:
-            self._envs = _executor(factories, _seeds(seed, n), num_workers=self.num_workers,
-                                   group=self.envs_per_thread, parallel=bool(parallel_steps),
-                                   threads=step_timeout is not None,
-                                   name=name, max_episode_steps=max_episode_steps, validate=validate,
-                                   info_keys=info_keys)
+            self._envs = _executor(factories, _seeds(seed, n), num_workers=self.num_workers, group=self.envs_per_thread,
+                                   parallel=bool(parallel_steps), threads=step_timeout is not None, name=name,
+                                   max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
             self._seeded = seed
             self._setup(policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size, max_wait=max_wait,
                         device=device, policy_timeout=policy_timeout, env_shape=env_shape,
@@ -201,8 +192,6 @@ class MultiEnvLoop:
                 raise failure.cause from None
             phase = "check" if failure.phase == "check" else "reset"
             where = "" if failure.process is None else f" (in worker process {failure.process})"
-            from ..errors import EnvError
-
             raise EnvError(f"{failure}{where}", env_id=failure.row, step=0, phase=phase) from failure.cause
         except BaseException:
             self._shutdown()
@@ -218,8 +207,7 @@ class MultiEnvLoop:
         """The policy probed on every env's first root entries, the columns laid out from what it writes."""
         envs = self._envs
         assert envs is not None
-        unit = envs.unit
-        keys = unit.keys
+        unit, keys = envs.unit, envs.unit.keys
         if isinstance(policy, AutobatchPolicy):
             self._call = policy.call
             self._agent = policy.register(self.num_envs)
@@ -227,16 +215,15 @@ class MultiEnvLoop:
             self._policy = policy
         else:
             data = [k for k in keys.observation if k not in GYM_LOOP_KEYS and k not in self.info_keys]
-            wrapped = as_policy_module(policy if policy is not None else _random_policy(),
+            wrapped = as_policy_module(policy if policy is not None else RandomPolicy(),
                                        observation_spec=unit.observation_spec, action_keys=list(keys.action),
                                        single_key=data[0] if len(data) == 1 else None, action_spec=unit.action_spec,
                                        policy_timeout=policy_timeout, name=self.name)
             self._call = PolicyCall(wrapped, device=device, seed=_policy_seed(self.seed), policy_timeout=policy_timeout,
                                     name=self.name)
             self._policy = self._call
-        # torch's intra-op threads during the probe and every call (a process-wide setting): the constructing
-        # thread's, capped at the cores left by the pool threads (stepping side by side) or the worker processes
-        # stepping meanwhile
+        # torch's intra-op threads (process-wide) for the probe and every call: capped at the cores left by the
+        # pool threads or the worker processes stepping meanwhile
         overlap = self.lookahead or autobatch_size is not None
         busy = len(getattr(envs, "pool", ())) or ((self.num_workers - 1) if overlap else 0)
         self._torch_threads = torch_threads(runs_policy=True, busy=busy)
@@ -257,8 +244,9 @@ class MultiEnvLoop:
         env_inputs = layout.action_keys if unit.loop_keys else list(dict.fromkeys([*layout.root_inputs,
                                                                                    *layout.out_keys]))
         envs.attach({k: layout.specs.get(k) or keys.done[k] for k in env_inputs})
+        random_action = _random_actions(unit.action_spec, {k: layout.specs[k] for k in keys.action})
         self._stepper = Stepper(
-            envs, layout, policy=self._act, random_action=_random_actions(unit.action_spec, {k: layout.specs[k] for k in keys.action}),
+            envs, layout, policy=self._act, random_action=random_action,
             input_keys=self._input_keys, env_inputs=env_inputs, autobatch_size=autobatch_size,
             max_wait=None if self._agent is not None else max_wait, step_timeout=self.step_timeout,
             random_steps=random_steps, group=self.envs_per_thread, stop=self._stop)
@@ -286,14 +274,8 @@ class MultiEnvLoop:
 
     # -- collection calls ---------------------------------------------------------------------------------
     def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool:
-        """Run the stepper; a failure attaches what ``partial`` gathers (every complete step not handed out yet, in
-        arrival order, ``[n]``) and closes the loop."""
-        mode = self.exploration_type
-        if mode is None:
-            from torchrl.envs.utils import exploration_type
-
-            mode = exploration_type() or ExplorationType.RANDOM
-        self._stepper.mode = mode
+        """Run the stepper; a failure gets what ``partial`` gathers as ``exc.partial`` and closes the loop."""
+        self._stepper.mode = self.exploration_type or current_exploration_type() or ExplorationType.RANDOM
         try:
             return self._stepper.run(rule, interrupter)
         except CollectionError as exc:
@@ -310,16 +292,15 @@ class MultiEnvLoop:
                   interrupter: Interrupter | None = None) -> TensorDict:
         """Exactly ``n`` transitions (fewer only if interrupted), in arrival order: batch ``[n]``, TorchRL's layout.
 
-        Each env's own steps keep their order; with ``lookahead=False`` no more than ``n`` steps are taken, rounded
-        up to whole units of ``envs_per_thread`` envs (a unit steps all its envs in one call): the extra steps, acted
-        by this call's weights, come first in the next call. Steps in flight when interrupted are delivered by the
-        next call, never lost.
+        Each env's steps keep their order. With ``lookahead=False`` at most ``n`` steps are taken, rounded up to
+        whole units of ``envs_per_thread`` envs (the extra ones come first in the next call). Steps in flight when
+        interrupted are delivered by the next call.
 
         Raises:
-            EnvError, PolicyError: an env or the policy failed; ``exc.partial`` holds what was collected; the loop
-                is closed. StepTimeoutError: an env call exceeded ``step_timeout``. CollectionError: the loop was
-                closed. KeyboardInterrupt: re-raised at once; the loop takes no further call, and close()
-                (or the interpreter's exit) releases its envs.
+            EnvError, PolicyError: an env or the policy failed (``exc.partial``: what was collected; the loop is
+                closed). StepTimeoutError: an env call exceeded ``step_timeout``. CollectionError: the loop was
+                closed. KeyboardInterrupt: re-raised at once; the loop takes no further call, and close() (or exit)
+                releases its envs.
         """
         check_int("n", n, 0)
         processor = processor if processor is not None else self.processor
@@ -345,12 +326,9 @@ class MultiEnvLoop:
     @_collecting
     def run_env_steps(self, steps_per_env: int, *, processor: EventProcessor | None = None,
                       interrupter: Interrupter | None = None) -> TensorDict:
-        """``steps_per_env`` consecutive steps of every env: ``[num_envs, steps_per_env]``, names
-        ``[None, "time"]`` (if interrupted, cut to the steps every env delivered; the rest wait for the next call).
-
-        Raises:
-            See :meth:`run_steps`.
-        """
+        """``steps_per_env`` consecutive steps of every env: ``[num_envs, steps_per_env]``, names ``[None, "time"]``
+        (if interrupted, cut to the steps every env delivered; the rest wait for the next call). Raises: see
+        :meth:`run_steps`."""
         check_int("steps_per_env", steps_per_env, 0)
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
@@ -369,9 +347,8 @@ class MultiEnvLoop:
                      interrupter: Interrupter | None = None, rng: random.Random | None = None) -> list[TensorDict]:
         """Exactly ``k`` complete, fresh episodes (fewer only if interrupted), in request order.
 
-        Each asked env starts a fresh episode (a running step-mode episode is cut: its last step not handed out
-        yet is marked ``truncated``) and is asked again until ``k`` episodes were requested; when ``k < num_envs``
-        a random subset of envs is asked. Interrupted, the episodes complete by then.
+        Each asked env starts a fresh episode (its running one cut: its last unconsumed step marked ``truncated``)
+        and is asked again until ``k`` were requested; a random subset of envs when ``k < num_envs``.
 
         Raises:
             See :meth:`run_steps`; ``exc.partial`` holds the episodes completed before the failure.
@@ -385,8 +362,7 @@ class MultiEnvLoop:
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         envs = list(range(self.num_envs))
-        if k < self.num_envs:
-            envs = (rng or random.Random()).sample(envs, k)
+        envs = (rng or random.Random()).sample(envs, k) if k < self.num_envs else envs
         results: dict[int, TensorDict] = {}
 
         def finished(request: int, env: int, first: int, end: int) -> None:
@@ -394,8 +370,7 @@ class MultiEnvLoop:
                                                       len(results) + 1)
 
         def partial() -> TensorDict | None:
-            done = [results[i] for i in sorted(results)]
-            return torch.cat(done) if done else None
+            return torch.cat([results[i] for i in sorted(results)]) if results else None
 
         rule = EpisodeRule(self._stepper, envs if k else [], k, finished)
         if not self._run(rule, interrupter, partial):
@@ -404,21 +379,16 @@ class MultiEnvLoop:
 
     @_collecting
     def reset_envs(self, env_ids: Sequence[int] | None = None, *, seeds: Sequence[int | None] | None = None) -> None:
-        """Start a new episode now on the given envs (all by default), reseeded where seeds are given. An env's
-        last step not handed out yet is delivered by the next call, marked ``truncated``.
-
-        Raises:
-            ValueError: an env id out of range, or ``seeds`` of the wrong length. EnvError: a reset failed.
-        """
+        """Start a new episode now on the given envs (all by default), reseeded where seeds are given; an env's last
+        unconsumed step is delivered by the next call, marked ``truncated``. Raises ValueError (bad ids or seeds),
+        EnvError (a reset failed)."""
         ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in env_ids]
         for i in ids:
             if not 0 <= i < self.num_envs:
                 raise ValueError(f"env id {i} out of range: the loop has {self.num_envs} envs")
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(ids)} envs")
-        ids_array = np.asarray(ids, dtype=np.int64)
-        self._run(_ResetRule(self._stepper, ids_array, list(seeds) if seeds is not None else [None] * len(ids)),
-                  None, lambda: None)
+        self._stepper.reset(np.asarray(ids, dtype=np.int64), list(seeds) if seeds is not None else [None] * len(ids))
 
     # -- the policy ------------------------------------------------------------------------------------------
     @property
@@ -492,9 +462,7 @@ class MultiEnvLoop:
                 return
             self.closed = True
             self._stop.set()
-            stuck: list[str] = []
-            if self._envs is not None:
-                stuck = self._envs.close(self.join_timeout)
+            stuck = self._envs.close(self.join_timeout) if self._envs is not None else []
             if self._agent is not None:
                 self._agent.close()
             elif getattr(self, "_call", None) is not None:
@@ -518,19 +486,6 @@ class MultiEnvLoop:
             self._shutdown()
         except Exception:  # noqa: S110 - nothing to report at garbage collection
             pass
-
-
-class _ResetRule(EnvTimeRule):
-    """:meth:`MultiEnvLoop.reset_envs` as a rule: the reset, then nothing to step."""
-
-    def __init__(self, stepper: Stepper, ids: np.ndarray, seeds: list[int | None]) -> None:
-        stepper.reset(ids, seeds)
-
-    def select(self, stepper: Stepper, idle: np.ndarray) -> np.ndarray:
-        return np.empty(0, dtype=np.int64)
-
-    def done(self, stepper: Stepper) -> bool:
-        return True
 
 
 class EnvLoop(MultiEnvLoop):
@@ -557,9 +512,10 @@ def _policy_seed(seed: int | Sequence[int] | None) -> int | None:
 
 
 def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, parallel: bool,
-              threads: bool, name: str, max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None) -> Envs:
+              threads: bool, name: str, max_episode_steps: int | None, validate: bool,
+              info_keys: InfoKeys | None) -> Envs:
     """Worker processes (``num_workers > 1``), pool threads (several units, ``parallel_steps``, a
-    ``step_timeout`` to watch), or the stepping thread (see the module docstring)."""
+    ``step_timeout`` to watch), or the stepping thread."""
     options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
     if num_workers > 1:
         return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, threads=threads,
@@ -568,12 +524,6 @@ def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_worke
     if len(units) == 1 and not (parallel or threads):
         return SerialEnvs(units, seeds)
     return ThreadEnvs(units, seeds, name=name)
-
-
-def _random_policy() -> Any:
-    from torchrl.envs.utils import RandomPolicy
-
-    return RandomPolicy()
 
 
 def _random_actions(spec: Any, columns: dict[NestedKey, ArraySpec]) -> Callable[[int], dict[NestedKey, np.ndarray]]:
@@ -613,11 +563,8 @@ def _check_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: 
                      join_timeout: float, max_wait: float | None, policy_timeout: float | None, device: Any,
                      traj_id_start: int, env_shape: Sequence[int] | None, seed: Any, exploration_type: Any,
                      processor: Any, interrupter: Any, policy: Any, autobatch_size: int | None) -> float:
-    """Refuse a bad argument with what to change, before any env is built; returns ``join_timeout``.
-
-    Raises:
-        ValueError: the first bad argument, named.
-    """
+    """Raise ValueError for the first bad argument, with what to change, before any env is built; returns
+    ``join_timeout``."""
     check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
     if not is_auto(envs_per_thread) and num_envs % envs_per_thread:
         raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")

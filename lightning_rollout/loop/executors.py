@@ -1,18 +1,12 @@
 """Executors: a vector env of ``num_envs`` rows over units, in envpool's ``send`` / ``recv`` shape.
 
-The stepping loop writes the inputs of the envs it steps into ``slots.inputs`` and calls :meth:`Envs.send`;
-:meth:`Envs.recv` returns the rows whose step ended, their results written in ``slots`` (the env's ``"next"``
-entries, reward, flags and, for an env the step ended, its reset's root entries). Where the envs run is the
-executor's business:
-
-* :class:`SerialEnvs`: every unit stepped in the calling thread, at :meth:`~Envs.recv` (one unit of many
-  gymnasium envs is the gymnasium fast path; a natively batched env is one unit);
-* :class:`ThreadEnvs`: one pool thread a unit (``lightning_rollout-<name>-env<i>``), for steps that release
-  the GIL, and whenever a ``step_timeout`` must be able to abandon a stuck call;
-* :class:`~lightning_rollout.loop.processes.ProcessEnvs`: shards of units in worker processes, writing
-  shared-memory rows, one message a shard a step.
-
-A unit's rows are sent whole. Executors are driven by one thread (the loop's); ``close`` may run in any.
+The stepping loop writes the stepped envs' inputs into ``slots.inputs`` and calls :meth:`Envs.send`;
+:meth:`Envs.recv` returns the rows whose step ended, their results in ``slots`` (``"next"`` entries, reward,
+flags, and a done env's reset root entries). :class:`SerialEnvs` steps every unit in the calling thread at
+``recv``; :class:`ThreadEnvs` gives each unit a pool thread (``lightning_rollout-<name>-env<i>``: for steps
+that release the GIL, or a ``step_timeout``); :class:`~lightning_rollout.loop.processes.ProcessEnvs` puts
+shards in worker processes. A unit's rows are sent whole. One thread drives an executor; ``close`` may run in
+any.
 """
 
 from __future__ import annotations
@@ -58,11 +52,7 @@ class Envs:
         raise NotImplementedError
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
-        """Reset ``rows`` (idle) now, each with its seed; their root entries into ``slots.root``.
-
-        Raises:
-            EnvFailure: a reset failed.
-        """
+        """Reset ``rows`` (idle) now, each with its seed, into ``slots.root``; raises EnvFailure."""
         raise NotImplementedError
 
     def send(self, rows: np.ndarray) -> None:
@@ -70,12 +60,8 @@ class Envs:
         raise NotImplementedError
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
-        """The rows whose step ended since the last call (ascending within a unit): as soon as ``min_rows`` of
-        them ended, or after ``wait`` seconds with those that did (maybe none).
-
-        Raises:
-            EnvFailure: a step failed (the other rows' steps of that call are lost with it).
-        """
+        """The rows whose step ended since the last call (ascending within a unit), as soon as ``min_rows`` did or
+        after ``wait`` seconds (maybe none). Raises EnvFailure (that call's other rows lost with it)."""
         raise NotImplementedError
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
@@ -142,10 +128,6 @@ def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_step
     return units
 
 
-def _unit_of(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    return np.searchsorted(bounds, rows, side="right") - 1
-
-
 class _Local(Envs):
     """Units of this process: described, bound to their rows, reset once (seeded) at construction."""
 
@@ -177,7 +159,7 @@ class _Local(Envs):
         """``(unit, its rows or None for all of them)`` for ``rows``."""
         if len(self.units) == 1:
             return [(0, rows if len(rows) < self.num_envs else None)]
-        unit = _unit_of(self.bounds, rows)
+        unit = np.searchsorted(self.bounds, rows, side="right") - 1
         parts = []
         for u in np.unique(unit).tolist():
             mine = rows[unit == u] - self.bounds[u]
@@ -206,8 +188,7 @@ class _Local(Envs):
         return []
 
     def release(self) -> None:
-        """Drop every view of the slots (closed): shared memory is freed, its file descriptor closed, with its last
-        view, without waiting for the garbage collector."""
+        """Drop every view of the slots (closed), so shared memory is freed without the garbage collector."""
         for unit in self.units:
             unit.slots = None  # type: ignore[assignment]
         self.slots = None  # type: ignore[assignment]
@@ -297,8 +278,7 @@ class ThreadEnvs(_Local):
     def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
         """Hand each unit its part of ``rows``; returns how many units were asked."""
         now = time.perf_counter()
-        parts = self._parts(rows) if kind == "step" else [(u, local, mine) for u, local, mine in self._seeded(
-            rows, seeds)]
+        parts = self._parts(rows) if kind == "step" else self._seeded(rows, seeds)
         for part in parts:
             thread = self.pool[part[0]]
             thread.since, thread.phase = now, kind

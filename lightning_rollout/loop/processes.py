@@ -1,25 +1,20 @@
-"""Worker processes: shards of units in child processes, writing shared-memory rows; one message a shard a step.
+"""Worker processes: ``num_workers`` contiguous shards of whole units; the stepping thread steps shard 0 itself
+(between sending the children their steps and reading their answers), child processes the others (a
+:class:`SerialEnvs` each), one message a shard a step. The :class:`~lightning_rollout.envs.Slots` are torch
+tensors in shared memory, numpy on both sides; a message orders every write before the other side reads.
+The parent sends ``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)``, ``("close",)``; a child
+answers ``("started",)``, ``("ready", unit description, roots)``, ``("ok", kind, rows)`` or
+``("failed", row, phase, kind, text, completed, lost)``.
 
-With ``num_workers = n`` the envs are cut into ``n`` contiguous shards of whole units: the stepping thread
-steps shard 0 itself (between sending the children their steps and reading their answers), worker processes
-1 to ``n - 1`` step the others, each its units one after the other (a :class:`SerialEnvs` there too). The
-per-row arrays (:class:`~lightning_rollout.envs.Slots`) are torch tensors in shared memory, viewed as numpy on
-both sides; a message orders every write before the other side reads. Messages are tuples: the parent sends
-``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)`` and ``("close",)``; a child answers
-``("started",)``, ``("ready", unit description, roots)``, ``("ok", kind, rows)`` or
-``("failed", row, phase, kind, text)``.
-
-Lifetime: children start with ``spawn`` (safe with CUDA in the parent), not daemonic (an env may start
-processes of its own), with SIGINT blocked across ``exec`` and then ignored (Ctrl-C is the parent's), torch on
-one thread, and a watchdog that ends them when the parent dies. They end with ``os._exit`` once their envs are
-closed. :meth:`ProcessEnvs.close` asks each child to close, joins it within a bound, then terminates and kills
-it, and releases every pipe and ``Process`` at once. A child that dies without a word is described by when it
-died and by its exit code or signal. A daemonic process (a ``DataLoader`` worker) cannot have children:
-worker processes are refused there.
+Children start with ``spawn``, not daemonic (an env may start processes), SIGINT ignored (Ctrl-C is the
+parent's), torch on one thread, a watchdog ending them with the parent, and ``os._exit`` once their envs are
+closed. :meth:`ProcessEnvs.close` asks each to close, joins it within a bound, then terminates and kills it. A
+daemonic process (a ``DataLoader`` worker) cannot have children: worker processes are refused there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -55,26 +50,22 @@ class WorkerDied(RuntimeError):
 def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
     """Each env factory pickled (what a worker process is sent), or a ``ValueError`` saying what to do."""
     blobs: dict[int, bytes] = {}
-    out = []
     for i, factory in enumerate(factories):
-        blob = blobs.get(id(factory))
-        if blob is None:
+        if id(factory) not in blobs:
             try:
-                blob = blobs[id(factory)] = pickle.dumps(factory)
+                blobs[id(factory)] = pickle.dumps(factory)
             except Exception as exc:
                 raise ValueError(
                     f"num_workers > 1 runs envs in worker processes, which need the env factory to be picklable; "
                     f"env {i}'s factory {factory!r} is not ({type(exc).__name__}: {exc}). Define it at module level "
                     "(not a lambda or a local function), or pass a gymnasium id or a functools.partial of a "
                     "module-level function") from exc
-        out.append(blob)
-    return out
+    return [blobs[id(factory)] for factory in factories]
 
 
 def _shared_slots(rows: int, inputs: dict[NestedKey, ArraySpec], nxt: dict[NestedKey, ArraySpec],
                   root: dict[NestedKey, ArraySpec]) -> tuple[Slots, tuple[Any, ...]]:
-    """Slots over torch tensors in shared memory, and those tensors as :func:`_slots` takes them (what crosses to a
-    child: torch passes their file descriptors)."""
+    """Slots over torch tensors in shared memory, and those tensors as :func:`_slots` takes them (sent to a child)."""
     tensors: dict[int, torch.Tensor] = {}
 
     def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -154,12 +145,11 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
             kind = message[0]
             if kind == "close":
                 break
+            rows = message[1]
             if kind == "step":
-                rows = message[1]
                 envs.send(np.arange(envs.num_envs) if rows is None else rows)
                 envs.recv(0, 0.0)
             else:
-                rows = message[1]
                 envs.reset(rows, message[2])
             _send(conn, ("ok", kind, rows))
     except EnvFailure as failure:
@@ -167,11 +157,9 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
                      f"{failure}\n\n{''.join(traceback.format_exception(failure.cause))}".rstrip(),
                      failure.completed, failure.lost))
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
-        try:
+        with contextlib.suppress(Exception):  # the pipe is gone: the parent sees the death
             _send(conn, ("failed", 0, "step", "env", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}",
                          np.empty(0, np.int64), np.arange(envs.num_envs if envs else 0)))
-        except Exception:  # noqa: S110 - the pipe is gone: the parent sees the death
-            pass
     if envs is not None:
         envs.close(0.0)
     sys.stdout.flush()
@@ -239,18 +227,12 @@ class _Child:
 class ProcessEnvs(Envs):
     """Envs in this process (shard 0) and in ``num_workers - 1`` worker processes (see the module docstring).
 
-    Args:
-        factories: one env factory a row (picklable; a natively batched env's factory repeated for its rows).
-        seeds: each row's first seed.
-        num_workers: processes stepping envs, this one counted (``>= 2``).
-        group: envs a unit steps (a shard's envs, a natively batched env's own batch).
-        options: ``max_episode_steps``, ``validate``, ``info_keys`` for :func:`build_units`.
-        name: used in process names. threads: shard 0 in a pool thread (a ``step_timeout`` must watch it).
-        timeout: seconds a child may take to build and reset its envs.
+    ``factories``: one picklable factory a row; ``seeds``: each row's first seed; ``group``: envs a unit steps;
+    ``threads``: shard 0 in a pool thread (for ``step_timeout``); ``timeout``: seconds a child may take to build
+    and reset its envs.
 
-    Raises:
-        ValueError: an unpicklable factory; envs whose specs differ. CollectionError: a daemonic process, or no
-            process could be started. EnvFailure: an env failed to build or reset (named by its row).
+    Raises ValueError (an unpicklable factory, specs that differ), CollectionError (a daemonic process, no
+    process started), EnvFailure (an env failed to build or reset, named by its row).
     """
 
     def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,
@@ -341,10 +323,8 @@ class ProcessEnvs(Envs):
 
     def _split(self, rows: np.ndarray) -> list[tuple[_Child | None, np.ndarray]]:
         shard = np.searchsorted(self.bounds, rows, side="right") - 1
-        out: list[tuple[_Child | None, np.ndarray]] = []
-        for s in np.unique(shard).tolist():
-            out.append((None if s == 0 else self.children[s - 1], rows[shard == s] - self.bounds[s]))
-        return out
+        return [(None if s == 0 else self.children[s - 1], rows[shard == s] - self.bounds[s])
+                for s in np.unique(shard).tolist()]
 
     def _call(self, child: _Child, message: tuple[Any, ...]) -> None:
         child.calls += 1
@@ -436,10 +416,8 @@ class ProcessEnvs(Envs):
         self._closed = True
         for child in self.children:
             if child.ready and child.process.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     _send(child.conn, ("close",))
-                except OSError:
-                    pass
             elif child.process.is_alive():  # still building: it cannot read the request
                 child.process.terminate()
         deadline = time.monotonic() + timeout
@@ -452,10 +430,8 @@ class ProcessEnvs(Envs):
                     end()
                     process.join(1.0)
             child.conn.close()
-            try:
+            with contextlib.suppress(ValueError):  # still running after kill (not reaped yet): left to multiprocessing
                 process.close()
-            except ValueError:  # still running after kill (not reaped yet): left to multiprocessing
-                pass
             self.children.pop(0)
         if local is not None:
             local.release()

@@ -1,17 +1,11 @@
-"""The one stepping loop: receive ready rows, settle them, one batched policy call, send.
+"""The one stepping loop, in the collecting thread: send the idle envs a :class:`Rule` selects (actions from one
+policy call), receive the rows whose step ended (``min(in flight, autobatch_size)`` rows, or those ready within
+``max_wait``) and settle them into the :class:`~.storage.Ring`, numpy over the round's rows (no loop over envs).
 
-:class:`Stepper` runs in the thread that collects (the loop's caller). Each round it sends the idle envs a
-:class:`Rule` selects (their actions from one policy call on their root entries), then receives the rows whose
-step ended (:meth:`~lightning_rollout.loop.executors.Envs.recv`: at least ``min(in flight, autobatch_size)``
-rows, or what arrived within ``max_wait``) and settles them into the :class:`~.storage.Ring`: the step's
-``"next"`` entries, reward and flags, the episode's length and return, the root entries of the env's next
-step (carried, or its reset's after a done step, the final observations kept aside). Every per-step write is
-numpy over the rows of a round; nothing loops over envs.
-
-Rules are the stop rules of the calls (``T`` steps per env, ``n`` frames in arrival order, ``k`` fresh
-episodes); double batching is a last send at the end of a call (each env then has a step in flight while the
-caller trains), ``lookahead=False`` leaves nothing in flight. Per env: ``t`` is the step whose root entries are
-in row ``t`` (its next one), ``consumed`` the steps handed out; steps ``consumed`` to ``t - 1`` are complete.
+Rules are the calls' stop rules (``T`` steps per env, ``n`` frames in arrival order, ``k`` fresh episodes). With
+``lookahead`` a call ends with a last send (a step in flight per env while the caller trains). Per env: ``t`` is
+the step whose root entries are in row ``t``, ``consumed`` the steps handed out; ``consumed`` to ``t - 1`` are
+complete.
 """
 
 from __future__ import annotations
@@ -120,9 +114,8 @@ class FlatRule(Rule):
 
 
 class EpisodeRule(Rule):
-    """Fresh episodes on the envs asked (``envs``, in request order), each env asked again until ``total``
-    episodes were requested; each completed one is handed to ``finished(request index, env, first, end)``
-    (its steps ``first`` to ``end - 1`` of the episode cursor)."""
+    """Fresh episodes on ``envs`` (request order), asked again until ``total`` were requested; each completed one
+    goes to ``finished(request index, env, first, end)`` (steps ``first`` to ``end - 1`` of the episode cursor)."""
 
     def __init__(self, stepper: Stepper, envs: list[int], total: int,
                  finished: Callable[[int, int, int, int], None]) -> None:
@@ -131,11 +124,10 @@ class EpisodeRule(Rule):
         self.start = np.zeros(stepper.num_envs, dtype=np.int64)
         self.requested = 0
         for e in envs:
-            self._begin(stepper, e, first=True)
-
-    def _begin(self, stepper: Stepper, e: int, *, first: bool) -> None:
-        if first:
             stepper.begin_episode(e)
+            self._begin(stepper, e)
+
+    def _begin(self, stepper: Stepper, e: int) -> None:
         stepper.episodes.consumed[e] = self.start[e] = stepper.episodes.t[e]
         self.running[e] = self.requested
         self.requested += 1
@@ -155,7 +147,7 @@ class EpisodeRule(Rule):
             self.finished(int(self.running[e]), e, int(self.start[e]), int(stepper.episodes.t[e]))
             self.running[e] = -1
             if self.requested < self.total:
-                self._begin(stepper, e, first=False)  # its reset after the done step is a fresh episode
+                self._begin(stepper, e)  # its reset after the done step is a fresh episode
             else:
                 stepper.end_episodes(np.array([e]))
 
@@ -166,32 +158,21 @@ class EpisodeRule(Rule):
 
 
 class Stepper:
-    """Every env's stepping state and the one loop over an executor (see the module docstring).
+    """Every env's stepping state and the one loop over ``envs`` (an executor, first reset done).
 
-    Args:
-        envs: the executor (its first reset done: ``envs.roots``).
-        layout: the columns.
-        policy: ``(inputs, rows, mode) -> (outputs, version)``.
-        random_action: ``rows -> outputs`` of uniformly random actions.
-        input_keys: the root entries the policy reads; ``env_inputs``: those the envs read (with the actions).
-        autobatch_size, max_wait: the recv rule. step_timeout: seconds before a stuck env call raises.
-        random_steps: each env's first steps act at random (``policy_version == -1``).
-        group: envs a call steps together at the least (``envs_per_thread``).
-        stop: set when the loop closes; every wait checks it.
-
-    Attributes:
-        main: the cursor of step calls; ``episodes``: that of ``run_episodes`` (envs in ``in_episode``).
-
-    Threading: one thread drives it at a time (the loop claims it); :attr:`stop` may be set from any.
+    ``policy``: ``(inputs, rows, mode) -> (outputs, version)``; ``random_action``: ``rows -> outputs``.
+    ``input_keys`` / ``env_inputs``: root entries the policy / the envs read. ``random_steps``: each env's first
+    steps act at random (version ``-1``). ``group``: envs stepped together at the least. ``stop``: set when the
+    loop closes; every wait checks it. ``main`` is the cursor of step calls, ``episodes`` that of
+    ``run_episodes`` (envs in ``in_episode``). One thread drives it at a time; ``stop`` may be set from any.
     """
 
     def __init__(self, envs: Envs, layout: Layout, *, policy: PolicyFn,
                  random_action: Callable[[int], dict[NestedKey, np.ndarray]], input_keys: list[NestedKey],
                  env_inputs: list[NestedKey], autobatch_size: int | None, max_wait: float | None,
                  step_timeout: float | None, random_steps: int, group: int, stop: threading.Event) -> None:
-        n = envs.num_envs
+        self.num_envs = n = envs.num_envs
         self.envs, self.layout, self.policy, self.random_action = envs, layout, policy, random_action
-        self.num_envs = n
         self.autobatch_size, self.max_wait, self.step_timeout = autobatch_size, max_wait, step_timeout
         self.stop = stop
         self.main = Cursor(layout, n)
@@ -237,11 +218,7 @@ class Stepper:
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, rule: Rule, interrupter: Interrupter | None) -> bool:
         """Step until ``rule`` is done; ``False`` when the interrupter fired first (steps in flight stay there).
-
-        Raises:
-            EnvError, PolicyError, StepTimeoutError: a step or the policy failed (rows settled before it stay).
-            CollectionError: the loop was closed meanwhile.
-        """
+        Raises EnvError, PolicyError, StepTimeoutError (rows settled before stay), CollectionError (closed)."""
         while not rule.done(self):
             if self.stop.is_set():
                 raise CollectionError("the loop was closed while collecting")
@@ -252,7 +229,7 @@ class Stepper:
                 try:
                     self.send(send)
                 except PolicyError:  # the steps in flight elsewhere still land
-                    self._salvage(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+                    self._salvage(self._no_one, self._no_one)
                     raise
             if not self.flying.any():
                 raise CollectionError("the loop has nothing in flight and the call is not complete (a bug)")
@@ -358,8 +335,8 @@ class Stepper:
                                            env_id=row, step=self.steps_of(row), phase=phase)
 
     def _salvage(self, completed: np.ndarray, lost: np.ndarray, within: float = 0.5) -> None:
-        """After a failure, keep every step that ended: ``completed`` ones, and those still in flight elsewhere that
-        end within ``within`` seconds (``lost`` ones never will; a further failure's are handled alike)."""
+        """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within ``within``
+        seconds (``lost`` ones never will)."""
         self.settle(completed)
         self.flying[lost] = False
         end = time.perf_counter() + within
@@ -377,8 +354,7 @@ class Stepper:
         return int((self.episodes if self.in_episode[e] else self.main).t[e])
 
     def failure_error(self, failure: EnvFailure) -> CollectionError:
-        """The user's error for an env call that failed: an :class:`EnvError` named by env and step, or a
-        :class:`PolicyError` for an invalid action."""
+        """An env call's failure as an :class:`EnvError` (env and step), or a :class:`PolicyError` (bad action)."""
         e, where = failure.row, "" if failure.process is None else f" (in worker process {failure.process})"
         if failure.kind == "action":
             error: CollectionError = PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,),
@@ -427,8 +403,8 @@ class Stepper:
             self._write_roots(c, ended, {k: v[ended] for k, v in s.root.items()})
 
     def _write_roots(self, c: Cursor, ids: np.ndarray, roots: dict[NestedKey, np.ndarray]) -> None:
-        """A new episode's root entries for envs ``ids`` at their next step (policy state zeroed, counts reset); the
-        step before, not handed out yet, keeps the observations it ended with."""
+        """A new episode's root entries for envs ``ids`` at their next step (policy state zeroed, counts reset); an
+        unconsumed step before keeps the observations it ended with."""
         stepped = ids[c.t[ids] > c.consumed[ids]]
         c.ring.keep_final(c.t[stepped] - 1, stepped)
         cols, rows = c.ring.cols, c.t[ids] % c.ring.capacity
@@ -458,8 +434,8 @@ class Stepper:
                 raise CollectionError("the loop was closed while collecting")
 
     def _cut(self, e: int) -> None:
-        """End env ``e``'s running step-mode episode: its last step not handed out yet is marked truncated (and
-        done); without one, the env's next steps start a new trajectory."""
+        """End env ``e``'s step-mode episode: its last unconsumed step is marked truncated (and done), else the env
+        starts a new trajectory."""
         main = self.main
         if main.ep_len[e] == 0:
             return
@@ -499,8 +475,7 @@ class Stepper:
         self._reset(ep, ids, [None])
 
     def end_episodes(self, ids: np.ndarray) -> None:
-        """Envs ``ids`` (idle) go back to step mode: from the fresh episode after their done step, or, for an
-        episode cut short (an interrupted call), from a new reset."""
+        """Envs ``ids`` (idle) back to step mode: from the fresh episode after their done step, else a new reset."""
         if not len(ids):
             return
         self.in_episode[ids] = False

@@ -1,11 +1,7 @@
-"""Storage: the columns of a transition, the ring of recent steps, and recycled batch columns.
-
-One preallocated numpy column per leaf of the env's TorchRL specs, of the policy's outputs and of the loop's
-bookkeeping (:class:`Layout`). The stepping loop writes every env's steps into a :class:`Ring`, time-major
-(``cols[key][t % capacity, env]``); a batch is gathered from it once, when a call returns. An env's
-observations are written once a step: step ``t``'s ``("next", key)`` is the root ``key`` of row ``t + 1``
-(as TorchRL's ``step_mdp`` carries it); for an env reset after step ``t`` the final observations are kept
-in a side table first. Nothing here holds a thread; the ring and the pool belong to the stepping thread.
+"""Storage: the columns of a transition (:class:`Layout`: one numpy column per leaf of the env's specs, the
+policy's outputs and the loop's bookkeeping), the time-major :class:`Ring` of recent steps, recycled batch columns
+(:class:`BatchPool`). Observations are stored once a step: step ``t``'s ``("next", key)`` is row ``t + 1``'s
+``key`` (a reset's final observations kept aside). No threads; the ring and the pool belong to the stepping thread.
 """
 
 from __future__ import annotations
@@ -42,9 +38,9 @@ class Layout:
 
     Attributes:
         carried: root entries each env keeps between steps: its observations and state, what the policy wrote
-            under ``"next"`` that the env does not provide (recurrent state, zero at each reset), and what it
-            wrote at the root besides the action (kept as TorchRL's ``step_mdp(keep_other=True)`` keeps it).
-        done_keys: done flags; false at the root (an env is reset as soon as it is done): no root columns.
+            under ``"next"`` the env does not provide (recurrent state, zeroed at a reset), and what it wrote at
+            the root besides the action (as ``step_mdp(keep_other=True)`` keeps it).
+        done_keys: done flags (no root columns: false at the root, an env being reset once done).
         env_next: entries a step writes (``Slots.next``) that the loop stores.
         shared: the observations stored once: step ``t``'s ``("next", key)`` is row ``t + 1``'s ``key``.
         advance: ``(root key, column)``: where each other carried entry comes from after a step.
@@ -119,12 +115,8 @@ class Layout:
 
 
 class Ring:
-    """Every env's recent steps, time-major: ``cols[key][t % capacity, env]`` is step ``t`` of ``env``.
-
-    Step ``t``'s shared observations are row ``t + 1``'s root entries, or, for an env reset after step ``t``,
-    its entry in ``final`` (``{(t, env): {("next", key): value}}``). :meth:`grow` keeps every step in place.
-    Owned by the stepping thread.
-    """
+    """Every env's recent steps, time-major: ``cols[key][t % capacity, env]`` is step ``t`` of ``env``; step ``t``'s
+    shared observations are row ``t + 1``'s root entries, or, after a reset, ``final[(t, env)][("next", key)]``."""
 
     def __init__(self, layout: Layout, num_envs: int, capacity: int = 4) -> None:
         self.layout = layout
@@ -190,11 +182,9 @@ _UNREFERENCED = _max_refcount({"probe": np.empty(0)})  # what _max_refcount repo
 class BatchPool:
     """The columns of a loop's last ``keep`` batches, handed out again once nothing references them.
 
-    A big batch built over fresh arrays is fresh pages the kernel zeroes on the first write; a recycled one is
-    memory already mapped. A batch is recycled only when CPython's reference counts say that no TensorDict,
-    tensor, view or slice of it is left anywhere, so recycling changes no value a caller can see. Every column
-    of a batch is written in full before it is read. Not thread-safe: the stepping thread uses it;
-    :meth:`clear` swaps the list and may run in any thread.
+    Recycled memory is already mapped (fresh pages are zeroed by the kernel on first write). A batch is recycled
+    only when CPython's reference counts show no TensorDict, tensor, view or slice of it left, and every column
+    is written in full before it is read. The stepping thread uses it; :meth:`clear` may run in any thread.
     """
 
     def __init__(self, layout: Layout, *, keep: int = 2) -> None:
