@@ -50,10 +50,9 @@ class HelperThreads:
         gather_s: free-running only: after the first env ends, wait up to this long (seconds) for more, up to
             half the envs, to answer them with one policy call.
         pin: the helpers (as ``SCHED_BATCH``), and the owner during :meth:`run`, run on one core (the lowest
-            this process may use), as the collector places a block once its steps are seen to wait and to need less than a
-            core in all (``lightning_rollout/loop/block.py``, its ``_placement``, written out here so that
-            the ceiling runs no collector code: keep the two in step); with fewer than two cores, or without
-            CPU affinity, nothing moves.
+            this process may use), the placement the previous core gave a block whose steps wait (the current
+            core's pool threads are not placed; ``--no-pin`` measures what they get); with fewer than two cores,
+            or without CPU affinity, nothing moves.
 
     Threading: helper ``j`` touches only ``envs[j]``, ``results[j]`` and its lock; the owner reads a result
     after the helper has put ``j`` on the queue, and writes an action before releasing the helper's lock.
