@@ -583,9 +583,9 @@ def _stop_reason(trainer: pl.Trainer) -> str | None:
         (0 < dm.total_frames <= frames, f"RolloutDataModule(total_frames={dm.total_frames}) reached (frames per rank)"),
         (-1 < trainer.max_steps <= step, f"Trainer(max_steps={trainer.max_steps}) reached; it counts optimizer steps"
                                          f"{per_batch} (RolloutDataModule(total_frames=...) counts frames per rank)"),
+        (trainer.should_stop, "trainer.should_stop was set (by EarlyStopping, Trainer(max_time=...) or a callback)"),
         (epochs not in (None, -1) and trainer.current_epoch >= epochs,
          f"Trainer(max_epochs={epochs}) reached (an epoch is {trainer.num_training_batches} batches)"),
-        (trainer.should_stop, "trainer.should_stop was set (by EarlyStopping, Trainer(max_time=...) or a callback)"),
     ) if reached), None)
     return reason and (f"Training stopped after {batches} batch{'es' * (batches != 1)} ({frames} frames per rank, "
                        f"global_step={step}): {reason}")
