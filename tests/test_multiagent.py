@@ -112,8 +112,8 @@ def test_ippo_example_trains_through_trainer_fit(tmp_path: Path) -> None:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_ippo_improves_on_random_actions(seed: int, tmp_path: Path) -> None:
-    """The bar of the learning-results table (docs/performance.rst): the final evaluation's mean team return beats the random policy's
-    (measured over 1000 episodes) by at least MARGIN."""
+    """The bar of the learning-results table (docs/performance.rst): the final evaluation's mean team return beats
+    the random policy's (measured over 1000 episodes) by at least MARGIN."""
     random = run_example("ippo_mpe.py", "--random-baseline", "1000", "--seed", str(seed), timeout=600)
     result = run_example("ippo_mpe.py", "--seed", str(seed), "--out", str(tmp_path), timeout=3000)
     assert result["last_eval_return"] >= random["random_mean_return"] + ippo_mpe.MARGIN, (result, random)
