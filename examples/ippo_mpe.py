@@ -46,9 +46,10 @@ from lightning_rollout.lightning import RolloutDataModule  # noqa: E402
 
 N_AGENTS, OBS_DIM, N_ACTIONS, EPISODE_STEPS = 3, 18, 5, 25
 # The bar of the learning-results table (docs/performance.rst) and of the slow test: after training, the mean
-# evaluation team return beats the mean return of uniformly random actions (about -80, std 24 per episode, measured over 1000 episodes: a standard
-# error of 0.75) by this much: 0.4 of a random episode's std, well above the noise of a 32-episode evaluation (a
-# standard error of about 3). Measured: +17.8 to +22.1 after 300k frames (docs/performance.rst).
+# evaluation team return beats the mean return of uniformly random actions (about -80, std 24 per episode,
+# measured over 1000 episodes: a standard error of 0.75) by this much: 0.4 of a random episode's std, well above
+# the noise of a 32-episode evaluation (a standard error of about 3). Measured: +17.8 to +22.1 after 300k frames
+# (docs/performance.rst).
 MARGIN = 10.0
 GROUP = "agents"
 KEYS = {k: (GROUP, k) for k in ("observation", "action", "action_log_prob", "logits", "reward", "done",
