@@ -823,8 +823,10 @@ class AutobatchPolicy:
             return self.call.update(state, timeout=timeout, buffers_from=buffers_from)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not marker.done.wait(_POLL_S):
-            if self.closed or self.failure is not None:
-                raise self.failure or CollectionError("the AutobatchPolicy was closed before the update was applied")
+            if self.failure is not None:  # the inference thread failed, maybe while applying this update
+                raise PolicyError(self.failure.reason) from self.failure
+            if self.closed:
+                raise CollectionError("the AutobatchPolicy was closed before the update was applied")
             if deadline is not None and time.monotonic() > deadline:
                 raise CollectionError(f"policy update not applied within {timeout} s")
         if marker.error is not None:
@@ -908,7 +910,7 @@ class AutobatchPolicy:
             for request in pending:
                 request.finish(error=PolicyError(error.reason, env_ids=request.agent.env_ids))
             for _, marker in updates:
-                marker.finish(error=error)
+                marker.finish(error=PolicyError(error.reason))
 
     def _due(self) -> bool:
         """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
