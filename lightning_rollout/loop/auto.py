@@ -1,13 +1,9 @@
 """``"auto"``: the executor for a loop's envs, from a short measure of one env.
 
 :func:`measure_env` times a few random-action steps of one env (run-queue waits left out) and, for a step of
-100 us or more, how much of it holds the GIL (a probe thread's ~100 us sleeps overshooting by tens of us found it
-held). The rule (:func:`choose_layout`, ``docs/tuning.rst``): a step releasing the GIL at least half its time
-and taking 500 us or more gets a pool thread an env (``parallel_steps``); one holding it gets worker processes
-(one a core, each with at least 200 us of env time, this process stepping one) given two cores or more, a
-factory that pickles, and more than a 300 us round trip of env time for the other processes
-(``num_envs x step x (1 - 1 / processes)``); otherwise every env runs in the stepping thread. A natively
-batched env is stepped as it is; a failed or hung measure falls back to the stepping thread.
+100 us or more, the share of it that holds the GIL; :func:`choose_layout` applies the rule of ``docs/tuning.rst``
+(a pool thread an env, worker processes, or every env in the stepping thread). A natively batched env is stepped
+as it is; a failed or hung measure falls back to the stepping thread.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,13 +42,11 @@ class EnvTiming:
     Attributes:
         step_s: mean seconds of a step (waits for a CPU left out where Linux tells them).
         gil_release: share of a step spent without the GIL (``NaN``: not measured, a cheap step).
-        step_cv: standard deviation of the step times over their mean.
         batch: the rows of a natively batched env (not timed); ``None`` for a single env.
     """
 
     step_s: float
     gil_release: float
-    step_cv: float = 0.0
     batch: int | None = None
 
 
@@ -80,20 +75,13 @@ class RunDelay:
             self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:
             self._fd = None
-        self._last = 0.0
 
     def __call__(self) -> float:
-        if self._fd is not None:
-            try:
-                self._last = int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
-            except (OSError, ValueError, IndexError):
-                self.close()
-        return self._last
+        return 0.0 if self._fd is None else int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
 
     def close(self) -> None:
         if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+            os.close(self._fd)
 
 
 def usable_cores() -> int:
@@ -117,34 +105,19 @@ def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
     limits: list[float] = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        parts = [p for p in path.split("/") if p]
-        if controllers == "":
-            mounts, files = [root], ("cpu.max",)
-        elif "cpu" in controllers.split(","):
-            mounts, files = [os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")], ("cpu.cfs_quota_us",
-                                                                                              "cpu.cfs_period_us")
-        else:
+        if controllers and "cpu" not in controllers.split(","):
             continue
-        for mount in mounts:
-            for depth in range(len(parts), -1, -1):
-                folder = os.path.join(mount, *parts[:depth])
-                texts = [_read(os.path.join(folder, f)) for f in files]
-                quota, period = texts[0].partition(" ")[::2] if len(files) == 1 else texts
-                try:
-                    q, p = int(quota), int(period)
-                except ValueError:
-                    continue
-                if q > 0 and p > 0:
-                    limits.append(q / p)
+        files = ("cpu.cfs_quota_us", "cpu.cfs_period_us") if controllers else ("cpu.max",)  # v1, or v2
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts) + 1):
+            folder = os.path.join(root, controllers, *parts[:depth])  # a v1 hierarchy is mounted at its controllers
+            try:
+                quota, period = (int(x) for x in " ".join(Path(folder, f).read_text() for f in files).split())
+            except (OSError, ValueError):
+                continue
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
     return min(limits) if limits else None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _held_share(step: Any, window: float, period: float = 100e-6) -> float | None:
@@ -222,15 +195,12 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
 
         for _ in range(3):
             step()
-        times = [step() for _ in range(steps)]
-        step_s = statistics.fmean(times)
-        cv = statistics.pstdev(times, step_s) / step_s if step_s > 0 else 0.0
+        step_s = statistics.fmean(step() for _ in range(steps))
         if step_s < cheap_s:
-            return EnvTiming(step_s=step_s, gil_release=float("nan"), step_cv=cv)
+            return EnvTiming(step_s=step_s, gil_release=float("nan"))
         readings = [h for h in (_held_share(step, max(probe_s / rounds, 2 * step_s)) for _ in range(rounds))
                     if h is not None]
-        return EnvTiming(step_s=step_s, gil_release=1.0 - statistics.median(readings) if readings else float("nan"),
-                         step_cv=cv)
+        return EnvTiming(step_s=step_s, gil_release=1.0 - statistics.median(readings) if readings else float("nan"))
     finally:
         delay.close()
         envs.close(0.0)
@@ -297,7 +267,10 @@ def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str
         workers = 1 if is_auto(num_workers) else int(num_workers)
         choice = LayoutChoice(workers, num_envs // workers, f"measuring one env failed ({box.get('error')!r})")
     else:
-        picklable = not mp.current_process().daemon and _picklable(factory)
+        try:  # a daemonic process (a DataLoader worker) may not start processes
+            picklable = not mp.current_process().daemon and bool(pickle.dumps(factory))
+        except Exception:
+            picklable = False
         choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, expected_frames=expected_frames,
                                picklable=picklable)
         best = choose_layout(num_envs, box["timing"], expected_frames=expected_frames, picklable=picklable)
@@ -331,14 +304,6 @@ def one_env_threads_warning(num_envs: int, envs_per_thread: int) -> str | None:
     return (f"envs_per_thread=1 steps each of the {num_envs} envs in a pool thread of its own, a thread hand-off "
             f"every step: it pays only for steps that release the GIL; pass envs_per_thread='auto', or "
             f"envs_per_thread={num_envs} (every env in the stepping thread)")
-
-
-def _picklable(factory: EnvFactory) -> bool:
-    try:
-        pickle.dumps(factory)
-        return True
-    except Exception:
-        return False
 
 
 def is_auto(value: Any) -> bool:

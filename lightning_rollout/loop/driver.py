@@ -1,6 +1,5 @@
-"""The env loops :class:`MultiEnvLoop` and :class:`EnvLoop`: envs built in an executor, the policy probed on
-their first observations to lay out the columns, then collection on request (``T`` steps of every env, ``n``
-frames in arrival order, ``k`` fresh episodes), each call running the stepping loop in the calling thread.
+"""The env loops :class:`MultiEnvLoop` and :class:`EnvLoop`: collection on request (``T`` steps of every env,
+``n`` frames in arrival order, ``k`` fresh episodes), each call running the stepping loop in the calling thread.
 
 One call at a time (a second thread's, or one from inside a call, is refused). An env or policy error closes
 the loop and is raised naming env and step, the steps before it on ``exc.partial``; ``close`` from another
@@ -183,7 +182,7 @@ class MultiEnvLoop:
                                    parallel=bool(parallel_steps), threads=step_timeout is not None, name=name,
                                    max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
             self._seeded = seed
-            self._setup(policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size, max_wait=max_wait,
+            self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size, max_wait=max_wait,
                         device=device, policy_timeout=policy_timeout, env_shape=env_shape,
                         random_steps=random_steps_per_env, traj_id_start=traj_id_start)
         except EnvFailure as failure:
@@ -201,12 +200,10 @@ class MultiEnvLoop:
         if start:
             self.start()
 
-    def _setup(self, policy: Any, *, autobatch_size: int | None, max_wait: float | None, device: Any,
+    def _setup(self, envs: Envs, policy: Any, *, autobatch_size: int | None, max_wait: float | None, device: Any,
                policy_timeout: float | None, env_shape: Sequence[int] | None, random_steps: int,
                traj_id_start: int) -> None:
         """The policy probed on every env's first root entries, the columns laid out from what it writes."""
-        envs = self._envs
-        assert envs is not None
         unit, keys = envs.unit, envs.unit.keys
         if isinstance(policy, AutobatchPolicy):
             self._call = policy.call
@@ -219,8 +216,8 @@ class MultiEnvLoop:
                                        observation_spec=unit.observation_spec, action_keys=list(keys.action),
                                        single_key=data[0] if len(data) == 1 else None, action_spec=unit.action_spec,
                                        policy_timeout=policy_timeout, name=self.name)
-            self._call = PolicyCall(wrapped, device=device, seed=_policy_seed(self.seed), policy_timeout=policy_timeout,
-                                    name=self.name)
+            self._call = PolicyCall(wrapped, device=device, seed=_seeds(self.seed, self.num_envs)[0],
+                                    policy_timeout=policy_timeout, name=self.name)
             self._policy = self._call
         # torch's intra-op threads (process-wide) for the probe and every call: capped at the cores left by the
         # pool threads or the worker processes stepping meanwhile
@@ -273,8 +270,12 @@ class MultiEnvLoop:
                 self._seeded = self.seed
 
     # -- collection calls ---------------------------------------------------------------------------------
-    def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool:
-        """Run the stepper; a failure gets what ``partial`` gathers as ``exc.partial`` and closes the loop."""
+    def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]
+             ) -> bool | None:
+        """Run the stepper: ``True`` when ``rule`` is done, ``False`` when interrupted, ``None`` when it was before
+        the start. A failure gets what ``partial`` gathers as ``exc.partial`` and closes the loop."""
+        if interrupter is not None and interrupter.should_stop():
+            return None
         self._stepper.mode = self.exploration_type or current_exploration_type() or ExplorationType.RANDOM
         try:
             return self._stepper.run(rule, interrupter)
@@ -315,11 +316,10 @@ class MultiEnvLoop:
             emitted += k
 
         arrived(*delivery.pending(main))
-        stopped = interrupter is not None and interrupter.should_stop()
-        done = stopped or self._run(FlatRule(n, exact=not self.lookahead, arrived=arrived), interrupter,
-                                    lambda: delivery.flat(main, main.available()))
+        done = self._run(FlatRule(n, exact=not self.lookahead, arrived=arrived), interrupter,
+                         lambda: delivery.flat(main, main.available()))
         batch = delivery.flat(main, min(n, main.available()))
-        if done and not stopped:
+        if done:
             self._stepper.finish(self.lookahead)
         return batch
 
@@ -333,12 +333,11 @@ class MultiEnvLoop:
         processor = processor if processor is not None else self.processor
         interrupter = interrupter if interrupter is not None else self.interrupter
         main = self._stepper.main
-        common = lambda: min(steps_per_env, int((main.t - main.consumed).min()))  # noqa: E731
-        stopped = interrupter is not None and interrupter.should_stop()
-        done = stopped or self._run(EnvTimeRule(self._stepper, steps_per_env), interrupter,
-                                    lambda: self._delivery.flat(main, main.available()))
-        batch = self._delivery.env_time(main, 0 if stopped else common(), processor)
-        if done and not stopped:
+        done = self._run(EnvTimeRule(self._stepper, steps_per_env), interrupter,
+                         lambda: self._delivery.flat(main, main.available()))
+        common = 0 if done is None else min(steps_per_env, int((main.t - main.consumed).min()))
+        batch = self._delivery.env_time(main, common, processor)
+        if done:
             self._stepper.finish(self.lookahead)
         return batch
 
@@ -505,10 +504,6 @@ def _seeds(seed: int | Sequence[int] | None, num_envs: int) -> list[int | None]:
     if len(seed) != num_envs:
         raise ValueError(f"seed has {len(seed)} entries for {num_envs} envs; pass one seed or one per env")
     return [int(s) for s in seed]
-
-
-def _policy_seed(seed: int | Sequence[int] | None) -> int | None:
-    return None if seed is None else int(seed) if isinstance(seed, (int, np.integer)) else int(seed[0])
 
 
 def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, parallel: bool,
