@@ -182,8 +182,8 @@ class MultiEnvLoop:
                                    parallel=bool(parallel_steps), threads=step_timeout is not None, name=name,
                                    max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
             self._seeded = seed
-            self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size, max_wait=max_wait,
-                        device=device, policy_timeout=policy_timeout, env_shape=env_shape,
+            self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size,
+                        max_wait=max_wait, device=device, policy_timeout=policy_timeout, env_shape=env_shape,
                         random_steps=random_steps_per_env, traj_id_start=traj_id_start)
         except EnvFailure as failure:
             self._shutdown()
