@@ -121,40 +121,39 @@ def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
 
 
 def _held_share(step: Any, window: float, period: float = 100e-6) -> float | None:
-    """The share of ``window`` seconds of ``step()`` calls that a probe thread found the GIL held."""
-    box: dict[str, float] = {}
-    stop = threading.Event()
+    """The share of ``window`` seconds of ``step()`` calls that a probe thread found the GIL held: its sleeps of
+    about ``period`` woke over 30 us later than they do alone."""
+    ready, stop = threading.Event(), threading.Event()
+    share: list[float] = []
+    pauses = [period * (0.5 + ((i * 37) % 64) / 63) for i in range(64)]  # no rhythm an env can lock onto
 
     def probe() -> None:
         delay = RunDelay()
-        pauses = [period * (0.5 + ((i * 37) % 64) / 63) for i in range(64)]  # no rhythm an env can lock onto
         t, d = time.perf_counter(), delay()
-        overshoots = []
-        for i in range(20):  # alone: how far a wake-up overshoots with nobody holding the GIL
-            time.sleep(pauses[i])
-            t1, d1 = time.perf_counter(), delay()
-            overshoots.append(t1 - t - (d1 - d) - pauses[i])
-            t, d = t1, d1
-        alone = statistics.median(overshoots)
-        box["ready"] = 1.0
+
+        def cycle(i: int) -> float:  # seconds of a sleep and its wake-up, run-queue waits left out
+            nonlocal t, d
+            time.sleep(pauses[i % 64])
+            t0, d0, t, d = t, d, time.perf_counter(), delay()
+            return t - t0 - (d - d0)
+
+        alone = statistics.median(cycle(i) - pauses[i] for i in range(20))  # the overshoot with nobody holding it
+        ready.set()
         held = total = 0.0
         i = 0
         while not stop.is_set() and total < window * 4 + 1.0:
-            time.sleep(pauses[i % 64])
-            t1, d1 = time.perf_counter(), delay()
-            cycle = t1 - t - (d1 - d)
-            total += cycle
-            if cycle - pauses[i % 64] - alone > 30e-6:
-                held += cycle
-            t, d, i = t1, d1, i + 1
+            seconds = cycle(i)
+            total += seconds
+            held += seconds if seconds - pauses[i % 64] - alone > 30e-6 else 0.0
+            i += 1
         delay.close()
         if total > 0:
-            box["held"] = min(1.0, held / total)
+            share.append(min(1.0, held / total))
 
     thread = threading.Thread(target=probe, name="lightning_rollout-auto-probe", daemon=True)
     thread.start()
     try:
-        while "ready" not in box and thread.is_alive():
+        while not ready.is_set() and thread.is_alive():
             time.sleep(0.001)
         end, n = time.perf_counter() + window, 0
         while n < 2 or time.perf_counter() < end:
@@ -163,7 +162,7 @@ def _held_share(step: Any, window: float, period: float = 100e-6) -> float | Non
     finally:
         stop.set()
         thread.join(1.0)
-    return box.get("held")
+    return share[0] if share else None
 
 
 def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int | None = None,
@@ -210,7 +209,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
                   startup_s: float = 10.0, round_trip_s: float = 300e-6, helper_s: float = 500e-6,
                   share_s: float = 200e-6, releases: float = 0.5, expected_frames: int | None = None,
                   num_workers: int | str = "auto", picklable: bool = True) -> LayoutChoice:
-    """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (see the module docstring). A given
+    """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (the rule of ``docs/tuning.rst``). A given
     ``num_workers`` is kept."""
     if timing.batch is not None:
         return LayoutChoice(1, timing.batch, f"a natively batched env of {timing.batch} envs, stepped as it is")
