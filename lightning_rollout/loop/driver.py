@@ -270,10 +270,10 @@ class MultiEnvLoop:
                 self._seeded = self.seed
 
     # -- collection calls ---------------------------------------------------------------------------------
-    def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]
-             ) -> bool | None:
-        """Run the stepper: ``True`` when ``rule`` is done, ``False`` when interrupted, ``None`` when it was before
-        the start. A failure gets what ``partial`` gathers as ``exc.partial`` and closes the loop."""
+    def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool | None:
+        """Run the stepper (``None``: the loop's interrupter): ``True`` when ``rule`` is done, ``False`` when
+        interrupted, ``None`` when before the start. A failure, ``partial()`` on ``exc.partial``, closes the loop."""
+        interrupter = interrupter if interrupter is not None else self.interrupter
         if interrupter is not None and interrupter.should_stop():
             return None
         self._stepper.mode = self.exploration_type or current_exploration_type() or ExplorationType.RANDOM
@@ -305,7 +305,6 @@ class MultiEnvLoop:
         """
         check_int("n", n, 0)
         processor = processor if processor is not None else self.processor
-        interrupter = interrupter if interrupter is not None else self.interrupter
         main, delivery = self._stepper.main, self._delivery
         emitted = 0
 
@@ -331,7 +330,6 @@ class MultiEnvLoop:
         :meth:`run_steps`."""
         check_int("steps_per_env", steps_per_env, 0)
         processor = processor if processor is not None else self.processor
-        interrupter = interrupter if interrupter is not None else self.interrupter
         main = self._stepper.main
         done = self._run(EnvTimeRule(self._stepper, steps_per_env), interrupter,
                          lambda: self._delivery.flat(main, main.available()))
@@ -359,7 +357,6 @@ class MultiEnvLoop:
                                   "at once: evaluate with env.rollout() on the batched env, or with a loop of single "
                                   "envs")
         processor = processor if processor is not None else self.processor
-        interrupter = interrupter if interrupter is not None else self.interrupter
         envs = list(range(self.num_envs))
         envs = (rng or random.Random()).sample(envs, k) if k < self.num_envs else envs
         results: dict[int, TensorDict] = {}
