@@ -1,10 +1,8 @@
 """Lightning callbacks: :class:`RolloutCallback` (base of callbacks receiving collection events),
 :class:`EpisodeStatsLogger`, :class:`RolloutEvaluation`, the RL progress bars and :class:`EvalRound`.
 
-Collection events come in the main thread *before* the batch's ``training_step``, where Lightning forbids
-``self.log``: callbacks keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
-reduced across DDP ranks (same collectives, same order on every rank). Every logger row has one x-axis, the
-callbacks' ``step``: ``"frames"`` (all ranks' frames, the default) or ``"batches"`` (Lightning's step).
+Callbacks keep what collection events showed them and log it from ``on_train_batch_end``
+(``on_validation_batch_end``), reduced across DDP ranks (same collectives, same order on every rank).
 """
 
 from __future__ import annotations
@@ -66,10 +64,8 @@ class EvalRound:
 class RolloutCallback(pl.Callback):
     """A Lightning callback that also receives collection events (every hook a no-op by default).
 
-    ``on_rollout_step`` is dispatched only if some callback overrides it. Hooks run in the main thread: training
-    events before ``training_step`` of the batch being collected, evaluation events while the validation loop
-    fetches the round. Do not call ``pl_module.log`` from them (log in ``on_train_batch_end`` /
-    ``on_validation_batch_end``).
+    Hooks run in the main thread, where Lightning forbids ``pl_module.log``: log in ``on_train_batch_end`` /
+    ``on_validation_batch_end`` (``docs/lightning.rst``, "Callbacks are the event processor").
     """
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
@@ -91,35 +87,24 @@ class RolloutCallback(pl.Callback):
         """An evaluation round finished; ``episodes`` are this rank's episodes of the round."""
 
 
-def overrides(callback: RolloutCallback, hook: str) -> bool:
-    """True when ``callback``'s class overrides ``hook`` of :class:`RolloutCallback`."""
-    return getattr(type(callback), hook) is not getattr(RolloutCallback, hook)
+def _reduce(trainer: pl.Trainer, values: Sequence[float], op: Literal["sum", "max"] = "sum") -> list[float]:
+    """``values`` reduced with ``op`` over every DDP rank (one collective; every rank calls it alike)."""
+    if trainer.world_size == 1:
+        return [float(v) for v in values]
+    packed = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    return trainer.strategy.reduce(packed, reduce_op=op).tolist()
 
 
-def _reduce(trainer: pl.Trainer, sums: Sequence[float],
-            maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
-    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (every rank calls it alike)."""
-    total, peak = [float(v) for v in sums], [float(v) for v in maxima]
-    if trainer.world_size > 1:
-        device = trainer.strategy.root_device
-        if total:
-            packed = torch.tensor(total, dtype=torch.float64, device=device)
-            total = trainer.strategy.reduce(packed, reduce_op="sum").tolist()
-        if peak:
-            packed = torch.tensor(peak, dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX)
-            peak = packed.tolist()
-    return total, peak
-
-
-def _episode_stats(trainer: pl.Trainer, rewards: Sequence[float], lengths: Sequence[float]) -> dict[str, float]:
-    """Count, mean and extremes of returns and mean length over every rank's episodes (two collectives)."""
-    (reward_sum, length_sum, count), (neg_min, max_) = _reduce(
-        trainer, [sum(rewards), sum(lengths), float(len(rewards))],
-        [-min(rewards, default=math.inf), max(rewards, default=-math.inf)])
+def _episode_metrics(trainer: pl.Trainer, p: str, rewards: Sequence[float],
+                     lengths: Sequence[float]) -> tuple[float, dict[str, float]]:
+    """The number of every rank's episodes and their ``p/episode_reward`` (mean), ``_min``, ``_max`` and
+    ``p/episode_length`` (no metric without episodes)."""
+    reward_sum, length_sum, count = _reduce(trainer, [sum(rewards), sum(lengths), len(rewards)])
+    low, high = _reduce(trainer, [-min(rewards, default=math.inf), max(rewards, default=-math.inf)], "max")
     if not count:
-        return {"count": 0.0}
-    return {"count": count, "mean": reward_sum / count, "min": -neg_min, "max": max_, "length": length_sum / count}
+        return 0.0, {}
+    return count, {f"{p}/episode_reward": reward_sum / count, f"{p}/episode_reward_min": -low,
+                   f"{p}/episode_reward_max": high, f"{p}/episode_length": length_sum / count}
 
 
 def _logger_step(trainer: pl.Trainer) -> int:
@@ -148,20 +133,12 @@ def _local_frames(trainer: pl.Trainer) -> float:
 
 
 class EpisodeStatsLogger(RolloutCallback):
-    """Log collection statistics after every training batch, reduced across ranks.
-
-    Metrics (``prefix`` defaults to ``"rollout"``):
-
-    * ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length``: over the episodes that
-      finished during the batch's collection (only when some did); likewise ``rollout/<key>``, the mean at their
-      last step of each one-element entry of the DataModule's ``info_keys`` (nested key parts joined by ``/``);
-    * ``rollout/episodes``, ``rollout/frames``: totals since training started (all ranks, resumes included);
-    * ``rollout/fps``: all ranks' frames per second of wall time since this ``fit`` started (end to end);
-    * ``rollout/collect_fps``: a rank's last batch's frames over the seconds waited for it (mean over ranks);
-    * ``rollout/policy_lag``: mean weight updates between the policy that acted a transition and the current one.
-
-    All are in ``trainer.callback_metrics`` after every batch and written to every logger then, whatever
-    ``log_every_n_steps``, at the step ``step`` names.
+    """Log collection statistics after every training batch, reduced across ranks (``docs/lightning.rst``,
+    "Logging", lists them): ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length`` and
+    ``rollout/<key>`` of each one-element ``info_keys`` entry, over the episodes finished during the batch (when
+    some did); ``rollout/episodes``, ``rollout/frames``, ``rollout/fps``, ``rollout/collect_fps``,
+    ``rollout/policy_lag``. In ``trainer.callback_metrics`` and written to every logger after every batch,
+    whatever ``log_every_n_steps``.
 
     Args:
         prefix: metric name prefix.
@@ -212,37 +189,33 @@ class EpisodeStatsLogger(RolloutCallback):
         return self._info_keys
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
-        dm = trainer.datamodule
+        dm = trainer.datamodule  # the RolloutDataModule dispatching this, its collector built
         self._batch_frames = batch.numel()
-        self._batch_seconds = getattr(dm, "last_collect_seconds", 0.0)
+        self._batch_seconds = dm.last_collect_seconds
         versions = batch.get("policy_version", None)
-        if versions is not None and dm is not None and getattr(dm, "collector", None) is not None:
+        if versions is not None:
             acted = versions[versions >= 0]
-            current = dm.collector.policy_version
-            self._lag = float(current - acted.double().mean()) if acted.numel() else None
+            self._lag = float(dm.collector.policy_version - acted.double().mean()) if acted.numel() else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        (self._start_frames,), _ = _reduce(trainer, [_local_frames(trainer)])
+        (self._start_frames,) = _reduce(trainer, [_local_frames(trainer)])
         self._start_time = self.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
-        episodes = _episode_stats(trainer, self._rewards, self._lengths)
+        count, metrics = _episode_metrics(trainer, p, self._rewards, self._lengths)
         collect = [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else []
         lag = [self._lag] if self._lag is not None else []
         info_keys = self._episode_info_keys(trainer)
-        (frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums), _ = _reduce(
+        frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums = _reduce(
             trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag),
                       *(sum(self._info.get(k, ())) for k in info_keys)])
-        self._episodes += int(episodes["count"])
+        self._episodes += int(count)
         elapsed = self.clock() - self._start_time
-        metrics: dict[str, float] = {}
-        if episodes["count"]:
-            metrics.update({f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_max": episodes["max"],
-                            f"{p}/episode_reward_min": episodes["min"], f"{p}/episode_length": episodes["length"]})
+        if count:
             for key, total in zip(info_keys, info_sums):
-                metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / episodes["count"]
+                metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / count
         metrics[f"{p}/episodes"] = float(self._episodes)
         metrics[f"{p}/frames"] = frames
         if elapsed > 0:
@@ -268,17 +241,11 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Log each evaluation round of the validation (test) loop as ``eval/...`` (``test/...``) metrics; record videos.
+    """Log each evaluation round that the DataModule runs as ``eval/...`` (``test/...``) metrics; record videos.
 
-    The :class:`~lightning_rollout.lightning.RolloutDataModule` runs the rounds (fresh deterministic episodes,
-    current weights). This callback reduces them across ranks and logs ``eval/episode_reward`` (mean), ``_min``,
-    ``_max``, ``eval/episode_length`` and ``eval/seconds`` (mean over ranks) as epoch-level validation metrics:
-    in ``trainer.callback_metrics`` for ``ModelCheckpoint`` / ``EarlyStopping``, in what ``Trainer.validate``
-    returns, written once per round at the x-axis ``step`` names. The DataModule adds one unless the trainer has one.
-
-    With ``record_video``, one episode of every ``N`` rounds (global rank zero) is written in the background as
-    ``videos/<prefix>-<step axis>-<step>.mp4`` in ``log_dir`` and as every ``TensorBoardLogger``'s video summary
-    ``<prefix>/video`` (envs must render ``rgb_array``); ``fit`` waits for the last clip.
+    Reduced across ranks: ``eval/episode_reward`` (mean), ``_min``, ``_max``, ``eval/episode_length`` and
+    ``eval/seconds`` (mean over ranks), epoch-level validation metrics (``ModelCheckpoint`` / ``EarlyStopping``
+    see them). Videos: ``docs/lightning.rst``, "Video of evaluation episodes".
 
     Args:
         prefix: metric name prefix of validation rounds.
@@ -342,28 +309,26 @@ class RolloutEvaluation(RolloutCallback):
         """Reduce one round across ranks and log it under ``p/...`` (epoch-level, written at the round's end)."""
         self.last_round = batch
         self.evaluations += 1
-        episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
-                                  [float(e.length) for e in batch.episodes])
-        (frames, seconds), _ = _reduce(trainer, [float(batch.frames), batch.seconds])
+        count, metrics = _episode_metrics(trainer, p, [e.reward for e in batch.episodes],
+                                          [float(e.length) for e in batch.episodes])
+        frames, seconds = _reduce(trainer, [batch.frames, batch.seconds])
         if self._recording:
             self._recording = False
             self._write_video(trainer, int(frames) if self.step == "frames" else _logger_step(trainer), p)
-        if not episodes["count"]:
+        if not count:
             return
-        metrics = {f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_min": episodes["min"],
-                   f"{p}/episode_reward_max": episodes["max"], f"{p}/episode_length": episodes["length"],
-                   f"{p}/seconds": seconds / trainer.world_size}
+        metrics[f"{p}/seconds"] = seconds / trainer.world_size
         for name, value in metrics.items():  # the same value on every rank: sync_dist only averages equals
             pl_module.log(name, value, prog_bar=self.prog_bar and name == f"{p}/episode_reward", on_step=False,
                           on_epoch=True, batch_size=1, sync_dist=trainer.world_size > 1)
 
     def _write_video(self, trainer: pl.Trainer, step: int, prefix: str) -> None:
-        assert self.video_recorder is not None and self.record_video is not None
+        assert self.video_recorder is not None and self.record_video is not None and self._video_dir is not None
         frames = self.video_recorder.take()
         if frames is None:
             return
-        folder = self._video_dir or os.path.join(trainer.default_root_dir, "videos")
-        mp4_path = os.path.join(folder, f"{prefix}-{self.step}-{step:010d}.mp4") if self.record_video.mp4 else None
+        mp4_path = (os.path.join(self._video_dir, f"{prefix}-{self.step}-{step:010d}.mp4")
+                    if self.record_video.mp4 else None)
         writers = _summary_writers(trainer) if self.record_video.tensorboard else []
         self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
                                   step=step)
@@ -438,9 +403,8 @@ class _RLFigures:
 
 
 class RolloutProgressBar(_RLFigures, TQDMProgressBar):
-    """Lightning's TQDM bar showing RL figures in 80 columns: ``Epoch 0:  45%|████     | 05:12, frames=461824,
-    fps=7123, ret=123.4, eval=500.0`` (all ranks' frames and frames/s, mean return of the last batch's episodes
-    and of the last evaluation), then other progress-bar metrics. Batches/s, batch count and ``v_num`` are left out.
+    """Lightning's TQDM bar showing RL figures in 80 columns (``docs/lightning.rst``, "Progress bar"):
+    ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123, ret=123.4, eval=500.0``.
 
     Args:
         refresh_rate, process_position, leave: as ``TQDMProgressBar``.
@@ -457,9 +421,8 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
-    """Lightning's Rich bar showing RL figures on one line of 100 columns: ``Epoch 0/0  ━━━━━━━━         45%
-    0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0`` (those of :class:`RolloutProgressBar`), with a
-    16-column bar and no batches/s, batch count, remaining time or ``v_num``.
+    """Lightning's Rich bar showing the figures of :class:`RolloutProgressBar` on one line of 100 columns:
+    ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``.
 
     Args:
         refresh_rate, leave, theme, console_kwargs: as ``RichProgressBar``.
@@ -527,10 +490,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
 
 class _FitEnd(pl.Callback):
     """Added by the DataModule, run before the checkpoint callbacks: when ``fit`` ends, logs what stopped it
-    (INFO) and saves the last checkpoint of every ``ModelCheckpoint(save_last=...)`` older than the current step
-    (Lightning's saves it at the end only if it never wrote one), with an epoch cut short counted as in progress
-    so that a resume continues it. Nothing under ``fast_dev_run``, as ``ModelCheckpoint``.
-    """
+    (INFO) and saves every stale ``last.ckpt`` (``docs/lightning.rst``, "Checkpoints and resume")."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.fast_dev_run:

@@ -1,11 +1,7 @@
 """Video of evaluation episodes: :class:`VideoRecording` and the machinery of ``RolloutEvaluation(record_video=...)``.
 
-The evaluation envs (global rank zero) render ``rgb_array`` frames, wrapped for recording. Before a recorded
-round the callback arms the :class:`VideoRecorder`: the next env reset claims the recording and renders a frame
-after it and after every step, **in that env's own thread**, until the episode ends. After the round (main
-thread) one background thread writes the clip (H.264 MP4 with ``imageio-ffmpeg``; an animated GIF summary for
-TensorBoard) while training goes on. Frames stay in memory until written (``H x W x 3`` bytes each). Needs the
-``video`` extra (``imageio-ffmpeg``, Pillow, ``pygame`` for classic control).
+``docs/lightning.rst`` ("Video of evaluation episodes") describes what is recorded, in which thread, and what it
+needs. Frames stay in memory until written (``H x W x 3`` bytes each).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from .._checks import warn_user
-from ..envs import GymMaker
+from ..envs import GymMaker, close_quietly
 
 __all__ = ["VideoRecording"]
 
@@ -102,7 +98,7 @@ class VideoRecorder:
         self._owner: _RecordingEnv | None = None
         self._frames: list[np.ndarray] = []
         self._steps = 0
-        self._fps = config.fps or _DEFAULT_FPS
+        self.fps = config.fps or _DEFAULT_FPS  # of the clips: the env's render_fps unless the config sets one
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -119,7 +115,24 @@ class VideoRecorder:
         called: ``ValueError``)."""
         if isinstance(factory, GymMaker):
             factory = GymMaker(factory.env_id, **{**factory.kwargs, "render_mode": "rgb_array"})
-        return _RecordingFactory(factory, self)
+
+        def make() -> gym.Env:
+            env = factory()
+            if not isinstance(env, gym.Env):
+                close_quietly([env])
+                raise ValueError(
+                    f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
+                    f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
+                    "render_mode='rgb_array'")
+            if env.render_mode != "rgb_array":
+                close_quietly([env])
+                raise ValueError(
+                    f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
+                    f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
+                    "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
+            return _RecordingEnv(env, self)
+
+        return make
 
     def arm(self) -> None:
         """Record the next episode that starts (the next reset of any wrapped env)."""
@@ -134,11 +147,6 @@ class VideoRecorder:
             self._armed, self._owner, self._frames, self._steps = False, None, [], 0
         return frames or None
 
-    @property
-    def fps(self) -> int:
-        """Frames per second of the clips (the env's ``render_fps`` unless the config sets one)."""
-        return self._fps
-
     def on_reset(self, env: _RecordingEnv) -> None:
         with self._lock:
             if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
@@ -147,7 +155,7 @@ class VideoRecorder:
             if self._owner is env or (self._armed and self._owner is None):  # a reset before any step: restart
                 self._owner, self._armed, self._frames, self._steps = env, False, [], 0
                 if self.config.fps is None:
-                    self._fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
+                    self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
             else:
                 return
         self._add(env, env.render())
@@ -209,35 +217,6 @@ class VideoRecorder:
             if raise_errors:
                 raise RuntimeError(message) from error
             warn_user(message, RuntimeWarning)
-
-
-class _RecordingFactory:
-    """Calls ``factory`` and wraps the env it returns for :class:`VideoRecorder`."""
-
-    def __init__(self, factory: Callable[[], Any], recorder: VideoRecorder) -> None:
-        self.factory = factory
-        self.recorder = recorder
-
-    def __call__(self) -> gym.Env:
-        env = self.factory()
-        if not isinstance(env, gym.Env):
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
-            raise ValueError(
-                f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
-                f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
-                "render_mode='rgb_array'")
-        if env.render_mode != "rgb_array":
-            env.close()
-            raise ValueError(
-                f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
-                f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
-                "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
-        return _RecordingEnv(env, self.recorder)
-
-    def __repr__(self) -> str:
-        return f"_RecordingFactory({self.factory!r})"
 
 
 class _RecordingEnv(gym.Wrapper):
