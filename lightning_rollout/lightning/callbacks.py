@@ -34,9 +34,8 @@ StepAxis = Literal["frames", "batches"]
 
 
 class EvalRound:
-    """One evaluation round, already run: what ``RolloutDataModule.val_dataloader()`` (``test_dataloader()``)
-    yields to the module's ``validation_step(batch, batch_idx)`` (``test_step``; a do-nothing one is lent to a
-    module without). A plain object, which Lightning does not move to the device.
+    """One evaluation round, already run: the batch ``validation_step`` / ``test_step`` receives. A plain object,
+    which Lightning does not move to the device.
 
     Attributes:
         episodes: this rank's finished evaluation episodes, in request order.
@@ -112,24 +111,10 @@ def _logger_step(trainer: pl.Trainer) -> int:
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
-def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Write ``metrics`` to every logger at ``step`` (global rank zero only) and flush, as Lightning does."""
-    if not metrics or not trainer.is_global_zero:
-        return
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
-
-
 def _check_step(step: str) -> None:
     if step not in ("frames", "batches"):
         raise ValueError(f"step must be 'frames' (total frames collected) or 'batches' (Lightning's step), "
                          f"got {step!r}")
-
-
-def _local_frames(trainer: pl.Trainer) -> float:
-    collector = getattr(trainer.datamodule, "collector", None)
-    return float(getattr(collector, "frames", 0))
 
 
 class EpisodeStatsLogger(RolloutCallback):
@@ -163,9 +148,8 @@ class EpisodeStatsLogger(RolloutCallback):
         self._info: dict[Any, list[float]] = {}  # one-element info entries of the episodes of this batch
         self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
-        self._batch_frames = 0
-        self._batch_seconds = 0.0
-        self._lag: float | None = None
+        self._collect_fps: list[float] = []  # this rank's last batch's (none when it took no time)
+        self._lag: list[float] = []  # this rank's last batch's mean policy lag (none when no step was acted)
         self._start_time = 0.0
         self._start_frames = 0.0
 
@@ -180,37 +164,30 @@ class EpisodeStatsLogger(RolloutCallback):
         """The DataModule's info keys whose entries have one element (found once its collector exists)."""
         if self._info_keys is None:
             dm = trainer.datamodule
-            collector = getattr(dm, "collector", None)
-            if collector is None:
-                return []
-            specs = collector.loop.env_keys.observation
-            self._info_keys = [k for k in getattr(dm, "info_keys", []) if k in specs
-                               and math.prod(specs[k].shape) == 1]
+            specs = dm.collector.loop.env_keys.observation
+            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
         return self._info_keys
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
         dm = trainer.datamodule  # the RolloutDataModule dispatching this, its collector built
-        self._batch_frames = batch.numel()
-        self._batch_seconds = dm.last_collect_seconds
-        versions = batch.get("policy_version", None)
-        if versions is not None:
-            acted = versions[versions >= 0]
-            self._lag = float(dm.collector.policy_version - acted.double().mean()) if acted.numel() else None
+        seconds = dm.last_collect_seconds
+        self._collect_fps = [batch.numel() / seconds] if seconds > 0 else []
+        versions = batch["policy_version"]
+        acted = versions[versions >= 0]
+        self._lag = [float(dm.collector.policy_version - acted.double().mean())] if acted.numel() else []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        (self._start_frames,) = _reduce(trainer, [_local_frames(trainer)])
+        (self._start_frames,) = _reduce(trainer, [trainer.datamodule.frames])
         self._start_time = self.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
         count, metrics = _episode_metrics(trainer, p, self._rewards, self._lengths)
-        collect = [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else []
-        lag = [self._lag] if self._lag is not None else []
         info_keys = self._episode_info_keys(trainer)
         frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums = _reduce(
-            trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag),
-                      *(sum(self._info.get(k, ())) for k in info_keys)])
+            trainer, [trainer.datamodule.frames, sum(self._collect_fps), len(self._collect_fps), sum(self._lag),
+                      len(self._lag), *(sum(self._info.get(k, ())) for k in info_keys)])
         self._episodes += int(count)
         elapsed = self.clock() - self._start_time
         if count:
@@ -228,7 +205,10 @@ class EpisodeStatsLogger(RolloutCallback):
         for name, value in metrics.items():
             pl_module.log(name, value, prog_bar=name in shown, on_step=True, on_epoch=False, batch_size=1,
                           logger=False)
-        _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
+        if trainer.is_global_zero:  # to every logger now, whatever log_every_n_steps, flushed as Lightning does
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=int(frames) if self.step == "frames" else _logger_step(trainer))
+                logger.save()
         self._rewards.clear()
         self._lengths.clear()
         self._info.clear()
@@ -339,8 +319,7 @@ class RolloutEvaluation(RolloutCallback):
             self.video_recorder.wait()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.video_recorder is not None:
-            self.video_recorder.wait(raise_errors=False)
+        self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.video_recorder is not None:

@@ -134,14 +134,11 @@ def _has_step(dm: RolloutDataModule, step: str) -> bool:
 def _check_frames(num_envs: int, frames_per_batch: int, total_frames: int, layout: str) -> None:
     check_int("num_envs", num_envs, 1)
     check_int("frames_per_batch", frames_per_batch, 1)
-    multiple = f"must be a multiple of num_envs ({num_envs}) with layout='env_time'"
-    if layout == "env_time" and frames_per_batch % num_envs:
-        raise ValueError(f"frames_per_batch ({frames_per_batch}) {multiple}")
-    if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1
-                                                                               and total_frames != -1):
+    if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1 and total_frames != -1):
         raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
-    if layout == "env_time" and total_frames > 0 and total_frames % num_envs:
-        raise ValueError(f"total_frames ({total_frames}) {multiple}")
+    for name, frames in (("frames_per_batch", frames_per_batch), ("total_frames", total_frames)):
+        if layout == "env_time" and frames > 0 and frames % num_envs:
+            raise ValueError(f"{name} ({frames}) must be a multiple of num_envs ({num_envs}) with layout='env_time'")
 
 
 def _check_eval(episodes: int, every_n_frames: int | None, every_n_steps: int | None, num_envs: int | None) -> None:
@@ -301,14 +298,12 @@ class RolloutDataModule(pl.LightningDataModule):
         eval_every_n_frames: evaluate every this many frames of this rank (rounded up to whole batches; sets
             the Trainer's ``val_check_interval``, see ``docs/lightning.rst``). ``None``: Lightning's schedule.
         eval_every_n_steps: deprecated (counts optimizer steps; ``ValueError`` at ``fit`` unless one per batch).
-        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: no
-            evaluation (no ``val_dataloader`` / ``test_dataloader``).
+        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: none.
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
-        progress_bar: make Lightning's stock TQDM / Rich bar a :class:`RolloutProgressBar` /
-            :class:`RolloutRichProgressBar`.
+        progress_bar: swap Lightning's stock TQDM / Rich bar for the RL one.
         reraise_interrupt: a Ctrl-C in ``fit`` reaches the caller as ``KeyboardInterrupt`` after Lightning's
             graceful shutdown (``False``: Lightning's ``sys.exit(1)``).
 
@@ -464,9 +459,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Loader:
-        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), with a
-        length: ``batches_per_epoch`` when endless, else the batches left to ``total_frames`` plus those of this
-        epoch before the checkpoint Lightning resumes from."""
+        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), as many
+        as an epoch has (``batches_per_epoch`` when endless, else those left to ``total_frames``)."""
         if self.collector is not None and self.collector.is_shut_down:
             self.collector = None
         if self.collector is None:
@@ -610,7 +604,9 @@ class RolloutDataModule(pl.LightningDataModule):
             self._pending_state = dict(state_dict)
 
     # -- shutdown --------------------------------------------------------------------------------------
-    def _close(self) -> None:
+    def teardown(self, stage: str) -> None:
+        """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
+        loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""
         if self.collector is not None and not self.collector.is_shut_down:
             self._pending_state = self.state_dict()  # for a checkpoint after teardown, or the next fit
             self.collector.shutdown(raise_on_error=False)
@@ -622,15 +618,10 @@ class RolloutDataModule(pl.LightningDataModule):
         self._lent.clear()
         self._axis.restore()
 
-    def teardown(self, stage: str) -> None:
-        """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
-        loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""
-        self._close()
-
     def on_exception(self, exception: BaseException) -> None:
         """Join every env thread when ``fit`` fails or is interrupted; with ``reraise_interrupt``, finish
         Lightning's graceful shutdown and re-raise a ``KeyboardInterrupt``."""
-        self._close()
+        self.teardown("fit")
         trainer = self.trainer
         if not (isinstance(exception, KeyboardInterrupt) and self.reraise_interrupt and trainer is not None):
             return

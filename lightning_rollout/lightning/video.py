@@ -27,8 +27,8 @@ _DEFAULT_FPS = 30
 
 @dataclass(frozen=True, kw_only=True)
 class VideoRecording:
-    """What ``RolloutEvaluation(record_video=...)`` records (``record_video=N``: ``VideoRecording(every_n_evals=N)``):
-    one episode of the evaluation rounds ``0, N, 2N, ...`` of ``fit`` (sanity check excluded), on global rank zero.
+    """What ``RolloutEvaluation(record_video=...)`` records: one episode of the evaluation rounds ``0, N, 2N, ...``
+    of ``fit``, on global rank zero (``record_video=N`` is ``VideoRecording(every_n_evals=N)``).
 
     Attributes:
         every_n_evals: record one episode every this many evaluation rounds (``1``: every round).
@@ -61,12 +61,8 @@ class VideoRecording:
 
 
 def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecording | None:
-    """``record_video`` as :class:`VideoRecording` (an int ``N`` is ``every_n_evals=N``; ``None``: off).
-
-    Raises:
-        ValueError: neither ``None``, an int ``>= 1`` nor a :class:`VideoRecording`.
-        ImportError: an output's package is missing.
-    """
+    """``record_video`` as :class:`VideoRecording` (``None``: off); ``ValueError`` for another type,
+    ``ImportError`` when an output's package is missing."""
     if record_video is None:
         return None
     if isinstance(record_video, int) and not isinstance(record_video, bool) and record_video >= 1:
@@ -85,11 +81,8 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
 
 
 class VideoRecorder:
-    """Captures one evaluation episode's frames (of ``config``) and writes them out.
-
-    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` run in the main thread, :meth:`on_reset`
-    / :meth:`on_step` in the wrapped envs' threads; a lock guards the state, only the claiming env renders.
-    """
+    """Captures one evaluation episode's frames (of ``config``) and writes them out. :meth:`on_reset` /
+    :meth:`on_step` run in the wrapped envs' threads, the rest in the main thread; a lock guards the state."""
 
     def __init__(self, config: VideoRecording) -> None:
         self.config = config
