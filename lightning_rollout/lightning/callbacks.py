@@ -94,11 +94,11 @@ def _reduce(trainer: pl.Trainer, values: Sequence[float], op: Literal["sum", "ma
     return trainer.strategy.reduce(packed, reduce_op=op).tolist()
 
 
-def _episode_metrics(trainer: pl.Trainer, p: str, rewards: Sequence[float],
-                     lengths: Sequence[float]) -> tuple[float, dict[str, float]]:
-    """The number of every rank's episodes and their ``p/episode_reward`` (mean), ``_min``, ``_max`` and
+def _episode_metrics(trainer: pl.Trainer, p: str, episodes: Sequence[EpisodeEnd]) -> tuple[float, dict[str, float]]:
+    """The number of every rank's ``episodes`` and their ``p/episode_reward`` (mean), ``_min``, ``_max`` and
     ``p/episode_length`` (no metric without episodes)."""
-    reward_sum, length_sum, count = _reduce(trainer, [sum(rewards), sum(lengths), len(rewards)])
+    rewards = [e.reward for e in episodes]
+    reward_sum, length_sum, count = _reduce(trainer, [sum(rewards), sum(e.length for e in episodes), len(rewards)])
     low, high = _reduce(trainer, [-min(rewards, default=math.inf), max(rewards, default=-math.inf)], "max")
     if not count:
         return 0.0, {}
@@ -128,8 +128,7 @@ class EpisodeStatsLogger(RolloutCallback):
     Args:
         prefix: metric name prefix.
         prog_bar: show the episode return, frames and fps in the progress bar.
-        step: x-axis of every logger row: ``"frames"`` (all ranks' frames, as SB3 / CleanRL curves) or
-            ``"batches"`` (Lightning's step); the same as :class:`RolloutEvaluation`'s.
+        step: x-axis of every logger row: ``"frames"`` (all ranks' frames) or ``"batches"`` (Lightning's step).
         clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
 
     Raises:
@@ -143,9 +142,7 @@ class EpisodeStatsLogger(RolloutCallback):
         self.prog_bar = prog_bar
         self.step = step
         self.clock = clock
-        self._rewards: list[float] = []
-        self._lengths: list[float] = []
-        self._info: dict[Any, list[float]] = {}  # one-element info entries of the episodes of this batch
+        self._finished: list[EpisodeEnd] = []  # the episodes of this batch
         self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
         self._collect_fps: list[float] = []  # this rank's last batch's (none when it took no time)
@@ -154,19 +151,7 @@ class EpisodeStatsLogger(RolloutCallback):
         self._start_frames = 0.0
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
-        self._rewards.append(episode.reward)
-        self._lengths.append(float(episode.length))
-        for key, value in episode.info.items():
-            if np.size(value) == 1:
-                self._info.setdefault(key, []).append(float(np.asarray(value).reshape(-1)[0]))
-
-    def _episode_info_keys(self, trainer: pl.Trainer) -> list[Any]:
-        """The DataModule's info keys whose entries have one element (found once its collector exists)."""
-        if self._info_keys is None:
-            dm = trainer.datamodule
-            specs = dm.collector.loop.env_keys.observation
-            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
-        return self._info_keys
+        self._finished.append(episode)
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
         dm = trainer.datamodule  # the RolloutDataModule dispatching this, its collector built
@@ -183,11 +168,17 @@ class EpisodeStatsLogger(RolloutCallback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
-        count, metrics = _episode_metrics(trainer, p, self._rewards, self._lengths)
-        info_keys = self._episode_info_keys(trainer)
+        count, metrics = _episode_metrics(trainer, p, self._finished)
+        if self._info_keys is None:
+            dm = trainer.datamodule
+            specs = dm.collector.loop.env_keys.observation
+            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
+        info_keys = self._info_keys
+        info_sums = [sum(float(np.asarray(e.info[k]).reshape(-1)[0]) for e in self._finished if k in e.info)
+                     for k in info_keys]
         frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums = _reduce(
             trainer, [trainer.datamodule.frames, sum(self._collect_fps), len(self._collect_fps), sum(self._lag),
-                      len(self._lag), *(sum(self._info.get(k, ())) for k in info_keys)])
+                      len(self._lag), *info_sums])
         self._episodes += int(count)
         elapsed = self.clock() - self._start_time
         if count:
@@ -209,9 +200,7 @@ class EpisodeStatsLogger(RolloutCallback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=int(frames) if self.step == "frames" else _logger_step(trainer))
                 logger.save()
-        self._rewards.clear()
-        self._lengths.clear()
-        self._info.clear()
+        self._finished.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"episodes": self._episodes}
@@ -231,10 +220,9 @@ class RolloutEvaluation(RolloutCallback):
         prefix: metric name prefix of validation rounds.
         test_prefix: metric name prefix of ``Trainer.test`` rounds.
         prog_bar: show the mean evaluation return in the progress bar.
-        step: x-axis of logger rows: ``"frames"`` (all ranks' frames when the round ran) or ``"batches"``
-            (Lightning's step); the same as :class:`EpisodeStatsLogger`'s (else ``ValueError`` at ``setup``).
-        record_video: ``None`` (default): no video; an int ``N``: one episode every ``N`` rounds; a
-            :class:`~lightning_rollout.lightning.VideoRecording` for frame rate, frame cap, outputs and folder.
+        step: x-axis of logger rows, ``"frames"`` or ``"batches"``, as :class:`EpisodeStatsLogger`'s.
+        record_video: ``None`` (default): no video; an int ``N`` (one episode every ``N`` rounds) or a
+            :class:`~lightning_rollout.lightning.VideoRecording`.
 
     Raises:
         ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``; a bad ``record_video``.
@@ -244,8 +232,7 @@ class RolloutEvaluation(RolloutCallback):
     Attributes:
         last_round: the last :class:`EvalRound` logged (``None`` before the first).
         evaluations: rounds logged so far (checkpointed: a resumed run keeps its recording schedule).
-        last_video: path of the last MP4 handed to the writer (``None`` before, or with ``mp4=False``); it
-            exists once written (at the latest when ``fit`` returns).
+        last_video: path of the last MP4 handed to the writer (``None`` before); written when ``fit`` returns.
     """
 
     def __init__(self, *, prefix: str = "eval", test_prefix: str = "test", prog_bar: bool = True,
@@ -289,8 +276,7 @@ class RolloutEvaluation(RolloutCallback):
         """Reduce one round across ranks and log it under ``p/...`` (epoch-level, written at the round's end)."""
         self.last_round = batch
         self.evaluations += 1
-        count, metrics = _episode_metrics(trainer, p, [e.reward for e in batch.episodes],
-                                          [float(e.length) for e in batch.episodes])
+        count, metrics = _episode_metrics(trainer, p, batch.episodes)
         frames, seconds = _reduce(trainer, [batch.frames, batch.seconds])
         if self._recording:
             self._recording = False
@@ -424,8 +410,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
     _rerouted: list[tuple[logging.StreamHandler, Any]] = []  # (handler, its own stream) while the bar is live
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the bar; until teardown, logging handlers writing to its terminal print through its console
-        (a line logged meanwhile goes above the bar, not onto it)."""
+        """Start the bar; until teardown, log lines written to its terminal go above it, through its console."""
         super().on_train_start(trainer, pl_module)
         if self.progress is None or self._rerouted:
             return
@@ -453,8 +438,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
         self.teardown(trainer, pl_module, "fit")
 
     def configure_columns(self, trainer: pl.Trainer) -> list:
-        """Description, a narrow bar, the share of the epoch done and the elapsed time; the metrics column
-        follows (Lightning appends it)."""
+        """Description, a narrow bar, the share of the epoch done and the elapsed time (then Lightning's metrics)."""
         from lightning.pytorch.callbacks.progress.rich_progress import CustomBarColumn
         from rich.progress import TextColumn, TimeElapsedColumn
 

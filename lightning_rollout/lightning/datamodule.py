@@ -95,8 +95,7 @@ class _Loader:
 
 
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
-    """The ``validation_step`` (``test_step``) lent to a module without one (Lightning validates only modules
-    with one); the round already ran, :class:`RolloutEvaluation` logs it."""
+    """The ``validation_step`` / ``test_step`` lent to a module without one: :class:`RolloutEvaluation` logs."""
 
 
 def _lend(module: pl.LightningModule, step: str, lent: list[tuple[pl.LightningModule, str]]) -> None:
@@ -170,8 +169,7 @@ def _check_precision(trainer: pl.Trainer) -> None:
 
 
 def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
-    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (default
-    ``"frames"``; ``ValueError`` when they name different ones)."""
+    """The one x-axis of the trainer's stats / evaluation callbacks (``ValueError`` when they differ)."""
     axes = {c.step for c in callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation))}
     if len(axes) > 1:
         raise ValueError("the trainer's EpisodeStatsLogger and RolloutEvaluation write at different x-axes "
@@ -232,13 +230,10 @@ def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
 def _limited_epoch(dm: RolloutDataModule, trainer: pl.Trainer) -> int | None:
     """Batches of an epoch under the Trainer's ``limit_train_batches`` (``fast_dev_run`` sets it), or ``None``."""
     limit = trainer.limit_train_batches
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        return limit
-    if not isinstance(limit, float) or limit >= 1.0:
-        return None
-    full = (math.ceil(dm.total_frames / dm.frames_per_batch) if dm.total_frames > 0
-            else dm.batches_per_epoch or 1000)
-    return int(full * limit)
+    if isinstance(limit, float) and limit < 1.0:
+        full = math.ceil(dm.total_frames / dm.frames_per_batch) if dm.total_frames > 0 else dm.batches_per_epoch or 1000
+        return int(full * limit)
+    return limit if isinstance(limit, int) else None
 
 
 def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: int) -> None:
@@ -252,8 +247,8 @@ def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: in
 
 
 class _FramesAxis:
-    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at
-    (Lightning's own rows and its callbacks', e.g. ``LearningRateMonitor``, included), until :meth:`restore`."""
+    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at, until
+    :meth:`restore`."""
 
     def __init__(self) -> None:
         self.loggers: list[Any] = []
@@ -304,8 +299,8 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
         progress_bar: swap Lightning's stock TQDM / Rich bar for the RL one.
-        reraise_interrupt: a Ctrl-C in ``fit`` reaches the caller as ``KeyboardInterrupt`` after Lightning's
-            graceful shutdown (``False``: Lightning's ``sys.exit(1)``).
+        reraise_interrupt: a Ctrl-C ends ``fit`` with ``KeyboardInterrupt`` after Lightning's graceful shutdown
+            (``False``: Lightning's ``sys.exit(1)``).
 
     Raises:
         ValueError: bad configuration, saying what to change (here, or at :meth:`setup` for the Trainer's).
@@ -394,8 +389,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def frames(self) -> int:
-        """Frames this rank has collected: its collector's count, else the count restored from a checkpoint
-        (``0`` before any)."""
+        """Frames this rank has collected (its collector's count, else the one restored from a checkpoint, or 0)."""
         if self.collector is not None:
             return int(self.collector.frames)
         state = self._pending_state or {}
@@ -408,13 +402,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but threads and trainer (``ddp_spawn``); the counters travel."""
-        state = self.__dict__.copy()
-        counters = self.state_dict()
-        for key in ("collector", "_iterator", "_dispatcher", "_eval_loop", "_trainer"):
-            state[key] = None
-        state["_lent"], state["_axis"] = [], _FramesAxis()
-        state["_pending_state"] = counters or None
-        state["last_collect_seconds"] = 0.0
+        state = {**self.__dict__, **dict.fromkeys(("collector", "_iterator", "_dispatcher", "_eval_loop", "_trainer"))}
+        state.update(_lent=[], _axis=_FramesAxis(), _pending_state=self.state_dict() or None, last_collect_seconds=0.0)
         return state
 
     def setup(self, stage: str) -> None:
@@ -461,11 +450,17 @@ class RolloutDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> _Loader:
         """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), as many
         as an epoch has (``batches_per_epoch`` when endless, else those left to ``total_frames``)."""
-        if self.collector is not None and self.collector.is_shut_down:
-            self.collector = None
-        if self.collector is None:
-            self._build_collector()
-        assert self.collector is not None
+        if self.collector is None or self.collector.is_shut_down:
+            rank = _rank(self.trainer)
+            self.collector = ThreadedCollector(
+                self.env_factory, _actor(self), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
+                num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
+                seed=self.seed + rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
+                name=f"rank{rank}", **self.collector_kwargs)
+            if self._pending_state is not None:
+                _load_counters(self.collector, self._pending_state, rank)
+                self._pending_state = None
+            self._iterator = iter(self.collector)
         count = self.batches_per_epoch or 1000
         if self.total_frames > 0:
             left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
@@ -473,18 +468,6 @@ class RolloutDataModule(pl.LightningDataModule):
             done = int(epoch.batch_progress.current.processed) if epoch is not None and epoch.restarting else 0
             count = done + left  # with the batches of this epoch before the checkpoint Lightning resumes from
         return _Loader(functools.partial(self._batches, count), count)
-
-    def _build_collector(self) -> None:
-        rank = _rank(self.trainer)
-        self.collector = ThreadedCollector(
-            self.env_factory, _actor(self), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
-            num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
-            seed=self.seed + rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
-            name=f"rank{rank}", **self.collector_kwargs)
-        if self._pending_state is not None:
-            _load_counters(self.collector, self._pending_state, rank)
-            self._pending_state = None
-        self._iterator = iter(self.collector)
 
     def _batches(self, count: int) -> Iterator[TensorDictBase]:
         """At most ``count`` batches (fewer when the collector is exhausted), each after a weight update."""
@@ -494,11 +477,10 @@ class RolloutDataModule(pl.LightningDataModule):
             start = time.perf_counter()
             batch = next(self._iterator, None)
             self.last_collect_seconds = time.perf_counter() - start
-            trainer = self.trainer
-            if trainer is not None and (batch is None or 0 < self.total_frames <= self.collector.frames):
+            if batch is None or 0 < self.total_frames <= self.collector.frames:
                 # the last batch: stop after it, rather than running one more (empty) epoch to find out
                 # (Lightning then validates once more: the final evaluation round)
-                trainer.should_stop = True
+                self.trainer.should_stop = True
             if batch is None:
                 return
             self._events().call("on_rollout_batch", batch)
@@ -513,16 +495,14 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def test_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
-        """The evaluation round of ``Trainer.test`` (as a validation round, logged as ``test/...``); ``None``
-        while no test loop can run."""
+        """The evaluation round of ``Trainer.test`` (logged as ``test/...``); ``None`` while no test can run."""
         return self._eval_rounds if _has_step(self, "test_step") else None
 
-    def _eval_rounds(self) -> _Loader:
+    def _eval_rounds(self) -> _Loader:  # (a method: Lightning reads its __code__)
         return _Loader(self._eval_round, 1)
 
     def _eval_round(self) -> Iterator[EvalRound]:
-        """One :class:`EvalRound`, run when Lightning fetches it (module in ``eval()`` mode, gradients off); in
-        Lightning's sanity check the loop is built but no episode runs."""
+        """One :class:`EvalRound`, run when Lightning fetches it; in the sanity check only the loop is built."""
         start = time.perf_counter()
         self._build_eval_loop()  # (its envs reset) before on_eval_start: a video starts at the round's own reset
         if self.trainer is not None and self.trainer.sanity_checking:
@@ -535,8 +515,7 @@ class RolloutDataModule(pl.LightningDataModule):
         yield EvalRound(episodes, seconds=seconds, frames=self.frames)
 
     def _build_eval_loop(self) -> MultiEnvLoop:
-        """The evaluation loop of single envs (a batched env's, taken apart), built on first use; ``ValueError``
-        for a natively batched env."""
+        """The evaluation loop of single envs (a batched env's, taken apart), built on first use."""
         if self._eval_loop is not None:
             return self._eval_loop
         trainer, rank = self.trainer, _rank(self.trainer)
@@ -563,12 +542,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._eval_loop
 
     def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
-        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now, in the
-        evaluation loop; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged.
-
-        Returns:
-            The finished episodes, in request order.
-        """
+        """The finished episodes, in request order, of ``episodes`` fresh deterministic episodes run now with the
+        module's current weights; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged."""
         results: list[EpisodeEnd] = []
         events = self._events()
 
@@ -589,11 +564,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 "episodes": self.collector.loop.episodes, "seed": self.seed, "rank": _rank(self.trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume counters saved by :meth:`state_dict` (applied when the collector is built).
-
-        Raises:
-            ValueError: the state is not a RolloutDataModule state.
-        """
+        """Resume counters saved by :meth:`state_dict` (applied when the collector is built); ``ValueError`` for
+        another state."""
         if not state_dict:
             return
         if "collector" not in state_dict:

@@ -1,8 +1,7 @@
 """Video of evaluation episodes: :class:`VideoRecording` and the machinery of ``RolloutEvaluation(record_video=...)``.
 
 ``docs/lightning.rst`` ("Video of evaluation episodes") describes what is recorded, in which thread, and what it
-needs. Frames stay in memory until written (``H x W x 3`` bytes each).
-"""
+needs. Frames stay in memory until written (``H x W x 3`` bytes each)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from .._checks import warn_user
+from .._checks import check_int, warn_user
 from ..envs import GymMaker, close_quietly
 
 __all__ = ["VideoRecording"]
@@ -35,8 +34,7 @@ class VideoRecording:
         fps: frames per second of the clip; ``None`` (default): the env's ``metadata["render_fps"]``, else 30.
         max_frames: frames kept per clip (the first of the episode, reset frame included); bounds its memory.
         mp4: write ``<dirpath>/<prefix>-<step axis>-<step>.mp4`` (H.264, needs ``imageio-ffmpeg``).
-        tensorboard: write the clip to every ``TensorBoardLogger`` as the video summary ``<prefix>/video`` (an
-            animated GIF, in TensorBoard's Images tab; needs Pillow).
+        tensorboard: write the clip to every ``TensorBoardLogger`` as the summary ``<prefix>/video`` (needs Pillow).
         dirpath: folder of the MP4 files; ``None`` (default): ``videos/`` in the trainer's ``log_dir``.
 
     Raises:
@@ -51,10 +49,8 @@ class VideoRecording:
     dirpath: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("every_n_evals", "max_frames") + (("fps",) if self.fps is not None else ()):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"VideoRecording.{name} must be an int >= 1, got {value!r}")
+        for name in ("every_n_evals", "max_frames", "fps"):
+            check_int(f"VideoRecording.{name}", getattr(self, name), 1, optional=name == "fps")
         if not (self.mp4 or self.tensorboard):
             raise ValueError("VideoRecording with mp4=False and tensorboard=False writes nothing; "
                              "turn one on, or drop record_video")
@@ -254,9 +250,8 @@ def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
 
 
 def video_summary(tag: str, frames: list[np.ndarray], *, fps: int) -> Any:
-    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes, a looping animated GIF encoded with
-    Pillow (one fast-octree palette per frame; delays in whole centiseconds) instead of the removed
-    ``moviepy.editor``."""
+    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes (a looping animated GIF), encoded with
+    Pillow instead of the removed ``moviepy.editor``."""
     from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
