@@ -1,10 +1,8 @@
 """Lightning callbacks: :class:`RolloutCallback` (base of callbacks receiving collection events),
 :class:`EpisodeStatsLogger`, :class:`RolloutEvaluation`, the RL progress bars and :class:`EvalRound`.
 
-Collection events come in the main thread *before* the batch's ``training_step``, where Lightning forbids
-``self.log``: callbacks keep what they saw and log it from ``on_train_batch_end`` (``on_validation_batch_end``),
-reduced across DDP ranks (same collectives, same order on every rank). Every logger row has one x-axis, the
-callbacks' ``step``: ``"frames"`` (all ranks' frames, the default) or ``"batches"`` (Lightning's step).
+Callbacks keep what collection events showed them and log it from ``on_train_batch_end``
+(``on_validation_batch_end``), reduced across DDP ranks (same collectives, same order on every rank).
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ StepAxis = Literal["frames", "batches"]
 
 
 class EvalRound:
-    """One evaluation round, already run: what ``RolloutDataModule.val_dataloader()`` (``test_dataloader()``)
-    yields to the module's ``validation_step(batch, batch_idx)`` (``test_step``; a do-nothing one is lent to a
-    module without). A plain object, which Lightning does not move to the device.
+    """One evaluation round, already run: the batch ``validation_step`` / ``test_step`` receives. A plain object,
+    which Lightning does not move to the device.
 
     Attributes:
         episodes: this rank's finished evaluation episodes, in request order.
@@ -66,10 +63,8 @@ class EvalRound:
 class RolloutCallback(pl.Callback):
     """A Lightning callback that also receives collection events (every hook a no-op by default).
 
-    ``on_rollout_step`` is dispatched only if some callback overrides it. Hooks run in the main thread: training
-    events before ``training_step`` of the batch being collected, evaluation events while the validation loop
-    fetches the round. Do not call ``pl_module.log`` from them (log in ``on_train_batch_end`` /
-    ``on_validation_batch_end``).
+    Hooks run in the main thread, where Lightning forbids ``pl_module.log``: log in ``on_train_batch_end`` /
+    ``on_validation_batch_end`` (``docs/lightning.rst``, "Callbacks are the event processor").
     """
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
@@ -91,49 +86,29 @@ class RolloutCallback(pl.Callback):
         """An evaluation round finished; ``episodes`` are this rank's episodes of the round."""
 
 
-def overrides(callback: RolloutCallback, hook: str) -> bool:
-    """True when ``callback``'s class overrides ``hook`` of :class:`RolloutCallback`."""
-    return getattr(type(callback), hook) is not getattr(RolloutCallback, hook)
+def _reduce(trainer: pl.Trainer, values: Sequence[float], op: Literal["sum", "max"] = "sum") -> list[float]:
+    """``values`` reduced with ``op`` over every DDP rank (one collective; every rank calls it alike)."""
+    if trainer.world_size == 1:
+        return [float(v) for v in values]
+    packed = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    return trainer.strategy.reduce(packed, reduce_op=op).tolist()
 
 
-def _reduce(trainer: pl.Trainer, sums: Sequence[float],
-            maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
-    """Sum ``sums`` and take the max of ``maxima`` over every DDP rank (every rank calls it alike)."""
-    total, peak = [float(v) for v in sums], [float(v) for v in maxima]
-    if trainer.world_size > 1:
-        device = trainer.strategy.root_device
-        if total:
-            packed = torch.tensor(total, dtype=torch.float64, device=device)
-            total = trainer.strategy.reduce(packed, reduce_op="sum").tolist()
-        if peak:
-            packed = torch.tensor(peak, dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX)
-            peak = packed.tolist()
-    return total, peak
-
-
-def _episode_stats(trainer: pl.Trainer, rewards: Sequence[float], lengths: Sequence[float]) -> dict[str, float]:
-    """Count, mean and extremes of returns and mean length over every rank's episodes (two collectives)."""
-    (reward_sum, length_sum, count), (neg_min, max_) = _reduce(
-        trainer, [sum(rewards), sum(lengths), float(len(rewards))],
-        [-min(rewards, default=math.inf), max(rewards, default=-math.inf)])
+def _episode_metrics(trainer: pl.Trainer, p: str, episodes: Sequence[EpisodeEnd]) -> tuple[float, dict[str, float]]:
+    """The number of every rank's ``episodes`` and their ``p/episode_reward`` (mean), ``_min``, ``_max`` and
+    ``p/episode_length`` (no metric without episodes)."""
+    rewards = [e.reward for e in episodes]
+    reward_sum, length_sum, count = _reduce(trainer, [sum(rewards), sum(e.length for e in episodes), len(rewards)])
+    low, high = _reduce(trainer, [-min(rewards, default=math.inf), max(rewards, default=-math.inf)], "max")
     if not count:
-        return {"count": 0.0}
-    return {"count": count, "mean": reward_sum / count, "min": -neg_min, "max": max_, "length": length_sum / count}
+        return 0.0, {}
+    return count, {f"{p}/episode_reward": reward_sum / count, f"{p}/episode_reward_min": -low,
+                   f"{p}/episode_reward_max": high, f"{p}/episode_length": length_sum / count}
 
 
 def _logger_step(trainer: pl.Trainer) -> int:
     """The step at which Lightning writes what ``self.log`` received in the current hooks."""
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
-
-
-def _write_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Write ``metrics`` to every logger at ``step`` (global rank zero only) and flush, as Lightning does."""
-    if not metrics or not trainer.is_global_zero:
-        return
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
 
 
 def _check_step(step: str) -> None:
@@ -142,32 +117,18 @@ def _check_step(step: str) -> None:
                          f"got {step!r}")
 
 
-def _local_frames(trainer: pl.Trainer) -> float:
-    collector = getattr(trainer.datamodule, "collector", None)
-    return float(getattr(collector, "frames", 0))
-
-
 class EpisodeStatsLogger(RolloutCallback):
-    """Log collection statistics after every training batch, reduced across ranks.
-
-    Metrics (``prefix`` defaults to ``"rollout"``):
-
-    * ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length``: over the episodes that
-      finished during the batch's collection (only when some did); likewise ``rollout/<key>``, the mean at their
-      last step of each one-element entry of the DataModule's ``info_keys`` (nested key parts joined by ``/``);
-    * ``rollout/episodes``, ``rollout/frames``: totals since training started (all ranks, resumes included);
-    * ``rollout/fps``: all ranks' frames per second of wall time since this ``fit`` started (end to end);
-    * ``rollout/collect_fps``: a rank's last batch's frames over the seconds waited for it (mean over ranks);
-    * ``rollout/policy_lag``: mean weight updates between the policy that acted a transition and the current one.
-
-    All are in ``trainer.callback_metrics`` after every batch and written to every logger then, whatever
-    ``log_every_n_steps``, at the step ``step`` names.
+    """Log collection statistics after every training batch, reduced across ranks (``docs/lightning.rst``,
+    "Logging", lists them): ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length`` and
+    ``rollout/<key>`` of each one-element ``info_keys`` entry, over the episodes finished during the batch (when
+    some did); ``rollout/episodes``, ``rollout/frames``, ``rollout/fps``, ``rollout/collect_fps``,
+    ``rollout/policy_lag``. In ``trainer.callback_metrics`` and written to every logger after every batch,
+    whatever ``log_every_n_steps``.
 
     Args:
         prefix: metric name prefix.
         prog_bar: show the episode return, frames and fps in the progress bar.
-        step: x-axis of every logger row: ``"frames"`` (all ranks' frames, as SB3 / CleanRL curves) or
-            ``"batches"`` (Lightning's step); the same as :class:`RolloutEvaluation`'s.
+        step: x-axis of every logger row: ``"frames"`` (all ranks' frames) or ``"batches"`` (Lightning's step).
         clock: monotonic time source in seconds for ``rollout/fps`` (tests pass a fake).
 
     Raises:
@@ -181,68 +142,48 @@ class EpisodeStatsLogger(RolloutCallback):
         self.prog_bar = prog_bar
         self.step = step
         self.clock = clock
-        self._rewards: list[float] = []
-        self._lengths: list[float] = []
-        self._info: dict[Any, list[float]] = {}  # one-element info entries of the episodes of this batch
+        self._finished: list[EpisodeEnd] = []  # the episodes of this batch
         self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
-        self._batch_frames = 0
-        self._batch_seconds = 0.0
-        self._lag: float | None = None
+        self._collect_fps: list[float] = []  # this rank's last batch's (none when it took no time)
+        self._lag: list[float] = []  # this rank's last batch's mean policy lag (none when no step was acted)
         self._start_time = 0.0
         self._start_frames = 0.0
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
-        self._rewards.append(episode.reward)
-        self._lengths.append(float(episode.length))
-        for key, value in episode.info.items():
-            if np.size(value) == 1:
-                self._info.setdefault(key, []).append(float(np.asarray(value).reshape(-1)[0]))
-
-    def _episode_info_keys(self, trainer: pl.Trainer) -> list[Any]:
-        """The DataModule's info keys whose entries have one element (found once its collector exists)."""
-        if self._info_keys is None:
-            dm = trainer.datamodule
-            collector = getattr(dm, "collector", None)
-            if collector is None:
-                return []
-            specs = collector.loop.env_keys.observation
-            self._info_keys = [k for k in getattr(dm, "info_keys", []) if k in specs
-                               and math.prod(specs[k].shape) == 1]
-        return self._info_keys
+        self._finished.append(episode)
 
     def on_rollout_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: TensorDictBase) -> None:
-        dm = trainer.datamodule
-        self._batch_frames = batch.numel()
-        self._batch_seconds = getattr(dm, "last_collect_seconds", 0.0)
-        versions = batch.get("policy_version", None)
-        if versions is not None and dm is not None and getattr(dm, "collector", None) is not None:
-            acted = versions[versions >= 0]
-            current = dm.collector.policy_version
-            self._lag = float(current - acted.double().mean()) if acted.numel() else None
+        dm = trainer.datamodule  # the RolloutDataModule dispatching this, its collector built
+        seconds = dm.last_collect_seconds
+        self._collect_fps = [batch.numel() / seconds] if seconds > 0 else []
+        versions = batch["policy_version"]
+        acted = versions[versions >= 0]
+        self._lag = [float(dm.collector.policy_version - acted.double().mean())] if acted.numel() else []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        (self._start_frames,), _ = _reduce(trainer, [_local_frames(trainer)])
+        (self._start_frames,) = _reduce(trainer, [trainer.datamodule.frames])
         self._start_time = self.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
-        episodes = _episode_stats(trainer, self._rewards, self._lengths)
-        collect = [self._batch_frames / self._batch_seconds] if self._batch_seconds > 0 else []
-        lag = [self._lag] if self._lag is not None else []
-        info_keys = self._episode_info_keys(trainer)
-        (frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums), _ = _reduce(
-            trainer, [_local_frames(trainer), sum(collect), len(collect), sum(lag), len(lag),
-                      *(sum(self._info.get(k, ())) for k in info_keys)])
-        self._episodes += int(episodes["count"])
+        count, metrics = _episode_metrics(trainer, p, self._finished)
+        if self._info_keys is None:
+            dm = trainer.datamodule
+            specs = dm.collector.loop.env_keys.observation
+            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
+        info_keys = self._info_keys
+        info_sums = [sum(float(np.asarray(e.info[k]).reshape(-1)[0]) for e in self._finished if k in e.info)
+                     for k in info_keys]
+        frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums = _reduce(
+            trainer, [trainer.datamodule.frames, sum(self._collect_fps), len(self._collect_fps), sum(self._lag),
+                      len(self._lag), *info_sums])
+        self._episodes += int(count)
         elapsed = self.clock() - self._start_time
-        metrics: dict[str, float] = {}
-        if episodes["count"]:
-            metrics.update({f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_max": episodes["max"],
-                            f"{p}/episode_reward_min": episodes["min"], f"{p}/episode_length": episodes["length"]})
+        if count:
             for key, total in zip(info_keys, info_sums):
-                metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / episodes["count"]
+                metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / count
         metrics[f"{p}/episodes"] = float(self._episodes)
         metrics[f"{p}/frames"] = frames
         if elapsed > 0:
@@ -255,10 +196,11 @@ class EpisodeStatsLogger(RolloutCallback):
         for name, value in metrics.items():
             pl_module.log(name, value, prog_bar=name in shown, on_step=True, on_epoch=False, batch_size=1,
                           logger=False)
-        _write_to_loggers(trainer, metrics, int(frames) if self.step == "frames" else _logger_step(trainer))
-        self._rewards.clear()
-        self._lengths.clear()
-        self._info.clear()
+        if trainer.is_global_zero:  # to every logger now, whatever log_every_n_steps, flushed as Lightning does
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=int(frames) if self.step == "frames" else _logger_step(trainer))
+                logger.save()
+        self._finished.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"episodes": self._episodes}
@@ -268,26 +210,19 @@ class EpisodeStatsLogger(RolloutCallback):
 
 
 class RolloutEvaluation(RolloutCallback):
-    """Log each evaluation round of the validation (test) loop as ``eval/...`` (``test/...``) metrics; record videos.
+    """Log each evaluation round that the DataModule runs as ``eval/...`` (``test/...``) metrics; record videos.
 
-    The :class:`~lightning_rollout.lightning.RolloutDataModule` runs the rounds (fresh deterministic episodes,
-    current weights). This callback reduces them across ranks and logs ``eval/episode_reward`` (mean), ``_min``,
-    ``_max``, ``eval/episode_length`` and ``eval/seconds`` (mean over ranks) as epoch-level validation metrics:
-    in ``trainer.callback_metrics`` for ``ModelCheckpoint`` / ``EarlyStopping``, in what ``Trainer.validate``
-    returns, written once per round at the x-axis ``step`` names. The DataModule adds one unless the trainer has one.
-
-    With ``record_video``, one episode of every ``N`` rounds (global rank zero) is written in the background as
-    ``videos/<prefix>-<step axis>-<step>.mp4`` in ``log_dir`` and as every ``TensorBoardLogger``'s video summary
-    ``<prefix>/video`` (envs must render ``rgb_array``); ``fit`` waits for the last clip.
+    Reduced across ranks: ``eval/episode_reward`` (mean), ``_min``, ``_max``, ``eval/episode_length`` and
+    ``eval/seconds`` (mean over ranks), epoch-level validation metrics (``ModelCheckpoint`` / ``EarlyStopping``
+    see them). Videos: ``docs/lightning.rst``, "Video of evaluation episodes".
 
     Args:
         prefix: metric name prefix of validation rounds.
         test_prefix: metric name prefix of ``Trainer.test`` rounds.
         prog_bar: show the mean evaluation return in the progress bar.
-        step: x-axis of logger rows: ``"frames"`` (all ranks' frames when the round ran) or ``"batches"``
-            (Lightning's step); the same as :class:`EpisodeStatsLogger`'s (else ``ValueError`` at ``setup``).
-        record_video: ``None`` (default): no video; an int ``N``: one episode every ``N`` rounds; a
-            :class:`~lightning_rollout.lightning.VideoRecording` for frame rate, frame cap, outputs and folder.
+        step: x-axis of logger rows, ``"frames"`` or ``"batches"``, as :class:`EpisodeStatsLogger`'s.
+        record_video: ``None`` (default): no video; an int ``N`` (one episode every ``N`` rounds) or a
+            :class:`~lightning_rollout.lightning.VideoRecording`.
 
     Raises:
         ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``; a bad ``record_video``.
@@ -297,8 +232,7 @@ class RolloutEvaluation(RolloutCallback):
     Attributes:
         last_round: the last :class:`EvalRound` logged (``None`` before the first).
         evaluations: rounds logged so far (checkpointed: a resumed run keeps its recording schedule).
-        last_video: path of the last MP4 handed to the writer (``None`` before, or with ``mp4=False``); it
-            exists once written (at the latest when ``fit`` returns).
+        last_video: path of the last MP4 handed to the writer (``None`` before); written when ``fit`` returns.
     """
 
     def __init__(self, *, prefix: str = "eval", test_prefix: str = "test", prog_bar: bool = True,
@@ -342,28 +276,25 @@ class RolloutEvaluation(RolloutCallback):
         """Reduce one round across ranks and log it under ``p/...`` (epoch-level, written at the round's end)."""
         self.last_round = batch
         self.evaluations += 1
-        episodes = _episode_stats(trainer, [e.reward for e in batch.episodes],
-                                  [float(e.length) for e in batch.episodes])
-        (frames, seconds), _ = _reduce(trainer, [float(batch.frames), batch.seconds])
+        count, metrics = _episode_metrics(trainer, p, batch.episodes)
+        frames, seconds = _reduce(trainer, [batch.frames, batch.seconds])
         if self._recording:
             self._recording = False
             self._write_video(trainer, int(frames) if self.step == "frames" else _logger_step(trainer), p)
-        if not episodes["count"]:
+        if not count:
             return
-        metrics = {f"{p}/episode_reward": episodes["mean"], f"{p}/episode_reward_min": episodes["min"],
-                   f"{p}/episode_reward_max": episodes["max"], f"{p}/episode_length": episodes["length"],
-                   f"{p}/seconds": seconds / trainer.world_size}
+        metrics[f"{p}/seconds"] = seconds / trainer.world_size
         for name, value in metrics.items():  # the same value on every rank: sync_dist only averages equals
             pl_module.log(name, value, prog_bar=self.prog_bar and name == f"{p}/episode_reward", on_step=False,
                           on_epoch=True, batch_size=1, sync_dist=trainer.world_size > 1)
 
     def _write_video(self, trainer: pl.Trainer, step: int, prefix: str) -> None:
-        assert self.video_recorder is not None and self.record_video is not None
+        assert self.video_recorder is not None and self.record_video is not None and self._video_dir is not None
         frames = self.video_recorder.take()
         if frames is None:
             return
-        folder = self._video_dir or os.path.join(trainer.default_root_dir, "videos")
-        mp4_path = os.path.join(folder, f"{prefix}-{self.step}-{step:010d}.mp4") if self.record_video.mp4 else None
+        mp4_path = (os.path.join(self._video_dir, f"{prefix}-{self.step}-{step:010d}.mp4")
+                    if self.record_video.mp4 else None)
         writers = _summary_writers(trainer) if self.record_video.tensorboard else []
         self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
                                   step=step)
@@ -374,8 +305,7 @@ class RolloutEvaluation(RolloutCallback):
             self.video_recorder.wait()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.video_recorder is not None:
-            self.video_recorder.wait(raise_errors=False)
+        self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.video_recorder is not None:
@@ -438,9 +368,8 @@ class _RLFigures:
 
 
 class RolloutProgressBar(_RLFigures, TQDMProgressBar):
-    """Lightning's TQDM bar showing RL figures in 80 columns: ``Epoch 0:  45%|████     | 05:12, frames=461824,
-    fps=7123, ret=123.4, eval=500.0`` (all ranks' frames and frames/s, mean return of the last batch's episodes
-    and of the last evaluation), then other progress-bar metrics. Batches/s, batch count and ``v_num`` are left out.
+    """Lightning's TQDM bar showing RL figures in 80 columns (``docs/lightning.rst``, "Progress bar"):
+    ``Epoch 0:  45%|████     | 05:12, frames=461824, fps=7123, ret=123.4, eval=500.0``.
 
     Args:
         refresh_rate, process_position, leave: as ``TQDMProgressBar``.
@@ -457,9 +386,8 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
-    """Lightning's Rich bar showing RL figures on one line of 100 columns: ``Epoch 0/0  ━━━━━━━━         45%
-    0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0`` (those of :class:`RolloutProgressBar`), with a
-    16-column bar and no batches/s, batch count, remaining time or ``v_num``.
+    """Lightning's Rich bar showing the figures of :class:`RolloutProgressBar` on one line of 100 columns:
+    ``Epoch 0/0  ━━━━━━━━         45% 0:05:12 frames: 461824 fps: 7123 ret: 123.4 eval: 500.0``.
 
     Args:
         refresh_rate, leave, theme, console_kwargs: as ``RichProgressBar``.
@@ -482,8 +410,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
     _rerouted: list[tuple[logging.StreamHandler, Any]] = []  # (handler, its own stream) while the bar is live
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the bar; until teardown, logging handlers writing to its terminal print through its console
-        (a line logged meanwhile goes above the bar, not onto it)."""
+        """Start the bar; until teardown, log lines written to its terminal go above it, through its console."""
         super().on_train_start(trainer, pl_module)
         if self.progress is None or self._rerouted:
             return
@@ -511,8 +438,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
         self.teardown(trainer, pl_module, "fit")
 
     def configure_columns(self, trainer: pl.Trainer) -> list:
-        """Description, a narrow bar, the share of the epoch done and the elapsed time; the metrics column
-        follows (Lightning appends it)."""
+        """Description, a narrow bar, the share of the epoch done and the elapsed time (then Lightning's metrics)."""
         from lightning.pytorch.callbacks.progress.rich_progress import CustomBarColumn
         from rich.progress import TextColumn, TimeElapsedColumn
 
@@ -527,10 +453,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
 
 class _FitEnd(pl.Callback):
     """Added by the DataModule, run before the checkpoint callbacks: when ``fit`` ends, logs what stopped it
-    (INFO) and saves the last checkpoint of every ``ModelCheckpoint(save_last=...)`` older than the current step
-    (Lightning's saves it at the end only if it never wrote one), with an epoch cut short counted as in progress
-    so that a resume continues it. Nothing under ``fast_dev_run``, as ``ModelCheckpoint``.
-    """
+    (INFO) and saves every stale ``last.ckpt`` (``docs/lightning.rst``, "Checkpoints and resume")."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.fast_dev_run:

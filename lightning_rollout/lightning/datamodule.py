@@ -1,10 +1,6 @@
 """RolloutDataModule: ``Trainer.fit(model, datamodule=RolloutDataModule(...))`` trains an RL agent.
 
-Training batches come from a :class:`~lightning_rollout.ThreadedCollector` per DDP rank; the validation (test)
-loop runs evaluation episodes. It also adds the built-in callbacks, sets the loggers' x-axis, checkpoints its
-counters, closes every env thread on teardown, errors and Ctrl-C, and pickles for ``ddp_spawn`` (counters travel,
-threads stay). ``docs/lightning.rst`` is the user's guide. Everything here runs in Lightning's main thread.
-"""
+``docs/lightning.rst`` is the user's guide. Everything here runs in Lightning's main thread."""
 
 from __future__ import annotations
 
@@ -41,7 +37,6 @@ from .callbacks import (
     RolloutRichProgressBar,
     StepAxis,
     _FitEnd,
-    overrides,
 )
 
 __all__ = ["RolloutDataModule"]
@@ -59,7 +54,8 @@ class _Dispatcher(EventProcessor):
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
         self.callbacks = [c for c in trainer.callbacks if isinstance(c, RolloutCallback)]
-        self.step_callbacks = [c for c in self.callbacks if overrides(c, "on_rollout_step")]
+        self.step_callbacks = [c for c in self.callbacks  # only those overriding it get per-step events
+                               if type(c).on_rollout_step is not RolloutCallback.on_rollout_step]
         self.wants_timesteps = bool(self.step_callbacks)
 
     def call(self, hook: str, *args: Any, callbacks: list[RolloutCallback] | None = None) -> None:
@@ -99,8 +95,7 @@ class _Loader:
 
 
 def _lent_validation_step(self: pl.LightningModule, batch: Any, batch_idx: int = 0) -> None:
-    """The ``validation_step`` (``test_step``) lent to a module without one (Lightning validates only modules
-    with one); the round already ran, :class:`RolloutEvaluation` logs it."""
+    """The ``validation_step`` / ``test_step`` lent to a module without one: :class:`RolloutEvaluation` logs."""
 
 
 def _lend(module: pl.LightningModule, step: str, lent: list[tuple[pl.LightningModule, str]]) -> None:
@@ -138,14 +133,11 @@ def _has_step(dm: RolloutDataModule, step: str) -> bool:
 def _check_frames(num_envs: int, frames_per_batch: int, total_frames: int, layout: str) -> None:
     check_int("num_envs", num_envs, 1)
     check_int("frames_per_batch", frames_per_batch, 1)
-    multiple = f"must be a multiple of num_envs ({num_envs}) with layout='env_time'"
-    if layout == "env_time" and frames_per_batch % num_envs:
-        raise ValueError(f"frames_per_batch ({frames_per_batch}) {multiple}")
-    if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1
-                                                                               and total_frames != -1):
+    if not isinstance(total_frames, int) or isinstance(total_frames, bool) or (total_frames < 1 and total_frames != -1):
         raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total_frames!r}")
-    if layout == "env_time" and total_frames > 0 and total_frames % num_envs:
-        raise ValueError(f"total_frames ({total_frames}) {multiple}")
+    for name, frames in (("frames_per_batch", frames_per_batch), ("total_frames", total_frames)):
+        if layout == "env_time" and frames > 0 and frames % num_envs:
+            raise ValueError(f"{name} ({frames}) must be a multiple of num_envs ({num_envs}) with layout='env_time'")
 
 
 def _check_eval(episodes: int, every_n_frames: int | None, every_n_steps: int | None, num_envs: int | None) -> None:
@@ -177,8 +169,7 @@ def _check_precision(trainer: pl.Trainer) -> None:
 
 
 def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
-    """The one x-axis of the trainer's :class:`EpisodeStatsLogger` / :class:`RolloutEvaluation` (default
-    ``"frames"``; ``ValueError`` when they name different ones)."""
+    """The one x-axis of the trainer's stats / evaluation callbacks (``ValueError`` when they differ)."""
     axes = {c.step for c in callbacks if isinstance(c, (EpisodeStatsLogger, RolloutEvaluation))}
     if len(axes) > 1:
         raise ValueError("the trainer's EpisodeStatsLogger and RolloutEvaluation write at different x-axes "
@@ -239,13 +230,10 @@ def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
 def _limited_epoch(dm: RolloutDataModule, trainer: pl.Trainer) -> int | None:
     """Batches of an epoch under the Trainer's ``limit_train_batches`` (``fast_dev_run`` sets it), or ``None``."""
     limit = trainer.limit_train_batches
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        return limit
-    if not isinstance(limit, float) or limit >= 1.0:
-        return None
-    full = (math.ceil(dm.total_frames / dm.frames_per_batch) if dm.total_frames > 0
-            else dm.batches_per_epoch or 1000)
-    return int(full * limit)
+    if isinstance(limit, float) and limit < 1.0:
+        full = math.ceil(dm.total_frames / dm.frames_per_batch) if dm.total_frames > 0 else dm.batches_per_epoch or 1000
+        return int(full * limit)
+    return limit if isinstance(limit, int) else None
 
 
 def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: int) -> None:
@@ -259,8 +247,8 @@ def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: in
 
 
 class _FramesAxis:
-    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at
-    (Lightning's own rows and its callbacks', e.g. ``LearningRateMonitor``, included), until :meth:`restore`."""
+    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at, until
+    :meth:`restore`."""
 
     def __init__(self) -> None:
         self.loggers: list[Any] = []
@@ -283,78 +271,6 @@ class _FramesAxis:
         self.loggers.clear()
 
 
-class _Evaluation:
-    """The evaluation loop of a :class:`RolloutDataModule` (built on first use, closed on teardown) and its rounds."""
-
-    def __init__(self, dm: RolloutDataModule) -> None:
-        self.dm = dm
-        self.loop: MultiEnvLoop | None = None
-
-    def build(self) -> MultiEnvLoop:
-        """The loop of single envs (a batched env's, taken apart); ``ValueError`` for a natively batched env."""
-        if self.loop is not None:
-            return self.loop
-        dm, trainer, rank = self.dm, self.dm.trainer, _rank(self.dm.trainer)
-        n = dm.eval_num_envs or max(1, min(dm.eval_episodes, dm.num_envs))
-        recorders = [c.video_recorder for c in trainer.callbacks if isinstance(c, RolloutEvaluation)
-                     and c.video_recorder is not None] if trainer is not None and trainer.is_global_zero else []
-        recorder = recorders[0] if recorders else None  # (rank zero only records)
-        factory = dm.env_factory if recorder is None else recorder.wrap_factory(dm.env_factory)
-        first = factory()
-        if not is_batched(first):
-            factories = [lambda: first] + [factory] * (n - 1)
-        elif takes_apart(first):
-            singles = batched_env(first, num_workers=1).factories
-            factories = [singles[i % len(singles)] for i in range(n)]
-        else:
-            close_quietly([first])
-            raise ValueError(
-                f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
-                f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "
-                "evaluate with env.rollout() yourself), or give RolloutDataModule a factory of one env")
-        self.loop = MultiEnvLoop(
-            factories, _actor(dm), exploration_type=ExplorationType.DETERMINISTIC, lookahead=False, eval=True,
-            max_episode_steps=dm.eval_max_episode_steps, info_keys=dm.collector_kwargs["info_keys"],
-            seed=dm.seed + _EVAL_SEED_OFFSET + rank * _RANK_SEED_STRIDE, name=f"rank{rank}-eval")
-        return self.loop
-
-    def rounds(self, events: Callable[[], _Dispatcher | None]) -> Iterator[EvalRound]:
-        """One :class:`EvalRound`, run when Lightning fetches it (module in ``eval()`` mode, gradients off); in
-        Lightning's sanity check the loop is built but no episode runs."""
-        trainer = self.dm.trainer
-        if trainer is not None and trainer.sanity_checking:
-            self.build()
-            return
-        start = time.perf_counter()
-        self.build()  # (its envs reset) before on_eval_start: a video starts at the round's own reset
-        dispatcher = events()
-        if dispatcher is not None:
-            dispatcher.call("on_eval_start")
-        episodes = self.run(self.dm.eval_episodes, dispatcher)
-        seconds = time.perf_counter() - start
-        if dispatcher is not None:
-            dispatcher.call("on_eval_end", episodes)
-        yield EvalRound(episodes, seconds=seconds, frames=self.dm.frames)
-
-    def run(self, episodes: int, events: _Dispatcher | None) -> list[EpisodeEnd]:
-        """``episodes`` episodes, in request order, each also passed to ``events.on_eval_episode_end``."""
-        results: list[EpisodeEnd] = []
-
-        class _Collect(EventProcessor):
-            def on_eval_episode_end(inner, episode: EpisodeEnd) -> None:  # noqa: N805
-                results.append(episode)
-                if events is not None:
-                    events.on_eval_episode_end(episode)
-
-        self.build().run_episodes(episodes, processor=_Collect())
-        return results
-
-    def close(self) -> None:
-        if self.loop is not None:
-            self.loop.close()
-            self.loop = None
-
-
 class RolloutDataModule(pl.LightningDataModule):
     """A LightningDataModule whose training batches are collected by a :class:`ThreadedCollector` and whose
     validation (and test) loop runs evaluation episodes.
@@ -371,26 +287,20 @@ class RolloutDataModule(pl.LightningDataModule):
         layout: ``"env_time"`` (``[num_envs, T]``, for on-policy losses) or ``"flat"``.
         on_policy: see :class:`ThreadedCollector`; use ``False`` with a replay buffer.
         envs_per_thread, num_workers, parallel_steps, autobatch_size, max_wait, max_episode_steps,
-            init_random_frames, exploration_type, step_timeout: passed to the collector (the first three
-            ``"auto"``: chosen from a few timed steps, see ``docs/tuning.rst``; workers need a picklable factory).
-        info_keys: entries of a gymnasium env's ``info`` read into the batches and evaluation rows: keys (specs
-            from the first reset) or ``{key: TorchRL spec}``; in ``EpisodeEnd.info`` at each episode's end.
+            init_random_frames, exploration_type, step_timeout, info_keys: passed to the collector
+            (``docs/torchrl.rst``, ``docs/tuning.rst``).
         batches_per_epoch: batches per epoch of an endless collector (default 1000); a finite one is one epoch.
-        eval_every_n_frames: evaluate every this many frames of this rank (rounded up to whole batches): sets
-            the Trainer's ``val_check_interval`` (in batches; leave it and ``check_val_every_n_epoch`` at their
-            defaults), unless ``fast_dev_run`` / ``limit_train_batches`` make epochs shorter. ``None``:
-            Lightning's schedule (once per epoch).
+        eval_every_n_frames: evaluate every this many frames of this rank (rounded up to whole batches; sets
+            the Trainer's ``val_check_interval``, see ``docs/lightning.rst``). ``None``: Lightning's schedule.
         eval_every_n_steps: deprecated (counts optimizer steps; ``ValueError`` at ``fit`` unless one per batch).
-        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: no
-            evaluation (no ``val_dataloader`` / ``test_dataloader``).
+        eval_episodes: episodes per evaluation round and rank, in ``fit``, ``validate`` and ``test``; ``0``: none.
         eval_num_envs: envs of the evaluation loop (default ``min(eval_episodes, num_envs)``).
         eval_max_episode_steps: cap on evaluation episode length.
         seed: env ``i`` of rank ``r`` is seeded with ``seed + r * 100003 + i``.
         log_stats: add an :class:`EpisodeStatsLogger` unless the trainer has one.
-        progress_bar: make Lightning's stock TQDM / Rich bar a :class:`RolloutProgressBar` /
-            :class:`RolloutRichProgressBar`.
-        reraise_interrupt: a Ctrl-C in ``fit`` reaches the caller as ``KeyboardInterrupt`` after Lightning's
-            graceful shutdown (``False``: Lightning's ``sys.exit(1)``).
+        progress_bar: swap Lightning's stock TQDM / Rich bar for the RL one.
+        reraise_interrupt: a Ctrl-C ends ``fit`` with ``KeyboardInterrupt`` after Lightning's graceful shutdown
+            (``False``: Lightning's ``sys.exit(1)``).
 
     Raises:
         ValueError: bad configuration, saying what to change (here, or at :meth:`setup` for the Trainer's).
@@ -438,24 +348,17 @@ class RolloutDataModule(pl.LightningDataModule):
         self.last_collect_seconds = 0.0
         self._iterator: Iterator[Any] | None = None
         self._dispatcher: _Dispatcher | None = None
-        self._evaluation = _Evaluation(self)
+        self._eval_loop: MultiEnvLoop | None = None
         self._lent: list[tuple[pl.LightningModule, str]] = []  # (module, step name) lent for this stage
         self._axis = _FramesAxis()
-        self._pending_state: dict[str, Any] | None = None
-        self._final_state: dict[str, Any] | None = None
+        self._pending_state: dict[str, Any] | None = None  # counters to resume from, or those of a closed collector
 
     @property
     def trainer(self) -> pl.Trainer | None:  # type: ignore[override]
         """The Trainer this DataModule is attached to (``None`` before). Attaching it for ``validate`` / ``test``
-        lends the module a ``validation_step`` / ``test_step`` if it has none (for ``fit``, :meth:`setup` does).
-
-        Warns:
-            UserWarning: ``fit`` of an endless collector with no ``max_steps`` / ``max_epochs`` / ``max_time``.
-
-        Raises:
-            RuntimeError: ``Trainer.predict``.
-            ValueError: ``Trainer.validate`` / ``test`` with ``eval_episodes=0``.
-        """
+        lends the module a ``validation_step`` / ``test_step`` if it has none (for ``fit``, :meth:`setup` does);
+        it raises ``RuntimeError`` for ``Trainer.predict``, ``ValueError`` for ``validate`` / ``test`` with
+        ``eval_episodes=0``, and warns for ``fit`` of an endless collector with no limit on the Trainer."""
         return self.__dict__.get("_trainer")
 
     @trainer.setter
@@ -486,8 +389,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def frames(self) -> int:
-        """Frames this rank has collected: its collector's count, else the count restored from a checkpoint
-        (``0`` before any)."""
+        """Frames this rank has collected (its collector's count, else the one restored from a checkpoint, or 0)."""
         if self.collector is not None:
             return int(self.collector.frames)
         state = self._pending_state or {}
@@ -500,13 +402,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but threads and trainer (``ddp_spawn``); the counters travel."""
-        state = self.__dict__.copy()
-        counters = self.state_dict()
-        for key in ("collector", "_iterator", "_dispatcher", "_final_state", "_trainer"):
-            state[key] = None
-        state["_evaluation"], state["_lent"], state["_axis"] = _Evaluation(self), [], _FramesAxis()
-        state["_pending_state"] = counters or None
-        state["last_collect_seconds"] = 0.0
+        state = {**self.__dict__, **dict.fromkeys(("collector", "_iterator", "_dispatcher", "_eval_loop", "_trainer"))}
+        state.update(_lent=[], _axis=_FramesAxis(), _pending_state=self.state_dict() or None, last_collect_seconds=0.0)
         return state
 
     def setup(self, stage: str) -> None:
@@ -515,11 +412,8 @@ class RolloutDataModule(pl.LightningDataModule):
         ``validation_step``; warn about a ``ModelCheckpoint`` ``filename`` naming a metric with ``/``.
 
         Raises:
-            ValueError: a ``Trainer(precision=...)`` that casts the weights (``"bf16-true"``, ``"16-true"``,
-                ``"64-true"``: the policy could not act on float32 observations); an
-                :class:`EpisodeStatsLogger` and a :class:`RolloutEvaluation` with different ``step`` axes;
-                ``eval_every_n_frames`` with a non-default ``val_check_interval`` / ``check_val_every_n_epoch``,
-                or ``eval_every_n_steps`` with a module not taking one optimizer step per batch.
+            ValueError: a ``Trainer(precision=...)`` that casts the weights; callbacks with different ``step``
+                axes; an evaluation schedule the Trainer's own settings contradict (``docs/lightning.rst``).
         """
         trainer = self.trainer
         if trainer is None:
@@ -547,25 +441,26 @@ class RolloutDataModule(pl.LightningDataModule):
             if trainer.lightning_module is not None:
                 _lend(trainer.lightning_module, "validation_step", self._lent)
 
-    def _events(self) -> _Dispatcher | None:
-        if self._dispatcher is None and self.trainer is not None:
+    def _events(self) -> _Dispatcher:
+        if self._dispatcher is None:
             self._dispatcher = _Dispatcher(self.trainer)
         return self._dispatcher
 
     # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Loader:
-        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), with a
-        length: ``batches_per_epoch`` when endless, else the batches left to ``total_frames`` plus those of this
-        epoch before the checkpoint Lightning resumes from."""
-        if self.collector is not None and self.collector.is_shut_down:
-            if self._pending_state is None and self._final_state is not None:
-                self._pending_state = {"collector": dict(self._final_state), "rank": _rank(self.trainer),
-                                       "episodes": self.collector.loop.episodes}
-            self.collector = None
-            self._final_state = None
-        if self.collector is None:
-            self._build_collector()
-        assert self.collector is not None
+        """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), as many
+        as an epoch has (``batches_per_epoch`` when endless, else those left to ``total_frames``)."""
+        if self.collector is None or self.collector.is_shut_down:
+            rank = _rank(self.trainer)
+            self.collector = ThreadedCollector(
+                self.env_factory, _actor(self), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
+                num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
+                seed=self.seed + rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
+                name=f"rank{rank}", **self.collector_kwargs)
+            if self._pending_state is not None:
+                _load_counters(self.collector, self._pending_state, rank)
+                self._pending_state = None
+            self._iterator = iter(self.collector)
         count = self.batches_per_epoch or 1000
         if self.total_frames > 0:
             left = max(0, math.ceil((self.total_frames - self.collector.frames) / self.frames_per_batch))
@@ -573,18 +468,6 @@ class RolloutDataModule(pl.LightningDataModule):
             done = int(epoch.batch_progress.current.processed) if epoch is not None and epoch.restarting else 0
             count = done + left  # with the batches of this epoch before the checkpoint Lightning resumes from
         return _Loader(functools.partial(self._batches, count), count)
-
-    def _build_collector(self) -> None:
-        rank = _rank(self.trainer)
-        self.collector = ThreadedCollector(
-            self.env_factory, _actor(self), frames_per_batch=self.frames_per_batch, total_frames=self.total_frames,
-            num_envs=self.num_envs, layout=self.layout, on_policy=self.on_policy,
-            seed=self.seed + rank * _RANK_SEED_STRIDE, processor=self._events(), track_policy_version=True,
-            name=f"rank{rank}", **self.collector_kwargs)
-        if self._pending_state is not None:
-            _load_counters(self.collector, self._pending_state, rank)
-            self._pending_state = None
-        self._iterator = iter(self.collector)
 
     def _batches(self, count: int) -> Iterator[TensorDictBase]:
         """At most ``count`` batches (fewer when the collector is exhausted), each after a weight update."""
@@ -594,16 +477,13 @@ class RolloutDataModule(pl.LightningDataModule):
             start = time.perf_counter()
             batch = next(self._iterator, None)
             self.last_collect_seconds = time.perf_counter() - start
-            trainer = self.trainer
-            if trainer is not None and (batch is None or 0 < self.total_frames <= self.collector.frames):
+            if batch is None or 0 < self.total_frames <= self.collector.frames:
                 # the last batch: stop after it, rather than running one more (empty) epoch to find out
                 # (Lightning then validates once more: the final evaluation round)
-                trainer.should_stop = True
+                self.trainer.should_stop = True
             if batch is None:
                 return
-            events = self._events()
-            if events is not None:
-                events.call("on_rollout_batch", batch)
+            self._events().call("on_rollout_batch", batch)
             yield batch
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -615,42 +495,77 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def test_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
-        """The evaluation round of ``Trainer.test`` (as a validation round, logged as ``test/...``); ``None``
-        while no test loop can run."""
+        """The evaluation round of ``Trainer.test`` (logged as ``test/...``); ``None`` while no test can run."""
         return self._eval_rounds if _has_step(self, "test_step") else None
 
-    def _eval_rounds(self) -> _Loader:
-        return _Loader(functools.partial(self._evaluation.rounds, self._events), 1)
+    def _eval_rounds(self) -> _Loader:  # (a method: Lightning reads its __code__)
+        return _Loader(self._eval_round, 1)
+
+    def _eval_round(self) -> Iterator[EvalRound]:
+        """One :class:`EvalRound`, run when Lightning fetches it; in the sanity check only the loop is built."""
+        start = time.perf_counter()
+        self._build_eval_loop()  # (its envs reset) before on_eval_start: a video starts at the round's own reset
+        if self.trainer is not None and self.trainer.sanity_checking:
+            return
+        events = self._events()
+        events.call("on_eval_start")
+        episodes = self.run_eval_episodes(self.eval_episodes)
+        seconds = time.perf_counter() - start
+        events.call("on_eval_end", episodes)
+        yield EvalRound(episodes, seconds=seconds, frames=self.frames)
+
+    def _build_eval_loop(self) -> MultiEnvLoop:
+        """The evaluation loop of single envs (a batched env's, taken apart), built on first use."""
+        if self._eval_loop is not None:
+            return self._eval_loop
+        trainer, rank = self.trainer, _rank(self.trainer)
+        n = self.eval_num_envs or max(1, min(self.eval_episodes, self.num_envs))
+        recorders = [c.video_recorder for c in trainer.callbacks if isinstance(c, RolloutEvaluation)
+                     and c.video_recorder is not None] if trainer is not None and trainer.is_global_zero else []
+        factory = self.env_factory if not recorders else recorders[0].wrap_factory(self.env_factory)
+        first = factory()
+        if not is_batched(first):
+            factories = [lambda: first] + [factory] * (n - 1)
+        elif takes_apart(first):
+            singles = batched_env(first, num_workers=1).factories
+            factories = [singles[i % len(singles)] for i in range(n)]
+        else:
+            close_quietly([first])
+            raise ValueError(
+                f"evaluation runs whole episodes of single envs, and the env factory makes a natively batched "
+                f"{type(first).__name__} that cannot be taken apart into them: pass eval_episodes=0 (and "
+                "evaluate with env.rollout() yourself), or give RolloutDataModule a factory of one env")
+        self._eval_loop = MultiEnvLoop(
+            factories, _actor(self), exploration_type=ExplorationType.DETERMINISTIC, lookahead=False, eval=True,
+            max_episode_steps=self.eval_max_episode_steps, info_keys=self.collector_kwargs["info_keys"],
+            seed=self.seed + _EVAL_SEED_OFFSET + rank * _RANK_SEED_STRIDE, name=f"rank{rank}-eval")
+        return self._eval_loop
 
     def run_eval_episodes(self, episodes: int) -> list[EpisodeEnd]:
-        """Run ``episodes`` fresh deterministic episodes with the module's current weights, now, in the
-        evaluation loop; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged.
+        """The finished episodes, in request order, of ``episodes`` fresh deterministic episodes run now with the
+        module's current weights; ``on_eval_episode_end`` goes to every :class:`RolloutCallback`, nothing is logged."""
+        results: list[EpisodeEnd] = []
+        events = self._events()
 
-        Returns:
-            The finished episodes, in request order.
-        """
-        return self._evaluation.run(episodes, self._events())
+        class _Collect(EventProcessor):
+            def on_eval_episode_end(inner, episode: EpisodeEnd) -> None:  # noqa: N805
+                results.append(episode)
+                events.on_eval_episode_end(episode)
+
+        self._build_eval_loop().run_episodes(episodes, processor=_Collect())
+        return results
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters for Lightning checkpoints (ints only; weights live in the module's own state)."""
-        if self.collector is not None and not self.collector.is_shut_down:
-            state = self.collector.state_dict(with_policy=False)
-        elif self._final_state is not None:
-            state = self._final_state
-        elif self._pending_state is not None:
-            return dict(self._pending_state)
-        else:
-            return {}
-        episodes = self.collector.loop.episodes if self.collector is not None else 0
-        return {"collector": dict(state), "episodes": episodes, "seed": self.seed, "rank": _rank(self.trainer)}
+        if self.collector is None or self.collector.is_shut_down:
+            return dict(self._pending_state or {})
+        return {"collector": dict(self.collector.state_dict(with_policy=False)),
+                "episodes": self.collector.loop.episodes, "seed": self.seed, "rank": _rank(self.trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume counters saved by :meth:`state_dict` (applied when the collector is built).
-
-        Raises:
-            ValueError: the state is not a RolloutDataModule state.
-        """
+        """Resume counters saved by :meth:`state_dict` (applied when the collector is built); ``ValueError`` for
+        another state."""
         if not state_dict:
             return
         if "collector" not in state_dict:
@@ -661,25 +576,24 @@ class RolloutDataModule(pl.LightningDataModule):
             self._pending_state = dict(state_dict)
 
     # -- shutdown --------------------------------------------------------------------------------------
-    def _close(self) -> None:
+    def teardown(self, stage: str) -> None:
+        """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
+        loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""
         if self.collector is not None and not self.collector.is_shut_down:
-            self._final_state = self.collector.state_dict(with_policy=False)
+            self._pending_state = self.state_dict()  # for a checkpoint after teardown, or the next fit
             self.collector.shutdown(raise_on_error=False)
-        self._evaluation.close()
+        if self._eval_loop is not None:
+            self._eval_loop.close()
+            self._eval_loop = None
         for module, step in self._lent:
             module.__dict__.pop(step, None)
         self._lent.clear()
         self._axis.restore()
 
-    def teardown(self, stage: str) -> None:
-        """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
-        loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""
-        self._close()
-
     def on_exception(self, exception: BaseException) -> None:
         """Join every env thread when ``fit`` fails or is interrupted; with ``reraise_interrupt``, finish
         Lightning's graceful shutdown and re-raise a ``KeyboardInterrupt``."""
-        self._close()
+        self.teardown("fit")
         trainer = self.trainer
         if not (isinstance(exception, KeyboardInterrupt) and self.reraise_interrupt and trainer is not None):
             return

@@ -1,12 +1,7 @@
 """Video of evaluation episodes: :class:`VideoRecording` and the machinery of ``RolloutEvaluation(record_video=...)``.
 
-The evaluation envs (global rank zero) render ``rgb_array`` frames, wrapped for recording. Before a recorded
-round the callback arms the :class:`VideoRecorder`: the next env reset claims the recording and renders a frame
-after it and after every step, **in that env's own thread**, until the episode ends. After the round (main
-thread) one background thread writes the clip (H.264 MP4 with ``imageio-ffmpeg``; an animated GIF summary for
-TensorBoard) while training goes on. Frames stay in memory until written (``H x W x 3`` bytes each). Needs the
-``video`` extra (``imageio-ffmpeg``, Pillow, ``pygame`` for classic control).
-"""
+``docs/lightning.rst`` ("Video of evaluation episodes") describes what is recorded, in which thread, and what it
+needs. Frames stay in memory until written (``H x W x 3`` bytes each)."""
 
 from __future__ import annotations
 
@@ -21,8 +16,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from .._checks import warn_user
-from ..envs import GymMaker
+from .._checks import check_int, warn_user
+from ..envs import GymMaker, close_quietly
 
 __all__ = ["VideoRecording"]
 
@@ -31,16 +26,15 @@ _DEFAULT_FPS = 30
 
 @dataclass(frozen=True, kw_only=True)
 class VideoRecording:
-    """What ``RolloutEvaluation(record_video=...)`` records (``record_video=N``: ``VideoRecording(every_n_evals=N)``):
-    one episode of the evaluation rounds ``0, N, 2N, ...`` of ``fit`` (sanity check excluded), on global rank zero.
+    """What ``RolloutEvaluation(record_video=...)`` records: one episode of the evaluation rounds ``0, N, 2N, ...``
+    of ``fit``, on global rank zero (``record_video=N`` is ``VideoRecording(every_n_evals=N)``).
 
     Attributes:
         every_n_evals: record one episode every this many evaluation rounds (``1``: every round).
         fps: frames per second of the clip; ``None`` (default): the env's ``metadata["render_fps"]``, else 30.
         max_frames: frames kept per clip (the first of the episode, reset frame included); bounds its memory.
         mp4: write ``<dirpath>/<prefix>-<step axis>-<step>.mp4`` (H.264, needs ``imageio-ffmpeg``).
-        tensorboard: write the clip to every ``TensorBoardLogger`` as the video summary ``<prefix>/video`` (an
-            animated GIF, in TensorBoard's Images tab; needs Pillow).
+        tensorboard: write the clip to every ``TensorBoardLogger`` as the summary ``<prefix>/video`` (needs Pillow).
         dirpath: folder of the MP4 files; ``None`` (default): ``videos/`` in the trainer's ``log_dir``.
 
     Raises:
@@ -55,22 +49,16 @@ class VideoRecording:
     dirpath: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("every_n_evals", "max_frames") + (("fps",) if self.fps is not None else ()):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"VideoRecording.{name} must be an int >= 1, got {value!r}")
+        for name in ("every_n_evals", "max_frames", "fps"):
+            check_int(f"VideoRecording.{name}", getattr(self, name), 1, optional=name == "fps")
         if not (self.mp4 or self.tensorboard):
             raise ValueError("VideoRecording with mp4=False and tensorboard=False writes nothing; "
                              "turn one on, or drop record_video")
 
 
 def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecording | None:
-    """``record_video`` as :class:`VideoRecording` (an int ``N`` is ``every_n_evals=N``; ``None``: off).
-
-    Raises:
-        ValueError: neither ``None``, an int ``>= 1`` nor a :class:`VideoRecording`.
-        ImportError: an output's package is missing.
-    """
+    """``record_video`` as :class:`VideoRecording` (``None``: off); ``ValueError`` for another type,
+    ``ImportError`` when an output's package is missing."""
     if record_video is None:
         return None
     if isinstance(record_video, int) and not isinstance(record_video, bool) and record_video >= 1:
@@ -89,11 +77,8 @@ def as_video_recording(record_video: int | VideoRecording | None) -> VideoRecord
 
 
 class VideoRecorder:
-    """Captures one evaluation episode's frames (of ``config``) and writes them out.
-
-    Threading: :meth:`arm`, :meth:`take`, :meth:`write` and :meth:`wait` run in the main thread, :meth:`on_reset`
-    / :meth:`on_step` in the wrapped envs' threads; a lock guards the state, only the claiming env renders.
-    """
+    """Captures one evaluation episode's frames (of ``config``) and writes them out. :meth:`on_reset` /
+    :meth:`on_step` run in the wrapped envs' threads, the rest in the main thread; a lock guards the state."""
 
     def __init__(self, config: VideoRecording) -> None:
         self.config = config
@@ -102,7 +87,7 @@ class VideoRecorder:
         self._owner: _RecordingEnv | None = None
         self._frames: list[np.ndarray] = []
         self._steps = 0
-        self._fps = config.fps or _DEFAULT_FPS
+        self.fps = config.fps or _DEFAULT_FPS  # of the clips: the env's render_fps unless the config sets one
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -119,7 +104,24 @@ class VideoRecorder:
         called: ``ValueError``)."""
         if isinstance(factory, GymMaker):
             factory = GymMaker(factory.env_id, **{**factory.kwargs, "render_mode": "rgb_array"})
-        return _RecordingFactory(factory, self)
+
+        def make() -> gym.Env:
+            env = factory()
+            if not isinstance(env, gym.Env):
+                close_quietly([env])
+                raise ValueError(
+                    f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
+                    f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
+                    "render_mode='rgb_array'")
+            if env.render_mode != "rgb_array":
+                close_quietly([env])
+                raise ValueError(
+                    f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
+                    f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
+                    "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
+            return _RecordingEnv(env, self)
+
+        return make
 
     def arm(self) -> None:
         """Record the next episode that starts (the next reset of any wrapped env)."""
@@ -134,11 +136,6 @@ class VideoRecorder:
             self._armed, self._owner, self._frames, self._steps = False, None, [], 0
         return frames or None
 
-    @property
-    def fps(self) -> int:
-        """Frames per second of the clips (the env's ``render_fps`` unless the config sets one)."""
-        return self._fps
-
     def on_reset(self, env: _RecordingEnv) -> None:
         with self._lock:
             if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
@@ -147,7 +144,7 @@ class VideoRecorder:
             if self._owner is env or (self._armed and self._owner is None):  # a reset before any step: restart
                 self._owner, self._armed, self._frames, self._steps = env, False, [], 0
                 if self.config.fps is None:
-                    self._fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
+                    self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
             else:
                 return
         self._add(env, env.render())
@@ -211,35 +208,6 @@ class VideoRecorder:
             warn_user(message, RuntimeWarning)
 
 
-class _RecordingFactory:
-    """Calls ``factory`` and wraps the env it returns for :class:`VideoRecorder`."""
-
-    def __init__(self, factory: Callable[[], Any], recorder: VideoRecorder) -> None:
-        self.factory = factory
-        self.recorder = recorder
-
-    def __call__(self) -> gym.Env:
-        env = self.factory()
-        if not isinstance(env, gym.Env):
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
-            raise ValueError(
-                f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
-                f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
-                "render_mode='rgb_array'")
-        if env.render_mode != "rgb_array":
-            env.close()
-            raise ValueError(
-                f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
-                f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
-                "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
-        return _RecordingEnv(env, self.recorder)
-
-    def __repr__(self) -> str:
-        return f"_RecordingFactory({self.factory!r})"
-
-
 class _RecordingEnv(gym.Wrapper):
     """Renders one frame after each reset and step while its :class:`VideoRecorder` records this env."""
 
@@ -282,9 +250,8 @@ def write_mp4(path: str, frames: list[np.ndarray], *, fps: int) -> None:
 
 
 def video_summary(tag: str, frames: list[np.ndarray], *, fps: int) -> Any:
-    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes, a looping animated GIF encoded with
-    Pillow (one fast-octree palette per frame; delays in whole centiseconds) instead of the removed
-    ``moviepy.editor``."""
+    """The TensorBoard ``Summary`` that ``SummaryWriter.add_video`` writes (a looping animated GIF), encoded with
+    Pillow instead of the removed ``moviepy.editor``."""
     from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
