@@ -7,6 +7,7 @@
 * ``Trainer.predict``, and ``validate`` / ``test`` with evaluation off, point to what to do;
 * the Rich bar left on screen shows the last evaluation, and a line logged at the end goes above it;
 * a DataModule of a ``SerialEnv`` factory evaluates (its single envs).
+* ``EpisodeStatsLogger`` on a trainer without a ``RolloutDataModule`` says what to pass.
 
 The DDP resume (B1) is tested with the other DDP tests in ``test_lightning.py``.
 """
@@ -172,3 +173,29 @@ def test_a_serial_env_factory_trains_validates_and_tests():
     (validated,), (tested,) = [getattr(trainer, run)(module, datamodule=dm) for run in ("validate", "test")]
     assert validated["eval/episode_length"] > 0 and tested["test/episode_length"] > 0
     assert rollout_threads() == []
+
+
+def test_the_episode_stats_logger_without_a_rollout_datamodule_names_what_to_pass() -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_rollout import EpisodeStatsLogger
+
+    class Plain(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(torch.zeros(4, 4), batch_size=2)
+
+    class Fit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(TypeError, match=r"datamodule=RolloutDataModule\(\.\.\.\)"):
+        make_trainer(max_steps=1, callbacks=[EpisodeStatsLogger()]).fit(Fit(), datamodule=Plain())

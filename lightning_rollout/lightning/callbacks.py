@@ -133,6 +133,7 @@ class EpisodeStatsLogger(RolloutCallback):
 
     Raises:
         ValueError: ``step`` is neither ``"frames"`` nor ``"batches"``.
+        TypeError: at ``fit``, when the trainer's datamodule is not a ``RolloutDataModule``.
     """
 
     def __init__(self, *, prefix: str = "rollout", prog_bar: bool = True, step: StepAxis = "frames",
@@ -162,6 +163,9 @@ class EpisodeStatsLogger(RolloutCallback):
         self._lag = [float(dm.collector.policy_version - acted.double().mean())] if acted.numel() else []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not hasattr(trainer.datamodule, "last_collect_seconds"):
+            raise TypeError(f"EpisodeStatsLogger logs what a RolloutDataModule collects, and fit got the datamodule "
+                            f"{trainer.datamodule!r}: pass trainer.fit(model, datamodule=RolloutDataModule(...))")
         (self._start_frames,) = _reduce(trainer, [trainer.datamodule.frames])
         self._start_time = self.clock()
 
