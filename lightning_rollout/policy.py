@@ -4,12 +4,8 @@
 * :class:`PolicyCall` runs it on the rows of some envs in the calling thread and returns numpy outputs; its
   weights carry a version (:meth:`PolicyCall.update` +1, :meth:`PolicyCall.pinned` holds one for a span). With
   ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
-* :class:`AutobatchPolicy`: many threads submit requests through :class:`Agent` s; one inference thread answers
-  them with one call once ``pending >= min(active, autobatch_size)`` rows are queued or the oldest waited ``max_wait``.
-
-Locks: :class:`PolicyCall` owns ``_weights`` (held by a call or an update) and ``_pin`` (a condition over pins and
-deferred updates); :class:`AutobatchPolicy` owns ``_lock`` (its queue and agents). No thread holding ``_weights``
-takes another lock.
+* :class:`AutobatchPolicy`, a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s: one
+  inference thread calls it once ``pending >= min(active, autobatch_size)`` rows are queued or after ``max_wait``.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +32,7 @@ from torchrl.data import Composite
 from torchrl.envs.utils import ExplorationType, RandomPolicy, set_exploration_type
 from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
 
-from ._checks import check_device, check_seconds
+from ._checks import check_device, check_int, check_seconds
 from ._exit import abandon, close_at_exit
 from .errors import CollectionError, PolicyError
 from .specs import random_sample
@@ -87,9 +83,12 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         return Wrapped(policy, policy)
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
+    bounded = _Bounded(f"lightning_rollout-{name}-wrap")
     what = "while wrapping the policy at construction (one call on a sample of the observation spec)"
-    return _wrap(policy, observation_spec, action_keys, single_key,
-                 lambda fn: call_bounded(fn, policy_timeout, name=f"lightning_rollout-{name}-wrap", what=what))
+    try:
+        return _wrap(policy, observation_spec, action_keys, single_key, lambda fn: bounded(fn, policy_timeout, what))
+    finally:
+        bounded.close(policy_timeout)
 
 
 _INCOMPATIBLE_SIGNATURE = (  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
@@ -188,8 +187,8 @@ class _CallTimedOut(PolicyError):
 
 
 class _Bounded:
-    """Calls run in one daemon thread ``name``, each waited for at most ``timeout`` s; one that hangs is abandoned
-    with its thread (the next call starts another)."""
+    """Calls run in one daemon thread ``name``, each waited for at most ``timeout`` s (``None``: run in the caller's
+    thread); one that hangs is abandoned with its thread (the next call starts another)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -205,14 +204,17 @@ class _Bounded:
             except BaseException as exc:  # re-raised in the caller's thread
                 future.set_exception(exc)
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float | None) -> None:
         """End the thread (within ``timeout`` seconds; a stuck one stays abandoned)."""
         if self.thread is not None:
             self.calls.put(None)
             self.thread.join(timeout)
             self.thread = None
 
-    def __call__(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    def __call__(self, fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+        """``fn()``; raises :class:`PolicyError` past ``timeout``, else what ``fn`` raised."""
+        if timeout is None:
+            return fn()
         if self.thread is None:
             self.thread = threading.Thread(target=self._serve, args=(self.calls,), name=self.name, daemon=True)
             self.thread.start()
@@ -225,22 +227,6 @@ class _Bounded:
             raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {stuck.name!r} is "
                                 "stuck inside the policy's call and is abandoned (daemon)")
         return future.result()
-
-
-def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
-    """``fn()``: in this thread when ``timeout`` is ``None``, else in a daemon thread ``name`` waited for at most
-    ``timeout`` s (abandoned when it hangs).
-
-    Raises:
-        PolicyError: it did not return within ``timeout``. Exception: whatever ``fn`` raised.
-    """
-    if timeout is None:
-        return fn()
-    bounded = _Bounded(name)
-    try:
-        return bounded(fn, timeout, what)
-    finally:
-        bounded.close(timeout)
 
 
 # -- the call -------------------------------------------------------------------------------------------
@@ -383,7 +369,7 @@ class PolicyCall:
                 finally:
                     self._weights.release()
             with self._weights_held("the policy cannot be called"):
-                return fn() if self.policy_timeout is None else self._bounded_calls(fn, self.policy_timeout, what)
+                return self._bounded_calls(fn, self.policy_timeout, what)
         except _CallTimedOut as error:
             self.failure = error
             raise
@@ -618,20 +604,14 @@ class PolicyAnswer:
     version: int
 
 
+@dataclass(eq=False)
 class _Request:
-    __slots__ = ("agent", "obs", "rows", "mode", "t0", "answer", "error", "done")
-
-    def __init__(self, agent: Agent, obs: dict[NestedKey, np.ndarray], mode: ExplorationType) -> None:
-        self.agent, self.obs, self.rows, self.mode = agent, obs, agent.rows, mode
-        self.t0 = time.perf_counter()
-        self.answer: PolicyAnswer | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def finish(self, answer: PolicyAnswer | None = None, error: BaseException | None = None) -> None:
-        """Hand the waiting thread its ``answer`` or ``error``."""
-        self.answer, self.error = answer, error
-        self.done.set()
+    agent: Agent
+    obs: dict[NestedKey, np.ndarray]
+    mode: ExplorationType
+    rows: int
+    t0: float = field(default_factory=time.perf_counter)
+    done: futures.Future[PolicyAnswer] = field(default_factory=futures.Future)
 
 
 class Agent:
@@ -676,7 +656,7 @@ class Agent:
             CollectionError: the policy is closed.
         """
         mode = exploration_type or (ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM)
-        self._request = _Request(self, dict(obs), mode)
+        self._request = _Request(self, dict(obs), mode, self.rows)
         self.server.enqueue(self._request)
 
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
@@ -688,18 +668,15 @@ class Agent:
         """
         request = self._request
         assert request is not None, "result() without submit()"
-        while not request.done.wait(_POLL_S):
+        while not futures.wait([request.done], _POLL_S).done:
             if self.server.closed:
                 raise CollectionError("the policy was closed while a request was waiting")
             if stop is not None and stop.is_set():
                 raise CollectionError("the wait for the policy's answer was stopped")
-            failure = self.server.call.failure or self.server.failure
+            failure = self.server.failure
             if failure is not None:
                 raise PolicyError(failure.reason, env_ids=self.env_ids) from failure
-        if request.error is not None:
-            raise request.error
-        assert request.answer is not None
-        return request.answer
+        return request.done.result()
 
     def act(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
             exploration_type: ExplorationType | None = None, stop: threading.Event | None = None) -> PolicyAnswer:
@@ -708,8 +685,8 @@ class Agent:
         return self.result(stop)
 
 
-class AutobatchPolicy:
-    """Answer observations from many threads with one batched call.
+class AutobatchPolicy(PolicyCall):
+    """A :class:`PolicyCall` answering observations from many threads' :class:`Agent` s with one batched call.
 
     A flush takes the oldest queued requests, up to ``autobatch_size`` rows (whole requests, at least one), as
     soon as ``pending_rows >= min(active_rows, autobatch_size)`` (re-checked whenever an agent parks or leaves)
@@ -727,7 +704,8 @@ class AutobatchPolicy:
     Raises:
         ValueError: a bad ``autobatch_size``, ``max_wait``, ``policy_timeout`` or ``device``; a non-callable policy.
 
-    Threading: every public method may be called from any thread.
+    Threading: every public method may be called from any thread; ``_lock`` guards the queue and the agents.
+    An error of the inference thread itself sets :attr:`failure`: the policy then fails like a stuck call.
     """
 
     def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
@@ -735,76 +713,36 @@ class AutobatchPolicy:
                  flush_in_caller: bool = True, seed: int | None = None, policy_timeout: float | None = None) -> None:
         if not callable(policy):
             raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-        if autobatch_size is not None and (not isinstance(autobatch_size, (int, np.integer))
-                                           or isinstance(autobatch_size, bool) or autobatch_size < 1):
-            raise ValueError(f"autobatch_size must be a positive int or None, got {autobatch_size!r}")
+        check_int("autobatch_size", autobatch_size, 1, optional=True)
         self.max_wait = check_seconds("max_wait", max_wait, allow_zero=True)
         policy_timeout = check_seconds("policy_timeout", policy_timeout, allow_zero=False)
         check_device("device", device)
-        self.call = PolicyCall(as_policy_module(policy), device=device, seed=seed, policy_timeout=policy_timeout,
-                               name=name)
+        super().__init__(as_policy_module(policy), device=device, seed=seed, policy_timeout=policy_timeout, name=name)
         self.autobatch_size = None if autobatch_size is None else int(autobatch_size)
         self.flush_in_caller = flush_in_caller and policy_timeout is None
-        self.name = name
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: list[_Request] = []
         self._active_rows = 0
-        self._updates: list[tuple[Any, _Request]] = []
+        self._updates: list[tuple[Any, Any, futures.Future[int]]] = []  # (state, buffers_from, applied)
         self.closed = False
-        self.failure: PolicyError | None = None  # the inference thread's own error (not the policy's)
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
-
-    # -- what the loops and users read (read-only, from the PolicyCall) ------------------------------------
-    @property
-    def version(self) -> int:
-        """Version of the current weights: 0 at start, +1 an update."""
-        return self.call.version
-
-    @property
-    def weights(self) -> Any:
-        """The object whose weights :meth:`update` and :meth:`state` move."""
-        return self.call.weights
-
-    @property
-    def policy(self) -> Any:
-        """The policy as it is called (on TensorDicts)."""
-        return self.call.policy
-
-    @property
-    def mean_batch_size(self) -> float:
-        """Mean rows per call since creation (0.0 before the first)."""
-        return self.call.mean_batch_size
 
     @property
     def num_flushes(self) -> int:
         """Calls made since creation."""
-        return self.call.calls
+        return self.calls
 
     @property
     def num_rows(self) -> int:
         """Rows answered since creation."""
-        return self.call.rows
+        return self.rows
 
     @property
     def pending_updates(self) -> int:
         """Updates made and not applied yet (queued behind requests, or waiting for a pinned span)."""
-        return len(self._updates) + self.call.pending_updates
-
-    def updates_held(self) -> contextlib.AbstractContextManager[None]:
-        """Pin the weights for a ``with`` block: every answer meanwhile has one version (:meth:`PolicyCall.pinned`)."""
-        return self.call.pinned()
-
-    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
-        """Call the policy once on ``obs`` and fix the outputs every answer carries (see :meth:`PolicyCall.probe`)."""
-        return self.call.probe(obs, rows)
-
-    def state(self) -> Any:
-        return self.call.state()
-
-    def set_version(self, version: int) -> None:
-        self.call.set_version(version)
+        return len(self._updates) + super().pending_updates
 
     def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
         """Replace the weights once the requests queued before this call are answered; returns the new version
@@ -814,24 +752,17 @@ class AutobatchPolicy:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
             if self.failure is not None:
                 raise PolicyError(self.failure.reason) from self.failure
-            marker = None
+            applied: futures.Future[int] | None = None
             if self._pending:  # the inference thread applies it after the requests queued before it
-                marker = _Request(Agent(self, 1, ()), {}, ExplorationType.RANDOM)
-                self._updates.append(((state, buffers_from), marker))
+                applied = futures.Future()
+                self._updates.append((state, buffers_from, applied))
                 self._wake.notify()
-        if marker is None:
-            return self.call.update(state, timeout=timeout, buffers_from=buffers_from)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not marker.done.wait(_POLL_S):
-            if self.failure is not None:  # the inference thread failed, maybe while applying this update
-                raise PolicyError(self.failure.reason) from self.failure
-            if self.closed:
-                raise CollectionError("the AutobatchPolicy was closed before the update was applied")
-            if deadline is not None and time.monotonic() > deadline:
-                raise CollectionError(f"policy update not applied within {timeout} s")
-        if marker.error is not None:
-            raise marker.error
-        return self.call.version
+        if applied is None:
+            return super().update(state, timeout=timeout, buffers_from=buffers_from)
+        try:
+            return applied.result(timeout)
+        except futures.TimeoutError:
+            raise CollectionError(f"policy update not applied within {timeout} s") from None
 
     # -- agents -------------------------------------------------------------------------------------------
     def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
@@ -870,9 +801,6 @@ class AutobatchPolicy:
         with self._lock:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            if self.failure is not None:  # answered at once with the inference thread's error
-                request.finish(error=PolicyError(self.failure.reason, env_ids=request.agent.env_ids))
-                return
             alone = (self.flush_in_caller and not self._pending and not self._updates
                      and (request.rows >= self._threshold() or self.max_wait == 0))
             if not alone:
@@ -895,6 +823,14 @@ class AutobatchPolicy:
         batch, self._pending = self._pending[:count], self._pending[count:]
         return batch
 
+    def _fail_queued(self, error: Callable[[tuple[int, ...]], BaseException]) -> None:
+        """Fail every queued request and update, each with its own ``error(env_ids)``; ``_lock`` held."""
+        for request in self._pending:
+            request.done.set_exception(error(request.agent.env_ids))
+        for *_, applied in self._updates:
+            applied.set_exception(error(()))
+        self._pending, self._updates = [], []
+
     def _serve(self) -> None:
         """The inference thread; an error of its own fails every waiting and later request and update."""
         try:
@@ -905,12 +841,7 @@ class AutobatchPolicy:
             error.__cause__ = exc
             with self._lock:
                 self.failure = error
-                pending, self._pending = self._pending, []
-                updates, self._updates = self._updates, []
-            for request in pending:
-                request.finish(error=PolicyError(error.reason, env_ids=request.agent.env_ids))
-            for _, marker in updates:
-                marker.finish(error=PolicyError(error.reason))
+                self._fail_queued(lambda env_ids: PolicyError(error.reason, env_ids=env_ids))
 
     def _due(self) -> bool:
         """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
@@ -935,35 +866,35 @@ class AutobatchPolicy:
             for mode in dict.fromkeys(r.mode for r in batch):  # deterministic and random requests never share a call
                 self._answer([r for r in batch if r.mode == mode])
             if update is not None:
-                (state, buffers_from), marker = update
+                state, buffers_from, applied = update
                 try:  # never waits here: a pinned span applies it when it ends
-                    self.call.update(state, buffers_from=buffers_from, wait=False)
+                    applied.set_result(super().update(state, buffers_from=buffers_from, wait=False))
                 except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
-                    marker.error = exc
-                marker.done.set()
+                    applied.set_exception(exc)
 
     def _answer(self, batch: list[_Request]) -> None:
         """One call for ``batch`` (rows in env order, so a flush is reproducible); each request gets its rows."""
         batch.sort(key=lambda r: r.agent.env_ids[0] if r.agent.env_ids else -1)
         rows = sum(r.rows for r in batch)
-        keys = list(batch[0].obs)
-        inputs = batch[0].obs if len(batch) == 1 else {k: np.concatenate([r.obs[k] for r in batch]) for k in keys}
+        inputs = batch[0].obs if len(batch) == 1 else {k: np.concatenate([r.obs[k] for r in batch])
+                                                       for k in batch[0].obs}
         try:
-            outputs, version = self.call(inputs, rows, batch[0].mode)
+            outputs, version = self(inputs, rows, batch[0].mode)
         except PolicyError as exc:
             env_ids = tuple(i for r in batch for i in r.agent.env_ids)
             for request in batch:
                 error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
                 error.__cause__ = exc.__cause__
-                request.finish(error=error)
+                request.done.set_exception(error)
             return
         start = 0
         for request in batch:
-            request.finish(PolicyAnswer(outputs, start, start + request.rows, version))
+            request.done.set_result(PolicyAnswer(outputs, start, start + request.rows, version))
             start += request.rows
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the inference thread, fail queued requests, join within ``timeout`` s (a stuck one is abandoned).
+        """Stop the inference thread, fail queued requests and updates, join within ``timeout`` s (a stuck one is
+        abandoned).
 
         Raises:
             ValueError: ``timeout`` is not a finite number of seconds >= 0.
@@ -975,11 +906,9 @@ class AutobatchPolicy:
             if self.closed:
                 return
             self.closed = True
-            pending, self._pending = self._pending, []
+            self._fail_queued(lambda env_ids: CollectionError("the AutobatchPolicy was closed"))
             self._wake.notify_all()
-        for request in pending:
-            request.finish(error=CollectionError("the AutobatchPolicy was closed"))
-        self.call.close(timeout)
+        super().close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():

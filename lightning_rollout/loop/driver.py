@@ -209,7 +209,7 @@ class MultiEnvLoop:
         assert envs is not None
         unit, keys = envs.unit, envs.unit.keys
         if isinstance(policy, AutobatchPolicy):
-            self._call = policy.call
+            self._call = policy
             self._agent = policy.register(self.num_envs)
             self._agent.park()
             self._policy = policy
