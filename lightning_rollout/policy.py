@@ -332,7 +332,7 @@ class PolicyCall:
         self.env_shape = None if env_shape is None or self._batched else tuple(int(d) for d in env_shape)
         return self.input_keys
 
-    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int) -> OutputSpec:
+    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
         """Call the policy once on ``inputs``; fix and return its outputs: ``{key: (shape of a row, dtype)}``.
 
         Raises:
