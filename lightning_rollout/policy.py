@@ -287,7 +287,7 @@ class PolicyCall:
         self.policy_timeout = policy_timeout
         self.name = name
         self._direct = _direct_module(self.policy)
-        self._direct_in = self.in_keys if self._direct is not None else []
+        self._direct_in = [_as_key(k) for k in self.policy.in_keys] if self._direct is not None else []
         self._direct_out = [_as_key(k) for k in self.policy.out_keys] if self._direct is not None else []
         self.input_keys: list[NestedKey] | None = None
         self.output_keys: list[NestedKey] | None = None
@@ -309,11 +309,6 @@ class PolicyCall:
         self.rows = 0
 
     # -- calls -------------------------------------------------------------------------------------
-    @property
-    def in_keys(self) -> list[NestedKey] | None:
-        keys = getattr(self.policy, "in_keys", None)
-        return None if keys is None else [_as_key(k) for k in keys]
-
     def bind(self, available: Mapping[NestedKey, Any], *, sub_batch: Mapping[tuple[str, ...], tuple[int, ...]] = {},
              env_shape: Sequence[int] | None = None) -> list[NestedKey]:
         """Fix the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy every
@@ -322,7 +317,7 @@ class PolicyCall:
         Raises:
             ValueError: the policy reads keys the env does not provide.
         """
-        keys = self.in_keys if self._direct is not None else list(available)
+        keys = list(self._direct_in if self._direct is not None else available)
         missing = [k for k in keys if k not in available]
         if missing:
             raise ValueError(f"the policy reads {missing}, which the env does not provide (root entries: "
@@ -831,10 +826,36 @@ class AutobatchPolicy(PolicyCall):
             applied.set_exception(error(()))
         self._pending, self._updates = [], []
 
+    def _due(self) -> bool:
+        """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
+        waited = time.perf_counter() - self._pending[0].t0
+        rows = sum(r.rows for r in self._pending)
+        return rows >= self._threshold() or (self.max_wait is not None and waited >= self.max_wait)
+
     def _serve(self) -> None:
-        """The inference thread; an error of its own fails every waiting and later request and update."""
+        """The inference thread; an error of its own (not the policy's) fails every waiting and later request."""
+        torch.set_num_threads(self._torch_threads)
+        torch.set_grad_enabled(False)
         try:
-            self._flushes()
+            while True:
+                with self._lock:
+                    while not (self.closed or self._updates or (self._pending and self._due())):
+                        timeout = _POLL_S
+                        if self.max_wait is not None and self._pending:
+                            timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
+                        self._wake.wait(timeout)
+                    if self.closed:
+                        return
+                    batch = self._take() if self._pending else []  # requests queued before an update go first
+                    update = None if batch else self._updates.pop(0)
+                for mode in dict.fromkeys(r.mode for r in batch):  # one call a mode
+                    self._answer([r for r in batch if r.mode == mode])
+                if update is not None:
+                    state, buffers_from, applied = update
+                    try:  # never waits here: a pinned span applies it when it ends
+                        applied.set_result(super().update(state, buffers_from=buffers_from, wait=False))
+                    except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
+                        applied.set_exception(exc)
         except BaseException as exc:  # noqa: BLE001 - forwarded to every caller as a PolicyError
             error = PolicyError(f"the inference thread {threading.current_thread().name!r} failed "
                                 f"({type(exc).__name__}: {exc})")
@@ -842,35 +863,6 @@ class AutobatchPolicy(PolicyCall):
             with self._lock:
                 self.failure = error
                 self._fail_queued(lambda env_ids: PolicyError(error.reason, env_ids=env_ids))
-
-    def _due(self) -> bool:
-        """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
-        waited = time.perf_counter() - self._pending[0].t0
-        rows = sum(r.rows for r in self._pending)
-        return rows >= self._threshold() or (self.max_wait is not None and waited >= self.max_wait)
-
-    def _flushes(self) -> None:
-        torch.set_num_threads(self._torch_threads)
-        torch.set_grad_enabled(False)
-        while True:
-            with self._lock:
-                while not (self.closed or self._updates or (self._pending and self._due())):
-                    timeout = _POLL_S
-                    if self.max_wait is not None and self._pending:
-                        timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
-                    self._wake.wait(timeout)
-                if self.closed:
-                    return
-                batch = self._take() if self._pending else []  # requests queued before an update go first
-                update = None if batch else self._updates.pop(0)
-            for mode in dict.fromkeys(r.mode for r in batch):  # deterministic and random requests never share a call
-                self._answer([r for r in batch if r.mode == mode])
-            if update is not None:
-                state, buffers_from, applied = update
-                try:  # never waits here: a pinned span applies it when it ends
-                    applied.set_result(super().update(state, buffers_from=buffers_from, wait=False))
-                except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
-                    applied.set_exception(exc)
 
     def _answer(self, batch: list[_Request]) -> None:
         """One call for ``batch`` (rows in env order, so a flush is reproducible); each request gets its rows."""
