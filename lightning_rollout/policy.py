@@ -65,11 +65,9 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
       ``tensordict`` / ``td`` or annotated) are used as they are; spec-less exploration modules and
       ``RandomPolicy()`` get ``action_spec``.
     * An ``nn.Module`` or function whose parameter names are keys of ``observation_spec`` is wrapped in a
-      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule.
-    * Beyond TorchRL: a function of one other argument reads ``single_key`` (the env's only observation).
-
-    Wrapping calls the policy once on a spec sample (to count its outputs), with ``policy_timeout`` in a helper
-    thread ``lightning_rollout-<name>-wrap``.
+      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule;
+      one of a single other argument reads ``single_key``. It is called once on a spec sample (to count its
+      outputs), with ``policy_timeout`` in a helper thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
         TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
@@ -269,13 +267,12 @@ class PolicyCall:
     Args:
         wrapped: the policy (:func:`as_policy_module`).
         device: where the call runs (inputs moved there, outputs back to the CPU); default: its parameters'.
-        seed: draw from a CPU random stream of this seed, swapped in around each call, so a stochastic policy's
-            draws do not depend on other users of torch's global generator. ``None``: the global one.
-        policy_timeout: seconds one call may take (its helper thread is then abandoned and every later call
+        seed: of the policy's own CPU random stream, swapped in around each call; ``None``: torch's global one.
+        policy_timeout: seconds one call may take, run in a helper thread (then abandoned, and every later call
             fails with :class:`PolicyError`); ``None``: calls run in the calling thread, unbounded.
         name: used in thread names.
 
-    Threading: calls and updates may come from any thread; they are serialised by ``_weights``.
+    Threading: calls and updates may come from any thread; ``_weights`` serialises them.
     """
 
     def __init__(self, wrapped: Wrapped, *, device: torch.device | str | None = None, seed: int | None = None,
@@ -311,12 +308,8 @@ class PolicyCall:
     # -- calls -------------------------------------------------------------------------------------
     def bind(self, available: Mapping[NestedKey, Any], *, sub_batch: Mapping[tuple[str, ...], tuple[int, ...]] = {},
              env_shape: Sequence[int] | None = None) -> list[NestedKey]:
-        """Fix the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy every
-        root entry (as TorchRL's collector hands it the whole root). Returns them.
-
-        Raises:
-            ValueError: the policy reads keys the env does not provide.
-        """
+        """Fix and return the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy
+        every root entry (as TorchRL's collector does). Raises ``ValueError`` for keys the env does not provide."""
         keys = list(self._direct_in if self._direct is not None else available)
         missing = [k for k in keys if k not in available]
         if missing:
@@ -329,10 +322,7 @@ class PolicyCall:
 
     def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
         """Call the policy once on ``inputs``; fix and return its outputs: ``{key: (shape of a row, dtype)}``.
-
-        Raises:
-            PolicyError: it failed, wrote nothing, or did not answer within ``policy_timeout``.
-        """
+        Raises :class:`PolicyError` when it failed, wrote nothing, or ran past ``policy_timeout``."""
         self.output_keys = None
         outputs = self._run(lambda: self._call(inputs, rows, ExplorationType.RANDOM),
                             f"while probing the policy with {rows} observation(s) at construction",
@@ -343,10 +333,7 @@ class PolicyCall:
     def __call__(self, inputs: Mapping[NestedKey, np.ndarray], rows: int,
                  mode: ExplorationType = ExplorationType.RANDOM) -> tuple[dict[NestedKey, np.ndarray], int]:
         """The policy's outputs for ``rows`` rows of ``inputs`` (``{key: [rows, ...]}``), and the version that acted.
-
-        Raises:
-            PolicyError: the call raised, returned a malformed output, or ran past ``policy_timeout``.
-        """
+        Raises :class:`PolicyError` when it raised, returned a malformed output, or ran past ``policy_timeout``."""
         if self.failure is not None:
             raise PolicyError(self.failure.reason) from self.failure
         outputs = self._run(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
@@ -645,11 +632,8 @@ class Agent:
 
     def submit(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
                exploration_type: ExplorationType | None = None) -> None:
-        """Send one request of ``rows`` observations (``{key: [rows, ...]}``); answer with :meth:`result`.
-
-        Raises:
-            CollectionError: the policy is closed.
-        """
+        """Send one request of ``rows`` observations (``{key: [rows, ...]}``), answered by :meth:`result`.
+        Raises :class:`CollectionError` when the policy is closed."""
         mode = exploration_type or (ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM)
         self._request = _Request(self, dict(obs), mode, self.rows)
         self.server.enqueue(self._request)
@@ -687,20 +671,17 @@ class AutobatchPolicy(PolicyCall):
     soon as ``pending_rows >= min(active_rows, autobatch_size)`` (re-checked whenever an agent parks or leaves)
     or the oldest request waited ``max_wait`` seconds; deterministic and random requests never share a call.
     Updates are applied between flushes: requests queued before one are answered with the old weights.
-    With ``flush_in_caller`` a request that is a whole flush by itself is answered in its own thread.
 
     Args:
         policy: a ``TensorDictModuleBase`` or a tensor function ``obs[B, ...] -> action[B, ...]``.
         autobatch_size: ``>= 1``; ``None``: every active row (lock-step).
         max_wait: seconds before a partial flush; ``None``: never.
         device, seed, policy_timeout: see :class:`PolicyCall`.
+        flush_in_caller: a request that is a whole flush by itself is answered in its own thread.
         name: the inference thread is ``lightning_rollout-<name>-inference``.
 
-    Raises:
-        ValueError: a bad ``autobatch_size``, ``max_wait``, ``policy_timeout`` or ``device``; a non-callable policy.
-
-    Threading: every public method may be called from any thread; ``_lock`` guards the queue and the agents.
-    An error of the inference thread itself sets :attr:`failure`: the policy then fails like a stuck call.
+    Raises ``ValueError`` for a bad argument. Threading: any method from any thread; ``_lock`` guards the queue
+    and the agents. An error of the inference thread itself sets :attr:`failure`, as a stuck call does.
     """
 
     def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
@@ -761,11 +742,8 @@ class AutobatchPolicy(PolicyCall):
 
     # -- agents -------------------------------------------------------------------------------------------
     def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
-        """A client of ``rows`` observations a request, active until it parks or closes.
-
-        Raises:
-            CollectionError: the policy is closed. ValueError: ``rows < 1``.
-        """
+        """A client of ``rows`` observations a request, active until it parks or closes. Raises
+        :class:`CollectionError` when the policy is closed, ``ValueError`` for ``rows < 1``."""
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         with self._lock:
@@ -885,12 +863,8 @@ class AutobatchPolicy(PolicyCall):
             start += request.rows
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the inference thread, fail queued requests and updates, join within ``timeout`` s (a stuck one is
-        abandoned).
-
-        Raises:
-            ValueError: ``timeout`` is not a finite number of seconds >= 0.
-        """
+        """Stop the inference thread, fail queued requests and updates, join within ``timeout`` s (a finite number
+        of seconds >= 0, else ``ValueError``; a stuck thread is abandoned)."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if timeout is None:
             raise ValueError("timeout must be a finite number of seconds >= 0, got None")
