@@ -442,7 +442,7 @@ class PolicyCall:
 
     @property
     def mean_batch_size(self) -> float:
-        """Mean rows a call since creation (0.0 before the first)."""
+        """Mean rows a call since creation, ``rows / calls`` (0.0 before the first)."""
         return self.rows / self.calls if self.calls else 0.0
 
     # -- weights -------------------------------------------------------------------------------------
@@ -704,16 +704,6 @@ class AutobatchPolicy(PolicyCall):
         self.closed = False
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
-
-    @property
-    def num_flushes(self) -> int:
-        """Calls made since creation."""
-        return self.calls
-
-    @property
-    def num_rows(self) -> int:
-        """Rows answered since creation."""
-        return self.rows
 
     @property
     def pending_updates(self) -> int:
