@@ -670,7 +670,7 @@ class AutobatchPolicy(PolicyCall):
     A flush takes the oldest queued requests, up to ``autobatch_size`` rows (whole requests, at least one), as
     soon as ``pending_rows >= min(active_rows, autobatch_size)`` (re-checked whenever an agent parks or leaves)
     or the oldest request waited ``max_wait`` seconds; deterministic and random requests never share a call.
-    Updates are applied between flushes: requests queued before one are answered with the old weights.
+    An update first answers the requests queued before it (in its own thread, with the old weights).
 
     Args:
         policy: a ``TensorDictModuleBase`` or a tensor function ``obs[B, ...] -> action[B, ...]``.
@@ -700,35 +700,23 @@ class AutobatchPolicy(PolicyCall):
         self._wake = threading.Condition(self._lock)
         self._pending: list[_Request] = []
         self._active_rows = 0
-        self._updates: list[tuple[Any, Any, futures.Future[int]]] = []  # (state, buffers_from, applied)
         self.closed = False
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
 
-    @property
-    def pending_updates(self) -> int:
-        """Updates made and not applied yet (queued behind requests, or waiting for a pinned span)."""
-        return len(self._updates) + super().pending_updates
-
     def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
-        """Replace the weights once the requests queued before this call are answered; returns the new version
-        (see :meth:`PolicyCall.update`)."""
+        """Replace the weights once the requests queued before this call are answered (here, with the old weights);
+        returns the new version (see :meth:`PolicyCall.update`)."""
         with self._lock:
             if self.closed:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
             if self.failure is not None:
                 raise PolicyError(self.failure.reason) from self.failure
-            applied: futures.Future[int] | None = None
-            if self._pending:  # the inference thread applies it after the requests queued before it
-                applied = futures.Future()
-                self._updates.append((state, buffers_from, applied))
-                self._wake.notify()
-        if applied is None:
-            return super().update(state, timeout=timeout, buffers_from=buffers_from)
-        try:
-            return applied.result(timeout)
-        except futures.TimeoutError:
-            raise CollectionError(f"policy update not applied within {timeout} s") from None
+            queued, self._pending = self._pending, []
+        while queued:
+            batch, queued = self._take(queued)
+            self._answer(batch)
+        return super().update(state, timeout=timeout, buffers_from=buffers_from)
 
     # -- agents -------------------------------------------------------------------------------------------
     def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
@@ -764,8 +752,8 @@ class AutobatchPolicy(PolicyCall):
         with self._lock:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            alone = (self.flush_in_caller and not self._pending and not self._updates
-                     and (request.rows >= self._threshold() or self.max_wait == 0))
+            alone = self.flush_in_caller and not self._pending and (request.rows >= self._threshold()
+                                                                     or self.max_wait == 0)
             if not alone:
                 self._pending.append(request)
                 self._wake.notify()
@@ -776,23 +764,14 @@ class AutobatchPolicy(PolicyCall):
     def _threshold(self) -> int:
         return self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
 
-    def _take(self) -> list[_Request]:
-        """The oldest requests, up to ``autobatch_size`` rows (whole requests, at least one); ``_lock`` held."""
+    def _take(self, requests: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """The oldest ``requests`` up to ``autobatch_size`` rows (whole requests, at least one), and the rest."""
         count, rows = 0, 0
-        for request in self._pending:
+        for request in requests:
             if count and self.autobatch_size is not None and rows + request.rows > self.autobatch_size:
                 break
             count, rows = count + 1, rows + request.rows
-        batch, self._pending = self._pending[:count], self._pending[count:]
-        return batch
-
-    def _fail_queued(self, error: Callable[[tuple[int, ...]], BaseException]) -> None:
-        """Fail every queued request and update, each with its own ``error(env_ids)``; ``_lock`` held."""
-        for request in self._pending:
-            request.done.set_exception(error(request.agent.env_ids))
-        for *_, applied in self._updates:
-            applied.set_exception(error(()))
-        self._pending, self._updates = [], []
+        return requests[:count], requests[count:]
 
     def _due(self) -> bool:
         """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
@@ -807,53 +786,49 @@ class AutobatchPolicy(PolicyCall):
         try:
             while True:
                 with self._lock:
-                    while not (self.closed or self._updates or (self._pending and self._due())):
+                    while not (self.closed or (self._pending and self._due())):
                         timeout = _POLL_S
                         if self.max_wait is not None and self._pending:
                             timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
                         self._wake.wait(timeout)
                     if self.closed:
                         return
-                    batch = self._take() if self._pending else []  # requests queued before an update go first
-                    update = None if batch else self._updates.pop(0)
-                for mode in dict.fromkeys(r.mode for r in batch):  # one call a mode
-                    self._answer([r for r in batch if r.mode == mode])
-                if update is not None:
-                    state, buffers_from, applied = update
-                    try:  # never waits here: a pinned span applies it when it ends
-                        applied.set_result(super().update(state, buffers_from=buffers_from, wait=False))
-                    except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
-                        applied.set_exception(exc)
+                    batch, self._pending = self._take(self._pending)
+                self._answer(batch)
         except BaseException as exc:  # noqa: BLE001 - forwarded to every caller as a PolicyError
             error = PolicyError(f"the inference thread {threading.current_thread().name!r} failed "
                                 f"({type(exc).__name__}: {exc})")
             error.__cause__ = exc
             with self._lock:
                 self.failure = error
-                self._fail_queued(lambda env_ids: PolicyError(error.reason, env_ids=env_ids))
+                for request in self._pending:
+                    request.done.set_exception(PolicyError(error.reason, env_ids=request.agent.env_ids))
+                self._pending = []
 
     def _answer(self, batch: list[_Request]) -> None:
-        """One call for ``batch`` (rows in env order, so a flush is reproducible); each request gets its rows."""
+        """One call a mode for ``batch`` (deterministic and random requests never share one), rows in env order
+        (so a flush is reproducible); each request gets its rows, or a :class:`PolicyError` of its own."""
         batch.sort(key=lambda r: r.agent.env_ids[0] if r.agent.env_ids else -1)
-        rows = sum(r.rows for r in batch)
-        inputs = batch[0].obs if len(batch) == 1 else {k: np.concatenate([r.obs[k] for r in batch])
-                                                       for k in batch[0].obs}
-        try:
-            outputs, version = self(inputs, rows, batch[0].mode)
-        except PolicyError as exc:
-            env_ids = tuple(i for r in batch for i in r.agent.env_ids)
-            for request in batch:
-                error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
-                error.__cause__ = exc.__cause__
-                request.done.set_exception(error)
-            return
-        start = 0
-        for request in batch:
-            request.done.set_result(PolicyAnswer(outputs, start, start + request.rows, version))
-            start += request.rows
+        for mode in dict.fromkeys(r.mode for r in batch):
+            requests = [r for r in batch if r.mode == mode]
+            inputs = requests[0].obs if len(requests) == 1 else {k: np.concatenate([r.obs[k] for r in requests])
+                                                                 for k in requests[0].obs}
+            try:
+                outputs, version = self(inputs, sum(r.rows for r in requests), mode)
+            except PolicyError as exc:
+                env_ids = tuple(i for r in requests for i in r.agent.env_ids)
+                for request in requests:
+                    error = PolicyError(exc.reason, env_ids=env_ids)
+                    error.__cause__ = exc.__cause__
+                    request.done.set_exception(error)
+                continue
+            start = 0
+            for request in requests:
+                request.done.set_result(PolicyAnswer(outputs, start, start + request.rows, version))
+                start += request.rows
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the inference thread, fail queued requests and updates, join within ``timeout`` s (a finite number
+        """Stop the inference thread, fail queued requests, join within ``timeout`` s (a finite number
         of seconds >= 0, else ``ValueError``; a stuck thread is abandoned)."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         if timeout is None:
@@ -862,7 +837,9 @@ class AutobatchPolicy(PolicyCall):
             if self.closed:
                 return
             self.closed = True
-            self._fail_queued(lambda env_ids: CollectionError("the AutobatchPolicy was closed"))
+            for request in self._pending:
+                request.done.set_exception(CollectionError("the AutobatchPolicy was closed"))
+            self._pending = []
             self._wake.notify_all()
         super().close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
