@@ -145,13 +145,9 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
 
 
 class BatchedRandomPolicy(TensorDictModuleBase):
-    """TorchRL's ``RandomPolicy`` for a stack of envs: samples one env's action spec with the TensorDict's batch
-    size (finite where a ``Box`` bound is infinite, as gymnasium's ``Box.sample``).
-
-    Args:
-        action_spec: the env's action spec (a composite, or the spec of ``action_key``); batch dims are dropped.
-        action_key: where a non-composite spec's sample is written.
-    """
+    """TorchRL's ``RandomPolicy`` for a stack of envs: samples one env's ``action_spec`` (batch dims dropped; a
+    non-composite one written at ``action_key``) with the TensorDict's batch size, finite where a ``Box`` bound
+    is infinite (as gymnasium's ``Box.sample``)."""
 
     def __init__(self, action_spec: Any, *, action_key: NestedKey = "action") -> None:
         super().__init__()
@@ -487,15 +483,14 @@ class PolicyCall:
         """Updates made and not applied yet (waiting for a pinned span to end)."""
         return len(self._deferred) + self._waiting
 
-    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None,
-               wait: bool = True) -> int:
+    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
         """Replace the weights; returns the new :attr:`version` (+1 an update).
 
         ``state``: a ``state_dict``, a module of the same architecture, a ``TensorDict`` of weights, the acting
         policy itself (only the version moves), or, for a callable without ``load_state_dict``, any object (kept,
         returned by :meth:`state`). Non-persistent buffers travel with a module, a TensorDict, or ``buffers_from``.
-        While pinned (:meth:`pinned`) it waits up to ``timeout`` s for the span to end; from the pinning thread or
-        with ``wait=False`` it is applied when the span ends (the version it will then have is returned).
+        While pinned (:meth:`pinned`) it waits up to ``timeout`` s for the span to end; from the pinning thread it
+        is applied when the span ends (the version it will then have is returned).
 
         Raises:
             ValueError: ``state`` rejected (the version is unchanged). CollectionError: still pinned after
@@ -510,7 +505,7 @@ class PolicyCall:
               and isinstance(state, Mapping) and not isinstance(state, TensorDictBase)):
             state = (state, _non_persistent_buffers(buffers_from))
         with self._pin:
-            if self._pinned_by and (threading.get_ident() in self._pinned_by or not wait):
+            if threading.get_ident() in self._pinned_by:
                 self._deferred.append(state)
                 return self.version + len(self._deferred)
             self._waiting += 1
@@ -602,8 +597,7 @@ class Agent:
 
     def __init__(self, server: AutobatchPolicy, rows: int, env_ids: tuple[int, ...]) -> None:
         self.server, self.rows, self.env_ids = server, rows, env_ids
-        self.active = True
-        self.closed = False
+        self.active, self.closed = True, False
         self._request: _Request | None = None
 
     def park(self) -> None:
@@ -616,8 +610,7 @@ class Agent:
 
     def set_rows(self, rows: int) -> None:
         """Change the rows of this agent's requests (and what it counts for)."""
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        check_int("rows", rows, 1)
         self.server.set_active(self, self.active, rows=rows)
 
     def close(self) -> None:
@@ -722,8 +715,7 @@ class AutobatchPolicy(PolicyCall):
     def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
         """A client of ``rows`` observations a request, active until it parks or closes. Raises
         :class:`CollectionError` when the policy is closed, ``ValueError`` for ``rows < 1``."""
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        check_int("rows", rows, 1)
         with self._lock:
             if self.closed:
                 raise CollectionError("cannot register on a closed AutobatchPolicy")
@@ -830,8 +822,7 @@ class AutobatchPolicy(PolicyCall):
     def close(self, timeout: float = 5.0) -> None:
         """Stop the inference thread, fail queued requests, join within ``timeout`` s (a finite number
         of seconds >= 0, else ``ValueError``; a stuck thread is abandoned)."""
-        timeout = check_seconds("timeout", timeout, allow_zero=True)
-        if timeout is None:
+        if check_seconds("timeout", timeout, allow_zero=True) is None:
             raise ValueError("timeout must be a finite number of seconds >= 0, got None")
         with self._lock:
             if self.closed:
