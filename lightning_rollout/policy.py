@@ -744,18 +744,14 @@ class AutobatchPolicy(PolicyCall):
         with self._lock:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            alone = self.flush_in_caller and not self._pending and (request.rows >= self._threshold()
-                                                                     or self.max_wait == 0)
-            if not alone:
-                self._pending.append(request)
+            self._pending.append(request)
+            if not (self.flush_in_caller and len(self._pending) == 1 and self._due()):
                 self._wake.notify()
                 return
+            self._pending = []
         self._answer([request])
 
     # -- the inference thread -------------------------------------------------------------------------------
-    def _threshold(self) -> int:
-        return self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
-
     def _take(self, requests: list[_Request]) -> tuple[list[_Request], list[_Request]]:
         """The oldest ``requests`` up to ``autobatch_size`` rows (whole requests, at least one), and the rest."""
         count, rows = 0, 0
@@ -767,9 +763,9 @@ class AutobatchPolicy(PolicyCall):
 
     def _due(self) -> bool:
         """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
+        active = self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
         waited = time.perf_counter() - self._pending[0].t0
-        rows = sum(r.rows for r in self._pending)
-        return rows >= self._threshold() or (self.max_wait is not None and waited >= self.max_wait)
+        return sum(r.rows for r in self._pending) >= active or (self.max_wait is not None and waited >= self.max_wait)
 
     def _serve(self) -> None:
         """The inference thread; an error of its own (not the policy's) fails every waiting and later request."""
