@@ -799,15 +799,16 @@ class AutobatchPolicy(PolicyCall):
         batch.sort(key=lambda r: r.agent.env_ids[0] if r.agent.env_ids else -1)
         for mode in dict.fromkeys(r.mode for r in batch):
             requests = [r for r in batch if r.mode == mode]
-            inputs = requests[0].obs if len(requests) == 1 else {k: np.concatenate([r.obs[k] for r in requests])
-                                                                 for k in requests[0].obs}
             try:
+                inputs = requests[0].obs if len(requests) == 1 else {
+                    k: np.concatenate([r.obs[k] for r in requests]) for k in requests[0].obs}
                 outputs, version = self(inputs, sum(r.rows for r in requests), mode)
-            except PolicyError as exc:
+            except Exception as exc:  # the policy's error, or observations that do not stack
+                ours = isinstance(exc, PolicyError)
                 env_ids = tuple(i for r in requests for i in r.agent.env_ids)
                 for request in requests:
-                    error = PolicyError(exc.reason, env_ids=env_ids)
-                    error.__cause__ = exc.__cause__
+                    error = PolicyError(exc.reason if ours else f"{type(exc).__name__}: {exc}", env_ids=env_ids)
+                    error.__cause__ = exc.__cause__ if ours else exc
                     request.done.set_exception(error)
                 continue
             start = 0
