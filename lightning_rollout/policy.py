@@ -632,12 +632,9 @@ class Agent:
         self.server.enqueue(self._request)
 
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
-        """Wait for the answer of the last :meth:`submit` (every 50 ms the policy's state is checked).
-
-        Raises:
-            PolicyError: the call failed or ran past ``policy_timeout``. CollectionError: closed while waiting,
-                or ``stop`` was set.
-        """
+        """Wait for the answer of the last :meth:`submit` (the policy's state checked every 50 ms). Raises
+        :class:`PolicyError` when the call failed or ran past ``policy_timeout``, :class:`CollectionError` when the
+        policy was closed meanwhile or ``stop`` was set."""
         request = self._request
         assert request is not None, "result() without submit()"
         while not futures.wait([request.done], _POLL_S).done:

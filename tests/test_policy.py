@@ -358,6 +358,27 @@ def test_requests_queued_before_an_update_get_the_old_weights():
         policy.close()
 
 
+def test_an_update_fails_queued_requests_that_do_not_stack_and_the_server_survives():
+    """The update answers the requests queued before it in its own thread: rows of different widths fail those
+    requests with a PolicyError naming their envs, instead of leaving them waiting."""
+    policy = AutobatchPolicy(EchoPolicy(), autobatch_size=None)
+    a, b, holding = policy.register(1, env_ids=(0,)), policy.register(1, env_ids=(1,)), policy.register(1)
+    try:
+        a.submit(obs_rows(1))
+        b.submit({"observation": np.zeros((1, 4), np.float32)})
+        assert policy.update(None) == 1
+        for agent in (a, b):
+            with pytest.raises(PolicyError, match="ValueError") as info:
+                agent.result()
+            assert info.value.env_ids == (0, 1)
+        holding.close(), b.close()
+        answer = a.act(obs_rows(5))
+        assert (int(answer.outputs["action"][answer.start]), answer.version) == (5, 1)
+    finally:
+        a.close(), b.close(), holding.close()
+        policy.close()
+
+
 def test_update_before_the_inference_thread_starts_applies_in_place():
     policy = AutobatchPolicy(ValuePolicy(1))
     try:
