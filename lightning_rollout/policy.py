@@ -4,12 +4,8 @@
 * :class:`PolicyCall` runs it on the rows of some envs in the calling thread and returns numpy outputs; its
   weights carry a version (:meth:`PolicyCall.update` +1, :meth:`PolicyCall.pinned` holds one for a span). With
   ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
-* :class:`AutobatchPolicy`: many threads submit requests through :class:`Agent` s; one inference thread answers
-  them with one call once ``pending >= min(active, autobatch_size)`` rows are queued or the oldest waited ``max_wait``.
-
-Locks: :class:`PolicyCall` owns ``_weights`` (held by a call or an update) and ``_pin`` (a condition over pins and
-deferred updates); :class:`AutobatchPolicy` owns ``_lock`` (its queue and agents). No thread holding ``_weights``
-takes another lock.
+* :class:`AutobatchPolicy`, a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s: one
+  inference thread calls it once ``pending >= min(active, autobatch_size)`` rows are queued or after ``max_wait``.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +32,7 @@ from torchrl.data import Composite
 from torchrl.envs.utils import ExplorationType, RandomPolicy, set_exploration_type
 from torchrl.modules.tensordict_module.exploration import set_exploration_modules_spec_from_env
 
-from ._checks import check_device, check_seconds
+from ._checks import check_device, check_int, check_seconds
 from ._exit import abandon, close_at_exit
 from .errors import CollectionError, PolicyError
 from .specs import random_sample
@@ -69,11 +65,9 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
       ``tensordict`` / ``td`` or annotated) are used as they are; spec-less exploration modules and
       ``RandomPolicy()`` get ``action_spec``.
     * An ``nn.Module`` or function whose parameter names are keys of ``observation_spec`` is wrapped in a
-      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule.
-    * Beyond TorchRL: a function of one other argument reads ``single_key`` (the env's only observation).
-
-    Wrapping calls the policy once on a spec sample (to count its outputs), with ``policy_timeout`` in a helper
-    thread ``lightning_rollout-<name>-wrap``.
+      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule;
+      one of a single other argument reads ``single_key``. It is called once on a spec sample (to count its
+      outputs), with ``policy_timeout`` in a helper thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
         TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
@@ -87,9 +81,12 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         return Wrapped(policy, policy)
     if not callable(policy):
         raise TypeError(f"the policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
+    bounded = _Bounded(f"lightning_rollout-{name}-wrap")
     what = "while wrapping the policy at construction (one call on a sample of the observation spec)"
-    return _wrap(policy, observation_spec, action_keys, single_key,
-                 lambda fn: call_bounded(fn, policy_timeout, name=f"lightning_rollout-{name}-wrap", what=what))
+    try:
+        return _wrap(policy, observation_spec, action_keys, single_key, lambda fn: bounded(fn, policy_timeout, what))
+    finally:
+        bounded.close(policy_timeout)
 
 
 _INCOMPATIBLE_SIGNATURE = (  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
@@ -148,13 +145,9 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
 
 
 class BatchedRandomPolicy(TensorDictModuleBase):
-    """TorchRL's ``RandomPolicy`` for a stack of envs: samples one env's action spec with the TensorDict's batch
-    size (finite where a ``Box`` bound is infinite, as gymnasium's ``Box.sample``).
-
-    Args:
-        action_spec: the env's action spec (a composite, or the spec of ``action_key``); batch dims are dropped.
-        action_key: where a non-composite spec's sample is written.
-    """
+    """TorchRL's ``RandomPolicy`` for a stack of envs: samples one env's ``action_spec`` (batch dims dropped; a
+    non-composite one written at ``action_key``) with the TensorDict's batch size, finite where a ``Box`` bound
+    is infinite (as gymnasium's ``Box.sample``)."""
 
     def __init__(self, action_spec: Any, *, action_key: NestedKey = "action") -> None:
         super().__init__()
@@ -188,8 +181,8 @@ class _CallTimedOut(PolicyError):
 
 
 class _Bounded:
-    """Calls run in one daemon thread ``name``, each waited for at most ``timeout`` s; one that hangs is abandoned
-    with its thread (the next call starts another)."""
+    """Calls run in one daemon thread ``name``, each waited for at most ``timeout`` s (``None``: run in the caller's
+    thread); one that hangs is abandoned with its thread (the next call starts another)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -205,14 +198,17 @@ class _Bounded:
             except BaseException as exc:  # re-raised in the caller's thread
                 future.set_exception(exc)
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float | None) -> None:
         """End the thread (within ``timeout`` seconds; a stuck one stays abandoned)."""
         if self.thread is not None:
             self.calls.put(None)
             self.thread.join(timeout)
             self.thread = None
 
-    def __call__(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    def __call__(self, fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+        """``fn()``; raises :class:`PolicyError` past ``timeout``, else what ``fn`` raised."""
+        if timeout is None:
+            return fn()
         if self.thread is None:
             self.thread = threading.Thread(target=self._serve, args=(self.calls,), name=self.name, daemon=True)
             self.thread.start()
@@ -225,22 +221,6 @@ class _Bounded:
             raise _CallTimedOut(f"no answer within policy_timeout={timeout} s {what}; thread {stuck.name!r} is "
                                 "stuck inside the policy's call and is abandoned (daemon)")
         return future.result()
-
-
-def call_bounded(fn: Callable[[], Any], timeout: float | None, *, name: str, what: str) -> Any:
-    """``fn()``: in this thread when ``timeout`` is ``None``, else in a daemon thread ``name`` waited for at most
-    ``timeout`` s (abandoned when it hangs).
-
-    Raises:
-        PolicyError: it did not return within ``timeout``. Exception: whatever ``fn`` raised.
-    """
-    if timeout is None:
-        return fn()
-    bounded = _Bounded(name)
-    try:
-        return bounded(fn, timeout, what)
-    finally:
-        bounded.close(timeout)
 
 
 # -- the call -------------------------------------------------------------------------------------------
@@ -283,13 +263,12 @@ class PolicyCall:
     Args:
         wrapped: the policy (:func:`as_policy_module`).
         device: where the call runs (inputs moved there, outputs back to the CPU); default: its parameters'.
-        seed: draw from a CPU random stream of this seed, swapped in around each call, so a stochastic policy's
-            draws do not depend on other users of torch's global generator. ``None``: the global one.
-        policy_timeout: seconds one call may take (its helper thread is then abandoned and every later call
+        seed: of the policy's own CPU random stream, swapped in around each call; ``None``: torch's global one.
+        policy_timeout: seconds one call may take, run in a helper thread (then abandoned, and every later call
             fails with :class:`PolicyError`); ``None``: calls run in the calling thread, unbounded.
         name: used in thread names.
 
-    Threading: calls and updates may come from any thread; they are serialised by ``_weights``.
+    Threading: calls and updates may come from any thread; ``_weights`` serialises them.
     """
 
     def __init__(self, wrapped: Wrapped, *, device: torch.device | str | None = None, seed: int | None = None,
@@ -301,7 +280,7 @@ class PolicyCall:
         self.policy_timeout = policy_timeout
         self.name = name
         self._direct = _direct_module(self.policy)
-        self._direct_in = self.in_keys if self._direct is not None else []
+        self._direct_in = [_as_key(k) for k in self.policy.in_keys] if self._direct is not None else []
         self._direct_out = [_as_key(k) for k in self.policy.out_keys] if self._direct is not None else []
         self.input_keys: list[NestedKey] | None = None
         self.output_keys: list[NestedKey] | None = None
@@ -323,20 +302,11 @@ class PolicyCall:
         self.rows = 0
 
     # -- calls -------------------------------------------------------------------------------------
-    @property
-    def in_keys(self) -> list[NestedKey] | None:
-        keys = getattr(self.policy, "in_keys", None)
-        return None if keys is None else [_as_key(k) for k in keys]
-
     def bind(self, available: Mapping[NestedKey, Any], *, sub_batch: Mapping[tuple[str, ...], tuple[int, ...]] = {},
              env_shape: Sequence[int] | None = None) -> list[NestedKey]:
-        """Fix the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy every
-        root entry (as TorchRL's collector hands it the whole root). Returns them.
-
-        Raises:
-            ValueError: the policy reads keys the env does not provide.
-        """
-        keys = self.in_keys if self._direct is not None else list(available)
+        """Fix and return the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy
+        every root entry (as TorchRL's collector does). Raises ``ValueError`` for keys the env does not provide."""
+        keys = list(self._direct_in if self._direct is not None else available)
         missing = [k for k in keys if k not in available]
         if missing:
             raise ValueError(f"the policy reads {missing}, which the env does not provide (root entries: "
@@ -346,12 +316,9 @@ class PolicyCall:
         self.env_shape = None if env_shape is None or self._batched else tuple(int(d) for d in env_shape)
         return self.input_keys
 
-    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int) -> OutputSpec:
+    def probe(self, inputs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
         """Call the policy once on ``inputs``; fix and return its outputs: ``{key: (shape of a row, dtype)}``.
-
-        Raises:
-            PolicyError: it failed, wrote nothing, or did not answer within ``policy_timeout``.
-        """
+        Raises :class:`PolicyError` when it failed, wrote nothing, or ran past ``policy_timeout``."""
         self.output_keys = None
         outputs = self._run(lambda: self._call(inputs, rows, ExplorationType.RANDOM),
                             f"while probing the policy with {rows} observation(s) at construction",
@@ -362,10 +329,7 @@ class PolicyCall:
     def __call__(self, inputs: Mapping[NestedKey, np.ndarray], rows: int,
                  mode: ExplorationType = ExplorationType.RANDOM) -> tuple[dict[NestedKey, np.ndarray], int]:
         """The policy's outputs for ``rows`` rows of ``inputs`` (``{key: [rows, ...]}``), and the version that acted.
-
-        Raises:
-            PolicyError: the call raised, returned a malformed output, or ran past ``policy_timeout``.
-        """
+        Raises :class:`PolicyError` when it raised, returned a malformed output, or ran past ``policy_timeout``."""
         if self.failure is not None:
             raise PolicyError(self.failure.reason) from self.failure
         outputs = self._run(lambda: self._call(inputs, rows, mode), f"(a call on {rows} rows)")
@@ -383,7 +347,7 @@ class PolicyCall:
                 finally:
                     self._weights.release()
             with self._weights_held("the policy cannot be called"):
-                return fn() if self.policy_timeout is None else self._bounded_calls(fn, self.policy_timeout, what)
+                return self._bounded_calls(fn, self.policy_timeout, what)
         except _CallTimedOut as error:
             self.failure = error
             raise
@@ -474,7 +438,7 @@ class PolicyCall:
 
     @property
     def mean_batch_size(self) -> float:
-        """Mean rows a call since creation (0.0 before the first)."""
+        """Mean rows a call since creation, ``rows / calls`` (0.0 before the first)."""
         return self.rows / self.calls if self.calls else 0.0
 
     # -- weights -------------------------------------------------------------------------------------
@@ -519,15 +483,14 @@ class PolicyCall:
         """Updates made and not applied yet (waiting for a pinned span to end)."""
         return len(self._deferred) + self._waiting
 
-    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None,
-               wait: bool = True) -> int:
+    def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
         """Replace the weights; returns the new :attr:`version` (+1 an update).
 
         ``state``: a ``state_dict``, a module of the same architecture, a ``TensorDict`` of weights, the acting
         policy itself (only the version moves), or, for a callable without ``load_state_dict``, any object (kept,
         returned by :meth:`state`). Non-persistent buffers travel with a module, a TensorDict, or ``buffers_from``.
-        While pinned (:meth:`pinned`) it waits up to ``timeout`` s for the span to end; from the pinning thread or
-        with ``wait=False`` it is applied when the span ends (the version it will then have is returned).
+        While pinned (:meth:`pinned`) it waits up to ``timeout`` s for the span to end; from the pinning thread it
+        is applied when the span ends (the version it will then have is returned).
 
         Raises:
             ValueError: ``state`` rejected (the version is unchanged). CollectionError: still pinned after
@@ -542,7 +505,7 @@ class PolicyCall:
               and isinstance(state, Mapping) and not isinstance(state, TensorDictBase)):
             state = (state, _non_persistent_buffers(buffers_from))
         with self._pin:
-            if self._pinned_by and (threading.get_ident() in self._pinned_by or not wait):
+            if threading.get_ident() in self._pinned_by:
                 self._deferred.append(state)
                 return self.version + len(self._deferred)
             self._waiting += 1
@@ -618,20 +581,14 @@ class PolicyAnswer:
     version: int
 
 
+@dataclass(eq=False)
 class _Request:
-    __slots__ = ("agent", "obs", "rows", "mode", "t0", "answer", "error", "done")
-
-    def __init__(self, agent: Agent, obs: dict[NestedKey, np.ndarray], mode: ExplorationType) -> None:
-        self.agent, self.obs, self.rows, self.mode = agent, obs, agent.rows, mode
-        self.t0 = time.perf_counter()
-        self.answer: PolicyAnswer | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def finish(self, answer: PolicyAnswer | None = None, error: BaseException | None = None) -> None:
-        """Hand the waiting thread its ``answer`` or ``error``."""
-        self.answer, self.error = answer, error
-        self.done.set()
+    agent: Agent
+    obs: dict[NestedKey, np.ndarray]
+    mode: ExplorationType
+    rows: int
+    t0: float = field(default_factory=time.perf_counter)
+    done: futures.Future[PolicyAnswer] = field(default_factory=futures.Future)
 
 
 class Agent:
@@ -640,8 +597,7 @@ class Agent:
 
     def __init__(self, server: AutobatchPolicy, rows: int, env_ids: tuple[int, ...]) -> None:
         self.server, self.rows, self.env_ids = server, rows, env_ids
-        self.active = True
-        self.closed = False
+        self.active, self.closed = True, False
         self._request: _Request | None = None
 
     def park(self) -> None:
@@ -654,8 +610,7 @@ class Agent:
 
     def set_rows(self, rows: int) -> None:
         """Change the rows of this agent's requests (and what it counts for)."""
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        check_int("rows", rows, 1)
         self.server.set_active(self, self.active, rows=rows)
 
     def close(self) -> None:
@@ -670,36 +625,27 @@ class Agent:
 
     def submit(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
                exploration_type: ExplorationType | None = None) -> None:
-        """Send one request of ``rows`` observations (``{key: [rows, ...]}``); answer with :meth:`result`.
-
-        Raises:
-            CollectionError: the policy is closed.
-        """
+        """Send one request of ``rows`` observations (``{key: [rows, ...]}``), answered by :meth:`result`.
+        Raises :class:`CollectionError` when the policy is closed."""
         mode = exploration_type or (ExplorationType.DETERMINISTIC if deterministic else ExplorationType.RANDOM)
-        self._request = _Request(self, dict(obs), mode)
+        self._request = _Request(self, dict(obs), mode, self.rows)
         self.server.enqueue(self._request)
 
     def result(self, stop: threading.Event | None = None) -> PolicyAnswer:
-        """Wait for the answer of the last :meth:`submit` (every 50 ms the policy's state is checked).
-
-        Raises:
-            PolicyError: the call failed or ran past ``policy_timeout``. CollectionError: closed while waiting,
-                or ``stop`` was set.
-        """
+        """Wait for the answer of the last :meth:`submit` (the policy's state checked every 50 ms). Raises
+        :class:`PolicyError` when the call failed or ran past ``policy_timeout``, :class:`CollectionError` when the
+        policy was closed meanwhile or ``stop`` was set."""
         request = self._request
         assert request is not None, "result() without submit()"
-        while not request.done.wait(_POLL_S):
+        while not futures.wait([request.done], _POLL_S).done:
             if self.server.closed:
                 raise CollectionError("the policy was closed while a request was waiting")
             if stop is not None and stop.is_set():
                 raise CollectionError("the wait for the policy's answer was stopped")
-            failure = self.server.call.failure or self.server.failure
+            failure = self.server.failure
             if failure is not None:
                 raise PolicyError(failure.reason, env_ids=self.env_ids) from failure
-        if request.error is not None:
-            raise request.error
-        assert request.answer is not None
-        return request.answer
+        return request.done.result()
 
     def act(self, obs: Mapping[NestedKey, np.ndarray], *, deterministic: bool = False,
             exploration_type: ExplorationType | None = None, stop: threading.Event | None = None) -> PolicyAnswer:
@@ -708,26 +654,24 @@ class Agent:
         return self.result(stop)
 
 
-class AutobatchPolicy:
-    """Answer observations from many threads with one batched call.
+class AutobatchPolicy(PolicyCall):
+    """A :class:`PolicyCall` answering observations from many threads' :class:`Agent` s with one batched call.
 
     A flush takes the oldest queued requests, up to ``autobatch_size`` rows (whole requests, at least one), as
     soon as ``pending_rows >= min(active_rows, autobatch_size)`` (re-checked whenever an agent parks or leaves)
     or the oldest request waited ``max_wait`` seconds; deterministic and random requests never share a call.
-    Updates are applied between flushes: requests queued before one are answered with the old weights.
-    With ``flush_in_caller`` a request that is a whole flush by itself is answered in its own thread.
+    An update first answers the requests queued before it (in its own thread, with the old weights).
 
     Args:
         policy: a ``TensorDictModuleBase`` or a tensor function ``obs[B, ...] -> action[B, ...]``.
         autobatch_size: ``>= 1``; ``None``: every active row (lock-step).
         max_wait: seconds before a partial flush; ``None``: never.
         device, seed, policy_timeout: see :class:`PolicyCall`.
+        flush_in_caller: a request that is a whole flush by itself is answered in its own thread.
         name: the inference thread is ``lightning_rollout-<name>-inference``.
 
-    Raises:
-        ValueError: a bad ``autobatch_size``, ``max_wait``, ``policy_timeout`` or ``device``; a non-callable policy.
-
-    Threading: every public method may be called from any thread.
+    Raises ``ValueError`` for a bad argument. Threading: any method from any thread; ``_lock`` guards the queue
+    and the agents. An error of the inference thread itself sets :attr:`failure`, as a stuck call does.
     """
 
     def __init__(self, policy: Callable[..., Any], *, autobatch_size: int | None = None,
@@ -735,113 +679,40 @@ class AutobatchPolicy:
                  flush_in_caller: bool = True, seed: int | None = None, policy_timeout: float | None = None) -> None:
         if not callable(policy):
             raise ValueError(f"policy must be a TensorDictModule or a callable, got {type(policy).__name__}")
-        if autobatch_size is not None and (not isinstance(autobatch_size, (int, np.integer))
-                                           or isinstance(autobatch_size, bool) or autobatch_size < 1):
-            raise ValueError(f"autobatch_size must be a positive int or None, got {autobatch_size!r}")
+        check_int("autobatch_size", autobatch_size, 1, optional=True)
         self.max_wait = check_seconds("max_wait", max_wait, allow_zero=True)
         policy_timeout = check_seconds("policy_timeout", policy_timeout, allow_zero=False)
         check_device("device", device)
-        self.call = PolicyCall(as_policy_module(policy), device=device, seed=seed, policy_timeout=policy_timeout,
-                               name=name)
+        super().__init__(as_policy_module(policy), device=device, seed=seed, policy_timeout=policy_timeout, name=name)
         self.autobatch_size = None if autobatch_size is None else int(autobatch_size)
         self.flush_in_caller = flush_in_caller and policy_timeout is None
-        self.name = name
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending: list[_Request] = []
         self._active_rows = 0
-        self._updates: list[tuple[Any, _Request]] = []
         self.closed = False
-        self.failure: PolicyError | None = None  # the inference thread's own error (not the policy's)
         self._thread: threading.Thread | None = None
         self._torch_threads = torch.get_num_threads()
 
-    # -- what the loops and users read (read-only, from the PolicyCall) ------------------------------------
-    @property
-    def version(self) -> int:
-        """Version of the current weights: 0 at start, +1 an update."""
-        return self.call.version
-
-    @property
-    def weights(self) -> Any:
-        """The object whose weights :meth:`update` and :meth:`state` move."""
-        return self.call.weights
-
-    @property
-    def policy(self) -> Any:
-        """The policy as it is called (on TensorDicts)."""
-        return self.call.policy
-
-    @property
-    def mean_batch_size(self) -> float:
-        """Mean rows per call since creation (0.0 before the first)."""
-        return self.call.mean_batch_size
-
-    @property
-    def num_flushes(self) -> int:
-        """Calls made since creation."""
-        return self.call.calls
-
-    @property
-    def num_rows(self) -> int:
-        """Rows answered since creation."""
-        return self.call.rows
-
-    @property
-    def pending_updates(self) -> int:
-        """Updates made and not applied yet (queued behind requests, or waiting for a pinned span)."""
-        return len(self._updates) + self.call.pending_updates
-
-    def updates_held(self) -> contextlib.AbstractContextManager[None]:
-        """Pin the weights for a ``with`` block: every answer meanwhile has one version (:meth:`PolicyCall.pinned`)."""
-        return self.call.pinned()
-
-    def probe(self, obs: Mapping[NestedKey, np.ndarray], rows: int = 1) -> OutputSpec:
-        """Call the policy once on ``obs`` and fix the outputs every answer carries (see :meth:`PolicyCall.probe`)."""
-        return self.call.probe(obs, rows)
-
-    def state(self) -> Any:
-        return self.call.state()
-
-    def set_version(self, version: int) -> None:
-        self.call.set_version(version)
-
     def update(self, state: Any, *, timeout: float | None = 60.0, buffers_from: torch.nn.Module | None = None) -> int:
-        """Replace the weights once the requests queued before this call are answered; returns the new version
-        (see :meth:`PolicyCall.update`)."""
+        """Replace the weights once the requests queued before this call are answered (here, with the old weights);
+        returns the new version (see :meth:`PolicyCall.update`)."""
         with self._lock:
             if self.closed:
                 raise CollectionError("cannot update a closed AutobatchPolicy")
             if self.failure is not None:
                 raise PolicyError(self.failure.reason) from self.failure
-            marker = None
-            if self._pending:  # the inference thread applies it after the requests queued before it
-                marker = _Request(Agent(self, 1, ()), {}, ExplorationType.RANDOM)
-                self._updates.append(((state, buffers_from), marker))
-                self._wake.notify()
-        if marker is None:
-            return self.call.update(state, timeout=timeout, buffers_from=buffers_from)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not marker.done.wait(_POLL_S):
-            if self.failure is not None:  # the inference thread failed, maybe while applying this update
-                raise PolicyError(self.failure.reason) from self.failure
-            if self.closed:
-                raise CollectionError("the AutobatchPolicy was closed before the update was applied")
-            if deadline is not None and time.monotonic() > deadline:
-                raise CollectionError(f"policy update not applied within {timeout} s")
-        if marker.error is not None:
-            raise marker.error
-        return self.call.version
+            queued, self._pending = self._pending, []
+        while queued:
+            batch, queued = self._take(queued)
+            self._answer(batch)
+        return super().update(state, timeout=timeout, buffers_from=buffers_from)
 
     # -- agents -------------------------------------------------------------------------------------------
     def register(self, rows: int = 1, *, env_ids: tuple[int, ...] = ()) -> Agent:
-        """A client of ``rows`` observations a request, active until it parks or closes.
-
-        Raises:
-            CollectionError: the policy is closed. ValueError: ``rows < 1``.
-        """
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        """A client of ``rows`` observations a request, active until it parks or closes. Raises
+        :class:`CollectionError` when the policy is closed, ``ValueError`` for ``rows < 1``."""
+        check_int("rows", rows, 1)
         with self._lock:
             if self.closed:
                 raise CollectionError("cannot register on a closed AutobatchPolicy")
@@ -870,116 +741,92 @@ class AutobatchPolicy:
         with self._lock:
             if self.closed:
                 raise CollectionError("the AutobatchPolicy is closed")
-            if self.failure is not None:  # answered at once with the inference thread's error
-                request.finish(error=PolicyError(self.failure.reason, env_ids=request.agent.env_ids))
-                return
-            alone = (self.flush_in_caller and not self._pending and not self._updates
-                     and (request.rows >= self._threshold() or self.max_wait == 0))
-            if not alone:
-                self._pending.append(request)
+            self._pending.append(request)
+            if not (self.flush_in_caller and len(self._pending) == 1 and self._due()):
                 self._wake.notify()
                 return
+            self._pending = []
         self._answer([request])
 
     # -- the inference thread -------------------------------------------------------------------------------
-    def _threshold(self) -> int:
-        return self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
-
-    def _take(self) -> list[_Request]:
-        """The oldest requests, up to ``autobatch_size`` rows (whole requests, at least one); ``_lock`` held."""
+    def _take(self, requests: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """The oldest ``requests`` up to ``autobatch_size`` rows (whole requests, at least one), and the rest."""
         count, rows = 0, 0
-        for request in self._pending:
+        for request in requests:
             if count and self.autobatch_size is not None and rows + request.rows > self.autobatch_size:
                 break
             count, rows = count + 1, rows + request.rows
-        batch, self._pending = self._pending[:count], self._pending[count:]
-        return batch
+        return requests[:count], requests[count:]
+
+    def _due(self) -> bool:
+        """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
+        active = self._active_rows if self.autobatch_size is None else min(self._active_rows, self.autobatch_size)
+        waited = time.perf_counter() - self._pending[0].t0
+        return sum(r.rows for r in self._pending) >= active or (self.max_wait is not None and waited >= self.max_wait)
 
     def _serve(self) -> None:
-        """The inference thread; an error of its own fails every waiting and later request and update."""
+        """The inference thread; an error of its own (not the policy's) fails every waiting and later request."""
+        torch.set_num_threads(self._torch_threads)
+        torch.set_grad_enabled(False)
         try:
-            self._flushes()
+            while True:
+                with self._lock:
+                    while not (self.closed or (self._pending and self._due())):
+                        timeout = _POLL_S
+                        if self.max_wait is not None and self._pending:
+                            timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
+                        self._wake.wait(timeout)
+                    if self.closed:
+                        return
+                    batch, self._pending = self._take(self._pending)
+                self._answer(batch)
         except BaseException as exc:  # noqa: BLE001 - forwarded to every caller as a PolicyError
             error = PolicyError(f"the inference thread {threading.current_thread().name!r} failed "
                                 f"({type(exc).__name__}: {exc})")
             error.__cause__ = exc
             with self._lock:
                 self.failure = error
-                pending, self._pending = self._pending, []
-                updates, self._updates = self._updates, []
-            for request in pending:
-                request.finish(error=PolicyError(error.reason, env_ids=request.agent.env_ids))
-            for _, marker in updates:
-                marker.finish(error=PolicyError(error.reason))
-
-    def _due(self) -> bool:
-        """Enough rows are queued for a flush, or the oldest request waited ``max_wait``; ``_lock`` held."""
-        waited = time.perf_counter() - self._pending[0].t0
-        rows = sum(r.rows for r in self._pending)
-        return rows >= self._threshold() or (self.max_wait is not None and waited >= self.max_wait)
-
-    def _flushes(self) -> None:
-        torch.set_num_threads(self._torch_threads)
-        torch.set_grad_enabled(False)
-        while True:
-            with self._lock:
-                while not (self.closed or self._updates or (self._pending and self._due())):
-                    timeout = _POLL_S
-                    if self.max_wait is not None and self._pending:
-                        timeout = max(0.0, self._pending[0].t0 + self.max_wait - time.perf_counter())
-                    self._wake.wait(timeout)
-                if self.closed:
-                    return
-                batch = self._take() if self._pending else []  # requests queued before an update go first
-                update = None if batch else self._updates.pop(0)
-            for mode in dict.fromkeys(r.mode for r in batch):  # deterministic and random requests never share a call
-                self._answer([r for r in batch if r.mode == mode])
-            if update is not None:
-                (state, buffers_from), marker = update
-                try:  # never waits here: a pinned span applies it when it ends
-                    self.call.update(state, buffers_from=buffers_from, wait=False)
-                except BaseException as exc:  # noqa: BLE001 - re-raised by update() in its caller's thread
-                    marker.error = exc
-                marker.done.set()
+                for request in self._pending:
+                    request.done.set_exception(PolicyError(error.reason, env_ids=request.agent.env_ids))
+                self._pending = []
 
     def _answer(self, batch: list[_Request]) -> None:
-        """One call for ``batch`` (rows in env order, so a flush is reproducible); each request gets its rows."""
+        """One call a mode for ``batch`` (deterministic and random requests never share one), rows in env order
+        (so a flush is reproducible); each request gets its rows, or a :class:`PolicyError` of its own."""
         batch.sort(key=lambda r: r.agent.env_ids[0] if r.agent.env_ids else -1)
-        rows = sum(r.rows for r in batch)
-        keys = list(batch[0].obs)
-        inputs = batch[0].obs if len(batch) == 1 else {k: np.concatenate([r.obs[k] for r in batch]) for k in keys}
-        try:
-            outputs, version = self.call(inputs, rows, batch[0].mode)
-        except PolicyError as exc:
-            env_ids = tuple(i for r in batch for i in r.agent.env_ids)
-            for request in batch:
-                error = exc if exc.env_ids else PolicyError(exc.reason, env_ids=env_ids)
-                error.__cause__ = exc.__cause__
-                request.finish(error=error)
-            return
-        start = 0
-        for request in batch:
-            request.finish(PolicyAnswer(outputs, start, start + request.rows, version))
-            start += request.rows
+        for mode in dict.fromkeys(r.mode for r in batch):
+            requests = [r for r in batch if r.mode == mode]
+            try:
+                inputs = requests[0].obs if len(requests) == 1 else {
+                    k: np.concatenate([r.obs[k] for r in requests]) for k in requests[0].obs}
+                outputs, version = self(inputs, sum(r.rows for r in requests), mode)
+            except Exception as exc:  # the policy's error, or observations that do not stack
+                ours = isinstance(exc, PolicyError)
+                env_ids = tuple(i for r in requests for i in r.agent.env_ids)
+                for request in requests:
+                    error = PolicyError(exc.reason if ours else f"{type(exc).__name__}: {exc}", env_ids=env_ids)
+                    error.__cause__ = exc.__cause__ if ours else exc
+                    request.done.set_exception(error)
+                continue
+            start = 0
+            for request in requests:
+                request.done.set_result(PolicyAnswer(outputs, start, start + request.rows, version))
+                start += request.rows
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the inference thread, fail queued requests, join within ``timeout`` s (a stuck one is abandoned).
-
-        Raises:
-            ValueError: ``timeout`` is not a finite number of seconds >= 0.
-        """
-        timeout = check_seconds("timeout", timeout, allow_zero=True)
-        if timeout is None:
+        """Stop the inference thread, fail queued requests, join within ``timeout`` s (a finite number
+        of seconds >= 0, else ``ValueError``; a stuck thread is abandoned)."""
+        if check_seconds("timeout", timeout, allow_zero=True) is None:
             raise ValueError("timeout must be a finite number of seconds >= 0, got None")
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            pending, self._pending = self._pending, []
+            for request in self._pending:
+                request.done.set_exception(CollectionError("the AutobatchPolicy was closed"))
+            self._pending = []
             self._wake.notify_all()
-        for request in pending:
-            request.finish(error=CollectionError("the AutobatchPolicy was closed"))
-        self.call.close(timeout)
+        super().close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -133,7 +133,7 @@ def test_n_active_agents_with_autobatch_size_n_are_answered_in_forward_passes_of
         policy.close()
     assert results == [[10 * i + r for r in range(rounds)] for i in range(n)]
     assert counting.batch_sizes == [n] * rounds
-    assert policy.mean_batch_size == n and policy.num_flushes == rounds
+    assert policy.mean_batch_size == n and policy.calls == rounds
 
 
 def test_agent_with_several_rows_counts_all_its_rows():
@@ -295,7 +295,7 @@ def test_mixed_deterministic_and_random_requests_are_split_by_mode():
     # one flush of 4, answered by one forward pass per mode
     assert sorted(recorder.calls[-2:], key=str) == sorted(
         [(ExplorationType.DETERMINISTIC, 2), (ExplorationType.RANDOM, 2)], key=str)
-    assert policy.num_flushes == 2 and policy.num_rows == 4
+    assert policy.calls == 2 and policy.rows == 4
 
 
 def test_explicit_exploration_type_is_used_for_the_forward_pass():
@@ -355,6 +355,27 @@ def test_requests_queued_before_an_update_get_the_old_weights():
         assert policy.update({"value": 30}) == 2 and policy.version == 2
     finally:
         queued.close(), other.close()
+        policy.close()
+
+
+def test_an_update_fails_queued_requests_that_do_not_stack_and_the_server_survives():
+    """The update answers the requests queued before it in its own thread: rows of different widths fail those
+    requests with a PolicyError naming their envs, instead of leaving them waiting."""
+    policy = AutobatchPolicy(EchoPolicy(), autobatch_size=None)
+    a, b, holding = policy.register(1, env_ids=(0,)), policy.register(1, env_ids=(1,)), policy.register(1)
+    try:
+        a.submit(obs_rows(1))
+        b.submit({"observation": np.zeros((1, 4), np.float32)})
+        assert policy.update(None) == 1
+        for agent in (a, b):
+            with pytest.raises(PolicyError, match="ValueError") as info:
+                agent.result()
+            assert info.value.env_ids == (0, 1)
+        holding.close(), b.close()
+        answer = a.act(obs_rows(5))
+        assert (int(answer.outputs["action"][answer.start]), answer.version) == (5, 1)
+    finally:
+        a.close(), b.close(), holding.close()
         policy.close()
 
 
@@ -427,7 +448,7 @@ def test_act_answers_a_sole_client_in_its_own_thread_without_queueing_it():
             assert (answer.start, answer.stop, answer.version) == (0, 2, 0)
             assert answer.outputs["action"][answer.start:answer.stop].tolist() == [7 + step, 9]
         assert recorder.threads == [threading.current_thread().name] * 3
-        assert recorder.batch_sizes == [2, 2, 2] and policy.num_flushes == 3 and policy.num_rows == 6
+        assert recorder.batch_sizes == [2, 2, 2] and policy.calls == 3 and policy.rows == 6
     finally:
         agent.close()
         policy.close()

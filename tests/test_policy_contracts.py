@@ -140,7 +140,7 @@ def test_on_policy_update_from_an_event_processor_applies_from_the_next_batch(wi
 def test_update_made_while_the_weights_are_pinned_waits_for_the_pin_to_end():
     policy = AutobatchPolicy(stream_policy)
     pinned, leave = threading.Event(), threading.Event()
-    hold = policy.updates_held()
+    hold = policy.pinned()
 
     def holder() -> None:
         with hold:

@@ -206,7 +206,7 @@ class MultiEnvLoop:
         """The policy probed on every env's first root entries, the columns laid out from what it writes."""
         unit, keys = envs.unit, envs.unit.keys
         if isinstance(policy, AutobatchPolicy):
-            self._call = policy.call
+            self._call = policy
             self._agent = policy.register(self.num_envs)
             self._agent.park()
             self._policy = policy
