@@ -209,7 +209,6 @@ class MultiEnvLoop:
             self._call = policy
             self._agent = policy.register(self.num_envs)
             self._agent.park()
-            self._policy = policy
         else:
             data = [k for k in keys.observation if k not in GYM_LOOP_KEYS and k not in self.info_keys]
             wrapped = as_policy_module(policy if policy is not None else RandomPolicy(),
@@ -218,7 +217,6 @@ class MultiEnvLoop:
                                        policy_timeout=policy_timeout, name=self.name)
             self._call = PolicyCall(wrapped, device=device, seed=_seeds(self.seed, self.num_envs)[0],
                                     policy_timeout=policy_timeout, name=self.name)
-            self._policy = self._call
         # torch's intra-op threads (process-wide) for the probe and every call: capped at the cores left by the
         # pool threads or the worker processes stepping meanwhile
         overlap = self.lookahead or autobatch_size is not None
@@ -390,11 +388,11 @@ class MultiEnvLoop:
     @property
     def policy(self) -> Any:
         """What acts: the loop's :class:`~lightning_rollout.policy.PolicyCall`, or the shared ``AutobatchPolicy``."""
-        return self._policy
+        return self._call
 
     def update_policy(self, state: Any) -> int:
         """Load new weights (a state_dict, a module or a TensorDict); returns the new policy version."""
-        return self._policy.update(state)
+        return self._call.update(state)
 
     def policy_state(self) -> Any:
         """A copy of the current weights."""
