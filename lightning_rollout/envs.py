@@ -1,18 +1,10 @@
 """Env units: the one step API over gymnasium envs, TorchRL envs and envpool, described by TorchRL specs.
 
 A *unit* steps ``rows`` envs in one call and autoresets the ones a step ended (TorchRL's ``step_and_maybe_reset``),
-writing into a :class:`Slots` view of its executor's arrays:
-
-* :class:`GymUnit`: gymnasium envs, each ``env.step`` in turn; their specs are TorchRL's conversion of each leaf
-  space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``, ``"1"``...); the loop adds what ``InitTracker``,
-  ``StepCounter`` and ``RewardSum`` would (``loop_keys``); ``info_keys`` reads entries of ``info`` as observations.
-* :class:`TorchRLUnit`: TorchRL envs, unbatched or batched (a ``SerialEnv``, VMAS, a gymnasium vector env through
-  TorchRL's ``GymWrapper``), each stepped with ``env.step_and_maybe_reset`` as TorchRL's ``Collector`` steps it.
-* :class:`EnvpoolUnit`: an envpool env, its batch in one call, done envs reset by id.
-
-A unit is owned by one thread (the loop's, a pool thread's, or a worker process's). Errors come out as
-:class:`EnvFailure`, naming the row and the phase. Building a unit reads the env's spaces or specs, so a bad env
-fails at the boundary with a ``ValueError``.
+writing into a :class:`Slots` view of its executor's arrays: :class:`GymUnit` (gymnasium envs, each ``env.step`` in
+turn), :class:`TorchRLUnit` (TorchRL envs, batched or not, stepped as TorchRL's ``Collector`` steps them) and
+:class:`EnvpoolUnit` (an envpool env, its batch in one call). A unit is owned by one thread. Errors come out as
+:class:`EnvFailure`, naming the row and the phase; a bad env fails at construction with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -103,14 +95,10 @@ class EnvFailure(Exception):
         return self
 
 
-class CheckFailed(Explained):
-    """What an env returned does not match its spec."""
-
-
 def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec], rows: int | None = None
                   ) -> str | None:
-    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``;
-    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked."""
+    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
+    ``rows``: the values carry a leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
         v = values.get(k)
         if v is None:
@@ -132,7 +120,7 @@ def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, Arr
 def _checked(row: int, values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec],
              rows: int | None = None) -> None:
     if (problem := check_entries(values, specs, rows)) is not None:
-        raise EnvFailure(row, "check", "env", CheckFailed(problem))
+        raise EnvFailure(row, "check", "env", Explained(problem))
 
 
 @dataclass
@@ -394,21 +382,18 @@ class GymUnit(Unit):
         nxt, reward, terminated, truncated = s.next, s.reward, s.terminated, s.truncated
         try:
             for i, action in zip(rows, actions):
-                try:
-                    obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-                    self._write(nxt, i, obs, info)
-                except EnvFailure:
-                    raise
-                except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
-                    raise EnvFailure(i, "step", "env", exc) from exc
+                obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
+                self._write(nxt, i, obs, info)
                 self.count[i] += 1
                 if self.cap is not None and self.count[i] >= self.cap:
                     truncated[i] = True
                 s.reset[i] = False
                 if terminated[i] or truncated[i]:
                     self.reset([i], [None])
-        except EnvFailure as failure:
+        except EnvFailure as failure:  # a check or a reset failed
             raise failure.within(rows) from failure.cause
+        except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
+            raise EnvFailure(i, "step", "env", exc).within(rows) from exc
         if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
             rows = np.asarray(list(rows))
             values = nxt["observation"][rows]
@@ -416,7 +401,7 @@ class GymUnit(Unit):
             if total != total:
                 bad = np.isnan(values.reshape(len(rows), -1)).any(1)
                 failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
-                                     CheckFailed("entry 'observation' contains NaN"))
+                                     Explained("entry 'observation' contains NaN"))
                 failure.completed, failure.lost = rows[~bad], rows[bad]
                 raise failure
 
@@ -592,7 +577,7 @@ class TorchRLUnit(Unit):
             if self.validate and (problem := check_entries(nxt, self._checked_next, rows=self.size)) is not None:
                 bad = next((i for i in range(self.size) if check_entries(
                     {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
-                raise self._cut(EnvFailure(a + bad, "check", "env", CheckFailed(problem)), rows, a)
+                raise self._cut(EnvFailure(a + bad, "check", "env", Explained(problem)), rows, a)
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)

@@ -1,14 +1,10 @@
 """TorchRL specs -> the column layout of a transition (no hand-written key list).
 
-Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs: what it fills at the root on
-reset and under ``"next"`` after a step (observations, primers, ``is_init``, ``step_count``, masks...), its
-rewards, its done flags and the actions it reads. :class:`EnvKeys` lists those leaves with their per-env shape and
-numpy dtype (:class:`ArraySpec`), nested keys included, plus the shapes of nested sub-tensordicts (the agent dim
-of a multi-agent group), so a batch is laid out as TorchRL's collector lays it out.
-
-Columns hold fixed-shape tensors: dynamic shapes (``-1``), lazily stacked heterogeneous specs and non-tensor
-entries (drop those with an env transform such as ``ExcludeTransform``) are refused with a :class:`ValueError`
-that says so. Nothing here holds state or threads.
+Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs (observations, state, rewards, done
+flags, actions): :class:`EnvKeys` lists them with their per-env shape and numpy dtype (:class:`ArraySpec`), plus the
+shapes of nested sub-tensordicts (a multi-agent group's agent dim), so a batch is laid out as TorchRL's collector lays
+it out. Columns hold fixed-shape tensors: dynamic shapes, lazily stacked heterogeneous specs and non-tensor entries
+are refused with a :class:`ValueError` that says what to do.
 """
 
 from __future__ import annotations
@@ -94,11 +90,8 @@ class EnvKeys:
     @classmethod
     def from_specs(cls, *, observation: Composite, state: Composite, reward: Composite, done: Composite,
                    action: Composite, where: str) -> EnvKeys:
-        """Build from an unbatched env's ``full_*_spec`` composites.
-
-        Raises:
-            ValueError: a spec that cannot live in a fixed-shape column (named, with what to do).
-        """
+        """Build from an unbatched env's ``full_*_spec`` composites; ``ValueError``: a spec that cannot live in a
+        fixed-shape column (named, with what to do)."""
         obs_cols = columns_of(observation, where=f"{where} observation spec")
         state_cols = {k: v for k, v in columns_of(state, where=f"{where} state spec").items() if k not in obs_cols}
         sub = {k: v for spec in (observation, state, reward, done, action) for k, v in sub_batch_dims(spec).items()}
@@ -122,14 +115,9 @@ def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *,
 
 
 def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
-    """``spec.rand(shape)`` (a tensor, or a TensorDict for a ``Composite``), finite where a float ``Bounded``
-    leaf has an infinite bound (TorchRL's uniform draw gives ``inf`` / ``NaN`` there).
-
-    Those dims are drawn as gymnasium's ``Box.sample`` draws them: unbounded from a standard normal, bounded below
-    as ``low + Exponential(1)``, above as ``high - Exponential(1)``, on both sides uniformly. Draws from torch's
-    default CPU generator (a seeded :class:`AutobatchPolicy` swaps its own stream in around a forward pass).
-    ``spec``: a leaf or a ``Composite`` without batch dims beyond its leaves'; ``shape``: leading batch dims.
-    """
+    """``spec.rand(shape)`` (a tensor, or a TensorDict for a ``Composite``; ``shape``: leading batch dims), where a
+    float ``Bounded`` leaf's dims with an infinite bound are drawn as gymnasium's ``Box.sample`` draws them (TorchRL's
+    uniform draw gives ``inf`` / ``NaN`` there). Draws from torch's default CPU generator."""
     sample = spec.rand(shape)
     if not isinstance(spec, Composite):
         finite = _finite_sample(spec, tuple(shape), sample)
@@ -141,8 +129,8 @@ def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
 
 
 def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
-    """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn``, TorchRL's
-    uniform sample, kept in the dims bounded on both sides), else ``None``."""
+    """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn`` kept in the dims
+    bounded on both sides: unbounded from a normal, half-bounded as the bound +/- Exponential(1)), else ``None``."""
     if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
         return None
     low, high = leaf.space.low, leaf.space.high
@@ -173,11 +161,8 @@ def next_key(key: NestedKey) -> tuple[str, ...]:
 
 
 def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
-    """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples).
-
-    Raises:
-        ValueError: a leaf that cannot be a fixed-shape column.
-    """
+    """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples); ``ValueError``: a leaf that
+    cannot be a fixed-shape column."""
     if type(spec).__name__.startswith("Stacked") or getattr(spec, "_td_dim", None) is not None:
         raise ValueError(f"the {where} is a lazily stacked (heterogeneous) spec; ThreadedCollector stores "
                          "fixed-shape columns: give every entry one shape (pad), or use torchrl's Collector")
