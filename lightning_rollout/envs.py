@@ -231,31 +231,28 @@ def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
     return keys
 
 
-def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
-    value: Any = info
-    for part in key_parts(key):
-        if not isinstance(value, Mapping) or part not in value:
+def _entry(value: Any, parts: tuple[str, ...]) -> Any:
+    """The entry at ``parts`` of nested dicts (and tuples, by index), or ``_MISSING``."""
+    for part in parts:
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, (tuple, list)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
             return _MISSING
-        value = value[part]
     return value
-
-
-def _leaf_values(value: Any, path: tuple[str, ...], out: dict[NestedKey, Any], keys: set[tuple[str, ...]]) -> None:
-    if path in keys:
-        out[path[0] if len(path) == 1 else path] = value
-    else:
-        for k, v in (value.items() if isinstance(value, Mapping) else enumerate(value)):
-            _leaf_values(v, (*path, str(k)), out, keys)
 
 
 class GymUnit(Unit):
     """Gymnasium envs, stepped one after the other (``rows = len(envs)``); all share the first's spaces.
 
-    Actions are taken as an index or one-hot for discrete spaces, as the policy gives them, and checked against the
-    action space (:class:`ActionError`). ``info_keys`` reads ``info`` entries as observation entries, at the root
-    (from ``reset``) and under ``"next"`` (from ``step``): specs given (``{key: TorchRL spec}``) or inferred from one
-    reset's ``info`` as TorchRL's ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is
-    stored as zeros. ``max_episode_steps`` truncates an episode at that length.
+    Specs are TorchRL's conversion of each leaf space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``,
+    ``"1"``...); the loop adds ``is_init``, ``step_count`` and ``episode_reward`` (``loop_keys``). Actions are taken as
+    an index or one-hot for discrete spaces and checked against the action space (:class:`ActionError`).
+    ``info_keys`` reads ``info`` entries as observations, at the root (``reset``) and under ``"next"`` (``step``):
+    specs given (``{key: TorchRL spec}``) or inferred from one reset's ``info`` as TorchRL's
+    ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is stored as zeros.
+    ``max_episode_steps`` truncates an episode at that length.
 
     Raises:
         ValueError: an unsupported space; an observation or info entry named after a root key of TorchRL's or the
@@ -273,15 +270,14 @@ class GymUnit(Unit):
         self.count = np.zeros(self.rows, dtype=np.int64)
         spaces: dict[NestedKey, gym.Space] = {}
         obs_space = env.observation_space
-        self._dict_obs = isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
-        self._obs_root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
-        _space_leaves(obs_space, self._obs_root, spaces)
+        root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
+        _space_leaves(obs_space, root, spaces)
         if not spaces:
             raise ValueError(f"the observation space {obs_space!r} has no entries")
         if problem := reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
                                            fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)"):
             raise ValueError(problem)
-        self._obs_paths = {key_parts(k) for k in spaces}
+        self._obs_parts = {k: key_parts(k)[len(root):] for k in spaces}  # where in ``obs`` each entry is
         specs = {k: _gym_spec(s, categorical_action_encoding=True) for k, s in spaces.items()}
         self.observation_spec = Composite({**specs, **{k: Unbounded((1,), dtype=d) for k, d in _LOOP_OBS.items()}})
         self._info = self._info_specs(env, info_keys)
@@ -289,8 +285,7 @@ class GymUnit(Unit):
             self.observation_spec[k] = spec
         space = self.action_space = env.action_space
         if not isinstance(space, _SUPPORTED):
-            raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or "
-                             "MultiDiscrete")
+            raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or MultiDiscrete")
         self.action_spec = Composite(action=_gym_spec(space, categorical_action_encoding=False))
         self.keys = EnvKeys(observation=columns_of(self.observation_spec, where="observation space"), state={},
                             reward={"reward": _RETURN}, done={"done": _FLAG, "terminated": _FLAG, "truncated": _FLAG},
@@ -300,7 +295,7 @@ class GymUnit(Unit):
                 raise ValueError(f"env {i} has spaces {other.observation_space}, {other.action_space}; env 0 has "
                                  f"{obs_space}, {space}: all envs of a loop must share their spaces")
         self._checked = {k: v for k, v in self.keys.observation.items() if k not in _LOOP_OBS}
-        self._plain = not self._dict_obs and not self._info
+        self._plain = not isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple)) and not self._info
         self._n = int(space.n) if isinstance(space, gym.spaces.Discrete) else 0
         self._start = int(getattr(space, "start", 0)) if self._n else 0
         self._nvec = np.asarray(space.nvec) if isinstance(space, gym.spaces.MultiDiscrete) else None
@@ -321,12 +316,10 @@ class GymUnit(Unit):
             fix = "store it in info under another name (e.g. with a gymnasium Wrapper)"
             if problem := reserved_key_problem([k], _GYM_RESERVED, where="info_keys", fix=fix):
                 raise ValueError(problem)
-            if (spec := given.get(k)) is None:
-                if given:
-                    raise ValueError(f"info_keys as a dict maps every key to a TorchRL spec; {k!r} has None")
+            if not given:
                 if first is None:
                     _, first = env.reset()
-                if (value := _info_value(first, k)) is _MISSING:
+                if (value := _entry(first, key_parts(k))) is _MISSING:
                     raise ValueError(f"info key {k!r} is not in the info of the env's first reset (it has "
                                      f"{sorted(first)}); pass info_keys={{{k!r}: spec}} to give its spec, "
                                      "e.g. Unbounded((), dtype=torch.bool) for an 'is_success' set at the end")
@@ -337,7 +330,7 @@ class GymUnit(Unit):
                                      "array; pass info_keys={key: spec} for entries that are not numeric at reset"
                                      ) from exc
                 spec = Unbounded(tuple(tensor.shape), dtype=tensor.dtype)
-            elif not isinstance(spec, TensorSpec):
+            elif not isinstance(spec := given[k], TensorSpec):
                 raise ValueError(f"the spec of info key {k!r} must be a TorchRL TensorSpec, got {type(spec).__name__}")
             out[k] = spec
         return out
@@ -350,12 +343,9 @@ class GymUnit(Unit):
                 _checked(i, {"observation": np.asarray(obs)}, self._checked)
             out["observation"][i] = obs
             return
-        values: dict[NestedKey, Any] = {} if self._dict_obs else {"observation": obs}
-        if self._dict_obs:
-            _leaf_values(obs, self._obs_root, values, self._obs_paths)
-        values = {k: np.asarray(v) for k, v in values.items()}
+        values = {k: np.asarray(v) for k, parts in self._obs_parts.items() if (v := _entry(obs, parts)) is not _MISSING}
         for k, spec in self._info.items():
-            value = _info_value(info, k)
+            value = _entry(info, key_parts(k))
             values[k] = np.zeros(spec.shape, out[k].dtype) if value is _MISSING else np.asarray(value, out[k].dtype)
         if self.validate:
             _checked(i, values, self._checked)
@@ -519,7 +509,6 @@ class TorchRLUnit(Unit):
             [k for k in done if key_parts(k)[-1] == "done"]
         self._truncated = [k for k in done if key_parts(k)[-1] == "truncated"]
         self._root_done = "done" in self.keys.done
-        self._checked_next = dict(self.keys.observation) if validate else {}
 
     def _td(self, values: Mapping[NestedKey, np.ndarray]) -> TensorDict:
         lead = tuple(self.batch)
@@ -574,22 +563,18 @@ class TorchRLUnit(Unit):
             except BaseException as exc:
                 raise self._cut(EnvFailure(a, "step", "env", exc), rows, a) from exc
             nxt = self._rows_of(out.get("next"), list(self.keys.next))
-            if self.validate and (problem := check_entries(nxt, self._checked_next, rows=self.size)) is not None:
+            if self.validate and (problem := check_entries(nxt, self.keys.observation, rows=self.size)) is not None:
                 bad = next((i for i in range(self.size) if check_entries(
-                    {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
+                    {k: v[i] for k, v in nxt.items()}, self.keys.observation) is not None), 0)
                 raise self._cut(EnvFailure(a + bad, "check", "env", Explained(problem)), rows, a)
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)
             s.reward[a:b] = sum(nxt[k].reshape(per_env).sum(1) for k in self.keys.reward) if self.keys.reward else 0
-            term = np.zeros(self.size, bool)
-            for k in self._terminated:
-                term |= nxt[k].reshape(per_env).any(1)
-            trunc = np.zeros(self.size, bool)
-            for k in self._truncated:
-                trunc |= nxt[k].reshape(per_env).any(1)
+            term = np.any([nxt[k].reshape(per_env).any(1) for k in self._terminated], axis=0)  # False without keys
+            trunc = np.any([nxt[k].reshape(per_env).any(1) for k in self._truncated], axis=0)
             if self._root_done:
-                term |= nxt["done"].reshape(per_env).any(1) & ~(term | trunc)
+                term = term | (nxt["done"].reshape(per_env).any(1) & ~(term | trunc))
             s.terminated[a:b], s.truncated[a:b] = term, trunc
             done = term | trunc
             s.reset[a:b] = done

@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Bounded, Composite, TensorSpec
 
 __all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "key_parts",
-           "next_key", "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
+           "next_key", "random_sample", "reserved_key_problem"]
 
 NestedKey = str | tuple[str, ...]
 
@@ -94,7 +94,8 @@ class EnvKeys:
         fixed-shape column (named, with what to do)."""
         obs_cols = columns_of(observation, where=f"{where} observation spec")
         state_cols = {k: v for k, v in columns_of(state, where=f"{where} state spec").items() if k not in obs_cols}
-        sub = {k: v for spec in (observation, state, reward, done, action) for k, v in sub_batch_dims(spec).items()}
+        sub = {key_parts(k): tuple(int(d) for d in v.shape) for spec in (observation, state, reward, done, action)
+               for k, v in spec.items(True, False) if isinstance(v, Composite) and tuple(v.shape)}  # nested batch dims
         return cls(observation=obs_cols, state=state_cols,
                    reward=columns_of(reward, where=f"{where} reward spec"),
                    done=columns_of(done, where=f"{where} done spec"),
@@ -145,11 +146,6 @@ def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor
     return torch.where(~low_finite & high_finite, high - exponential, out)
 
 
-def np_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype a torch dtype is stored as."""
-    return torch.empty((), dtype=dtype).numpy().dtype
-
-
 def key_parts(key: NestedKey) -> tuple[str, ...]:
     """``key`` as a tuple of its parts: ``"a"`` is ``("a",)``."""
     return key if isinstance(key, tuple) else (key,)
@@ -173,14 +169,8 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
             problem = "is a non-tensor entry" if non_tensor else f"has a dynamic shape {tuple(leaf.shape)}"
             raise ValueError(f"entry {key!r} of the {where} {problem}; ThreadedCollector stores fixed-shape "
                              f"tensors: drop it with ExcludeTransform({key!r}) or use torchrl's Collector")
-        out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), np_dtype(leaf.dtype))
+        out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), torch.empty((), dtype=leaf.dtype).numpy().dtype)
     return out
-
-
-def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Shapes of the nested composites of ``spec`` (their batch dims inside one env)."""
-    return {key_parts(key): tuple(int(d) for d in sub.shape) for key, sub in spec.items(True, False)
-            if isinstance(sub, Composite) and tuple(sub.shape)}
 
 
 def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
