@@ -164,6 +164,7 @@ class Unit:
     """What every unit provides (see the module docstring). Set by subclasses:
 
     Attributes:
+        envs: the env instances it steps.
         rows: envs stepped by one call.
         keys: one env's leaves (:class:`~lightning_rollout.specs.EnvKeys`).
         observation_spec, action_spec: one env's TorchRL composites (for wrapping a policy, random actions).
@@ -172,6 +173,7 @@ class Unit:
         writes: the entries a step writes into ``Slots.next``.
     """
 
+    envs: list[Any]
     rows: int
     keys: EnvKeys
     observation_spec: Composite
@@ -198,7 +200,9 @@ class Unit:
 
     def close(self) -> None:
         """Release the envs (errors are the caller's to swallow)."""
-        raise NotImplementedError
+        for env in self.envs:
+            if not getattr(env, "is_closed", False):
+                env.close()
 
 
 # -- gymnasium --------------------------------------------------------------------------------------
@@ -449,10 +453,6 @@ class GymUnit(Unit):
             raise ActionError(f"action {action!r} is out of the bounds of {space!r} (clip or squash it)")
         return action.astype(space.dtype, copy=False)
 
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
-
 
 # -- torchrl --------------------------------------------------------------------------------------
 def _torchrl_keys(env: EnvBase) -> EnvKeys:
@@ -587,11 +587,6 @@ class TorchRLUnit(Unit):
         stepped = np.arange(self.rows) if rows is None else rows
         failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
         return failure
-
-    def close(self) -> None:
-        for env in self.envs:
-            if not env.is_closed:
-                env.close()
 
 
 class EnvpoolUnit(GymUnit):

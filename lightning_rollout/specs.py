@@ -121,23 +121,22 @@ def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
     uniform draw gives ``inf`` / ``NaN`` there). Draws from torch's default CPU generator."""
     sample = spec.rand(shape)
     if not isinstance(spec, Composite):
-        finite = _finite_sample(spec, tuple(shape), sample)
-        return sample if finite is None else finite
+        return _finite_sample(spec, tuple(shape), sample)
     for key, leaf in spec.items(True, True):
-        if (finite := _finite_sample(leaf, tuple(shape), sample.get(key))) is not None:
+        if (drawn := sample.get(key)) is not (finite := _finite_sample(leaf, tuple(shape), drawn)):
             sample.set(key, finite)
     return sample
 
 
-def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
-    """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn`` kept in the dims
-    bounded on both sides: unbounded from a normal, half-bounded as the bound +/- Exponential(1)), else ``None``."""
+def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor:
+    """``drawn`` (TorchRL's uniform sample of ``leaf``) where a float ``Bounded`` leaf has an infinite bound drawn as
+    gymnasium's ``Box.sample`` draws it: unbounded from a normal, half-bounded as the bound +/- Exponential(1)."""
     if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
-        return None
+        return drawn
     low, high = leaf.space.low, leaf.space.high
     low_finite, high_finite = torch.isfinite(low), torch.isfinite(high)
     if bool(low_finite.all()) and bool(high_finite.all()):
-        return None
+        return drawn
     full = (*shape, *leaf.shape)
     exponential = torch.empty(full, dtype=leaf.dtype).exponential_().to(drawn.device)
     normal = torch.randn(full, dtype=leaf.dtype).to(drawn.device)
