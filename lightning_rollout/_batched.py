@@ -33,14 +33,8 @@ _GYM_WRAPPER_MODES = (gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMo
 
 @dataclass(frozen=True)
 class BatchedEnv:
-    """A batched env instance as the collector's envs.
-
-    Attributes:
-        factories: one factory per env, row-major over ``batch_size``: of a single env when taken apart,
-            else each returns the batched env itself.
-        batch_size: the batched env's batch dims (``len(factories) == batch_size.numel()``).
-        native: stepped as it is, in one call a batch (not taken apart).
-    """
+    """A batched env instance as the collector's envs: ``factories``, one per env, row-major over ``batch_size`` (of a
+    single env when taken apart, else each returns the batched env itself); ``native``: stepped as it is."""
 
     factories: list[EnvFactory]
     batch_size: torch.Size

@@ -56,14 +56,11 @@ class RemoteTraceback(Exception):
 class EnvFailure(Exception):
     """An env call failed (internal: the loop turns it into :class:`~lightning_rollout.errors.EnvError`).
 
-    Attributes:
-        row: the env's row in its executor (a unit raises its own row; the executor shifts it).
-        phase: ``"reset"``, ``"step"`` or ``"check"``.
-        kind: ``"env"``, or ``"action"`` when the policy's action was invalid.
-        cause: the exception (or a :class:`RemoteTraceback`).
-        process: the worker process the env runs in (``None``: this process).
-        completed: rows of the failing call whose step ended before it (their results are written);
-            ``lost``: rows of that call that will never answer.
+    ``row``: the env's row in its executor (a unit raises its own, the executor shifts it); ``phase``: ``"reset"``,
+    ``"step"`` or ``"check"``; ``kind``: ``"env"``, or ``"action"`` when the policy's action was invalid; ``cause``:
+    the exception (or a :class:`RemoteTraceback`); ``process``: the worker process the env runs in (``None``: this
+    one); ``completed``: rows of the failing call whose step ended before it (results written); ``lost``: rows of
+    that call that will never answer.
     """
 
     completed: np.ndarray = np.empty(0, dtype=np.int64)
@@ -151,10 +148,9 @@ class Slots:
 
     @classmethod
     def allocate(cls, rows: int, *, inputs: Mapping[NestedKey, ArraySpec], next: Mapping[NestedKey, ArraySpec],
-                 root: Mapping[NestedKey, ArraySpec], make: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None
-                 = None) -> Slots:
+                 root: Mapping[NestedKey, ArraySpec], make: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.zeros
+                 ) -> Slots:
         """Zeroed arrays of ``rows`` rows (``make(shape, dtype)``: e.g. shared memory)."""
-        make = make or (lambda shape, dtype: np.zeros(shape, dtype))
         col = lambda specs: {k: make((rows, *s.shape), s.dtype) for k, s in specs.items()}  # noqa: E731
         return cls(col(inputs), col(next), col(root), make((rows,), np.dtype(np.float64)),
                    make((rows,), np.dtype(bool)), make((rows,), np.dtype(bool)), make((rows,), np.dtype(bool)))
@@ -476,7 +472,7 @@ class TorchRLUnit(Unit):
 
     Raises:
         ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose specs
-            differ, or a ``step_count`` entry that the cap would clash with.
+            differ, or a ``step_count`` entry the cap would clash with.
     """
 
     loop_keys = False
@@ -674,12 +670,10 @@ def close_quietly(envs: Sequence[Any]) -> None:
 
 def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, validate: bool = True,
               info_keys: InfoKeys | None = None) -> Unit:
-    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env goes
-    through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env; the envs are closed when
-    refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name entries
-    of its observation spec. Raises ``ValueError``: an env of another kind, or one whose spaces or specs cannot be
-    stored in columns.
-    """
+    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env
+    through TorchRL's ``GymWrapper``), or one envpool env; the envs are closed when refused (``ValueError``: an env of
+    another kind, or whose spaces or specs cannot be stored in columns). A TorchRL env reads its own ``info``
+    (``set_info_dict_reader``): ``info_keys`` then name entries of its observation spec."""
     envs = list(envs)
     try:
         if any(cls.__module__.startswith("envpool") for cls in type(envs[0]).__mro__):
