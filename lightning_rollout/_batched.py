@@ -43,9 +43,7 @@ class BatchedEnv:
 
 def is_batched(env: Any) -> bool:
     """Whether ``env`` is a batched env instance (a TorchRL env with a batch size, a gymnasium vector env)."""
-    if isinstance(env, EnvBase):
-        return tuple(env.batch_size) != ()
-    return isinstance(env, gym.vector.VectorEnv)
+    return len(env.batch_size) > 0 if isinstance(env, EnvBase) else isinstance(env, gym.vector.VectorEnv)
 
 
 def _transforms(transform: Transform) -> list[Transform]:

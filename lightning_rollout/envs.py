@@ -216,18 +216,13 @@ def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey
 def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
     """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples; ``ValueError``
     if ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings."""
-    if info_keys is None:
-        return []
     if isinstance(info_keys, str):
         raise ValueError(f"info_keys must be a list of keys or a dict {{key: TorchRL spec}}, got the string "
                          f"{info_keys!r}; write info_keys=[{info_keys!r}]")
-    keys: list[NestedKey] = []
-    for k in info_keys:
-        if isinstance(k, tuple) and len(k) == 1:
-            k = k[0]
+    keys = [k[0] if isinstance(k, tuple) and len(k) == 1 else k for k in (info_keys if info_keys is not None else ())]
+    for k in keys:
         if not (isinstance(k, str) or (isinstance(k, tuple) and k and all(isinstance(p, str) for p in k))):
             raise ValueError(f"info key {k!r} must be a string or a tuple of strings (a nested key)")
-        keys.append(k)
     return keys
 
 
@@ -550,19 +545,22 @@ class TorchRLUnit(Unit):
 
     def step(self, rows: np.ndarray | None) -> None:
         s = self.slots
+        stepped = np.arange(self.rows) if rows is None else rows
         for e, env in enumerate(self.envs):
             a, b = e * self.size, (e + 1) * self.size
-            if rows is not None and not np.any((rows >= a) & (rows < b)):
+            if not np.any((stepped >= a) & (stepped < b)):
                 continue
             try:
                 out, root = env.step_and_maybe_reset(self._td({k: v[a:b] for k, v in s.inputs.items()}))
-            except BaseException as exc:
-                raise self._cut(EnvFailure(a, "step", "env", exc), rows, a) from exc
-            nxt = self._rows_of(out.get("next"), list(self.keys.next))
-            if self.validate and (problem := check_entries(nxt, self.keys.observation, rows=self.size)) is not None:
-                bad = next((i for i in range(self.size) if check_entries(
-                    {k: v[i] for k, v in nxt.items()}, self.keys.observation) is not None), 0)
-                raise self._cut(EnvFailure(a + bad, "check", "env", Explained(problem)), rows, a)
+                nxt = self._rows_of(out.get("next"), list(self.keys.next))
+                if self.validate and (problem := check_entries(nxt, self.keys.observation, rows=self.size)):
+                    bad = next((i for i in range(self.size) if check_entries(
+                        {k: v[i] for k, v in nxt.items()}, self.keys.observation) is not None), 0)
+                    raise EnvFailure(a + bad, "check", "env", Explained(problem))
+            except BaseException as exc:  # the rows before this env's completed
+                failure = exc if isinstance(exc, EnvFailure) else EnvFailure(a, "step", "env", exc)
+                failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
+                raise failure from failure.cause
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)
@@ -577,12 +575,6 @@ class TorchRLUnit(Unit):
             if done.any():
                 for k, v in self._rows_of(root, list(self.keys.root)).items():
                     s.root[k][a:b][done] = v[done]
-
-    def _cut(self, failure: EnvFailure, rows: np.ndarray | None, a: int) -> EnvFailure:
-        """``failure`` of a step on ``rows`` (``None``: all) that failed at env row ``a``: rows before it completed."""
-        stepped = np.arange(self.rows) if rows is None else rows
-        failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
-        return failure
 
 
 class EnvpoolUnit(GymUnit):

@@ -55,15 +55,12 @@ class EnvKeys:
     """What one env reads and writes, leaf by leaf, from its TorchRL specs.
 
     Attributes:
-        observation: root entries the env fills on reset and again under ``"next"`` after each step (TorchRL's
-            ``full_observation_spec``; state entries it reads back are in ``state``).
-        state: entries of ``full_state_spec`` that are not observations (read by the env at the root, written by
-            reset; carried from step to step).
+        observation: root entries the env fills on reset and again under ``"next"`` after each step.
+        state: entries of ``full_state_spec`` that are not observations (read at the root, written by reset).
         reward: entries found under ``"next"`` only.
         done: done flags (``done``, ``terminated``, ``truncated``, nested ones too), at the root and under ``"next"``.
         action: entries the env reads from the policy.
-        sub_batch: shapes of nested sub-tensordicts beyond the env's batch (``{("agents",): (3,)}``), applied when a
-            batch is built.
+        sub_batch: shapes of nested sub-tensordicts beyond the env's batch (``{("agents",): (3,)}``).
     """
 
     observation: dict[NestedKey, ArraySpec]
@@ -103,9 +100,8 @@ class EnvKeys:
 
 
 def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *, where: str, fix: str) -> str | None:
-    """The message refusing the first of ``keys`` (nested ones as tuples) whose top-level name is in ``reserved``
-    (root name -> what it holds: :data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`), or ``None``. ``where``: what
-    the keys are ("observation space"), ``fix``: what to do, both for the message."""
+    """The message refusing the first of ``keys`` whose top-level name is in ``reserved`` (root name -> what it holds),
+    or ``None``; ``where`` (what the keys are) and ``fix`` (what to do) go into the message."""
     for key in keys:
         root = key[0] if isinstance(key, tuple) else key
         if root in reserved:
