@@ -104,8 +104,7 @@ def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
 
     Raises:
         ValueError: (``env`` closed) a natively stepped env with ``num_workers`` above 1 (it is stepped in this
-            process); a gymnasium vector env in an autoreset mode TorchRL's ``GymWrapper`` does not take; a
-            rebuilt single env whose specs are not one row of ``env``'s.
+            process); a gymnasium vector env in an autoreset mode TorchRL's ``GymWrapper`` does not take.
     """
     try:
         factories = _singles(env) if takes_apart(env) else None

@@ -348,11 +348,10 @@ class GymUnit(Unit):
             out[k][i] = v
 
     def reset(self, rows: Sequence[int], seeds: Sequence[int | None]) -> None:
-        root = self.slots.root
         for i, seed in zip(rows, seeds):
             try:
                 obs, info = self.envs[i].reset(seed=seed)
-                self._write(root, i, obs, info)
+                self._write(self.slots.root, i, obs, info)
             except EnvFailure:
                 raise
             except BaseException as exc:
