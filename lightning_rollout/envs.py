@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.data import Composite, TensorSpec, Unbounded
-from torchrl.envs import EnvBase
+from torchrl.envs import EnvBase, StepCounter
 from torchrl.envs.libs.gym import GymWrapper
 from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform as _gym_spec
 
@@ -76,10 +76,9 @@ class EnvFailure(Exception):
         super().__init__(text)
         self.row, self.phase, self.kind, self.cause, self.process = row, phase, kind, cause, process
 
-    def shifted(self, offset: int, process: int | None = None) -> EnvFailure:
+    def shifted(self, offset: int) -> EnvFailure:
         """This failure, for the same env seen ``offset`` rows further in a larger executor."""
-        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause,
-                             self.process if process is None else process)
+        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause, self.process)
         failure.completed, failure.lost = self.completed + offset, self.lost + offset
         return failure
 
@@ -97,8 +96,7 @@ def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, Arr
     """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
     ``rows``: the values carry a leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
-        v = values.get(k)
-        if v is None:
+        if (v := values.get(k)) is None:
             return f"entry {k!r} is missing"
         if not isinstance(v, np.ndarray):
             continue
@@ -202,15 +200,14 @@ class Unit:
 
 
 # -- gymnasium --------------------------------------------------------------------------------------
-def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey, gym.Space]) -> None:
+def _space_leaves(space: gym.Space, prefix: tuple[str, ...]) -> dict[NestedKey, gym.Space]:
     if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
-        for k, s in (space.spaces.items() if isinstance(space, gym.spaces.Dict) else enumerate(space.spaces)):
-            _space_leaves(s, (*prefix, str(k)), out)
-    elif isinstance(space, _SUPPORTED):
-        out[prefix[0] if len(prefix) == 1 else prefix] = space
-    else:
-        raise ValueError(f"unsupported space {space!r} at {prefix!r}: use Box, Discrete, MultiBinary, "
-                         "MultiDiscrete, or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
+        items = space.spaces.items() if isinstance(space, gym.spaces.Dict) else enumerate(space.spaces)
+        return {key: leaf for k, s in items for key, leaf in _space_leaves(s, (*prefix, str(k))).items()}
+    if isinstance(space, _SUPPORTED):
+        return {prefix[0] if len(prefix) == 1 else prefix: space}
+    raise ValueError(f"unsupported space {space!r} at {prefix!r}: use Box, Discrete, MultiBinary, MultiDiscrete, "
+                     "or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
 
 
 def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
@@ -263,10 +260,9 @@ class GymUnit(Unit):
         env = self.envs[0]
         self.rows, self.validate, self.cap = len(self.envs), validate, max_episode_steps
         self.count = np.zeros(self.rows, dtype=np.int64)
-        spaces: dict[NestedKey, gym.Space] = {}
         obs_space = env.observation_space
         root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
-        _space_leaves(obs_space, root, spaces)
+        spaces = _space_leaves(obs_space, root)
         if not spaces:
             raise ValueError(f"the observation space {obs_space!r} has no entries")
         if problem := reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
@@ -276,8 +272,7 @@ class GymUnit(Unit):
         specs = {k: _gym_spec(s, categorical_action_encoding=True) for k, s in spaces.items()}
         self.observation_spec = Composite({**specs, **{k: Unbounded((1,), dtype=d) for k, d in _LOOP_OBS.items()}})
         self._info = self._info_specs(env, info_keys)
-        for k, spec in self._info.items():
-            self.observation_spec[k] = spec
+        self.observation_spec.update(self._info)
         space = self.action_space = env.action_space
         if not isinstance(space, _SUPPORTED):
             raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or MultiDiscrete")
@@ -422,8 +417,7 @@ class GymUnit(Unit):
             if self.validate and (not np.isfinite(value) or value != int(value) or not 0 <= value < max(n, 2)):
                 raise ActionError(f"action {value!r} is not an index in [0, {n}) of {space!r}")
             return (0 if n == 1 else int(value)) + self._start
-        if self._nvec is not None:
-            nvec = self._nvec
+        if (nvec := self._nvec) is not None:
             if action.shape == nvec.shape:
                 indices = action
             elif action.ndim == 1 and nvec.ndim == 1 and action.size == int(nvec.sum()):  # concatenated one-hots
@@ -474,8 +468,6 @@ class TorchRLUnit(Unit):
     def __init__(self, envs: Sequence[EnvBase], *, max_episode_steps: int | None = None,
                  validate: bool = True) -> None:
         if max_episode_steps is not None:
-            from torchrl.envs import StepCounter
-
             if any("step_count" in key_parts(k) for k in envs[0].output_spec.keys(True, True)):
                 raise ValueError("A 'step_count' key is already present in the environment and the "
                                  "'max_frames_per_traj' argument may conflict with a 'StepCounter' that has already "
@@ -513,7 +505,6 @@ class TorchRLUnit(Unit):
         return {k: v.reshape(self.size, *v.shape[len(self.batch):]) for k, v in leaves(td, keys).items()}
 
     def reset(self, rows: Sequence[int], seeds: Sequence[int | None]) -> None:
-        s = self.slots
         for e, env in enumerate(self.envs):
             a = e * self.size
             mine = [r - a for r in rows if a <= r < a + self.size]
@@ -539,8 +530,8 @@ class TorchRLUnit(Unit):
             if self.validate:
                 _checked(a + mine[0], values, self.keys.root, rows=self.size)
             for k, v in values.items():
-                s.root[k][a:a + self.size][mine] = v[mine]
-            s.reset[[a + m for m in mine]] = True
+                self.slots.root[k][a:a + self.size][mine] = v[mine]
+            self.slots.reset[[a + m for m in mine]] = True
 
     def step(self, rows: np.ndarray | None) -> None:
         s = self.slots
@@ -635,7 +626,7 @@ class GymMaker:
         return f"GymMaker({self.env_id!r}{args})"
 
 
-def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory:
+def resolve_env_factory(env: str | EnvFactory) -> EnvFactory:
     """Turn a gymnasium id or a factory into a factory; ``ValueError`` if ``env`` is neither a registered id nor
     callable."""
     if isinstance(env, str):
@@ -643,7 +634,7 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
             hint = f" (did you mean one of {close}?)" if close else ""
             raise ValueError(f"unknown gymnasium env id {env!r}{hint}; pass a registered id or a factory callable")
-        return GymMaker(env, **make_kwargs)
+        return GymMaker(env)
     if not callable(env):
         raise ValueError(f"env must be a gymnasium id or a callable returning an env, got {type(env).__name__}")
     return env

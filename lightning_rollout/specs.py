@@ -23,8 +23,8 @@ __all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "Neste
 
 NestedKey = str | tuple[str, ...]
 
-#: Root keys TorchRL gives a meaning of its own in every transition (an observation entry of one of these names
-#: would be read or overwritten as that entry), and what writes them.
+#: Root keys with a meaning of their own in every transition (an entry of that name would be overwritten), and
+#: what writes them.
 TORCHRL_ROOT_KEYS: dict[str, str] = {
     "action": "TorchRL's action key (the policy writes it)",
     "reward": "TorchRL's reward key (written under 'next' from the env's reward)",
@@ -119,8 +119,7 @@ def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
     if not isinstance(spec, Composite):
         return _finite_sample(spec, tuple(shape), sample)
     for key, leaf in spec.items(True, True):
-        if (drawn := sample.get(key)) is not (finite := _finite_sample(leaf, tuple(shape), drawn)):
-            sample.set(key, finite)
+        sample.set(key, _finite_sample(leaf, tuple(shape), sample.get(key)))
     return sample
 
 
