@@ -93,8 +93,8 @@ class EnvFailure(Exception):
 
 def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec], rows: int | None = None
                   ) -> str | None:
-    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``.
-    ``rows``: the values carry a leading batch dim. Python scalars pass unchecked."""
+    """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``;
+    ``rows``: the values carry that leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
         if (v := values.get(k)) is None:
             return f"entry {k!r} is missing"
@@ -460,7 +460,7 @@ class TorchRLUnit(Unit):
 
     Raises:
         ValueError: a spec that cannot be stored in columns, an entry named after the loop's own, envs whose specs
-            differ, or a ``step_count`` entry the cap would clash with.
+            differ, or a ``step_count`` entry that the cap would clash with.
     """
 
     loop_keys = False
