@@ -1,27 +1,12 @@
 """A batched env instance given to the collector: taken apart into single envs, or stepped as it is.
 
-TorchRL's ``Collector`` steps a batched env (``batch_size=[B]`` or more dims) in one call and yields
-``[*batch_size, T]`` batches. ``ThreadedCollector`` steps it the same way (one unit, one
-``env.step_and_maybe_reset`` a batch: :class:`~lightning_rollout.envs.TorchRLUnit`), except where taking it apart
-into its single envs gives provably the data ``Collector`` computes
-(:func:`takes_apart`, the one rule):
-
-* a ``SerialEnv`` or ``ParallelEnv`` (those classes) of unbatched envs: one factory per
-  ``create_env_fn`` with its ``create_env_kwargs``, each building the env the batched env built;
-* such an env inside a ``TransformedEnv`` whose transforms (a ``Compose`` read through) are all in
-  :data:`ROW_TRANSFORMS`: each single env gets its own clone of the transform.
-
-:data:`ROW_TRANSFORMS` keep no state of their own and have no per-row parameter: what they count or
-sum is an entry of the env's tensordict, one per row (``step_count``, ``episode_reward``,
-``is_init``), so a clone per single env computes each row as the batched transform does.
-Anything else is stepped as it is: ``GymEnv(name, num_envs=k)`` (its ``VecGymEnvTransform`` relies
-on the vector env resetting itself), a transform with state or parameters (``CatFrames``,
-``VecNorm``, ``ObservationNorm``...), a ``SerialEnv`` of batched envs, a gymnasium vector env
-(through TorchRL's ``GymWrapper``, as TorchRL steps one), envpool, VMAS, any other batched env, and one
-whose rebuilt single env's entries are not one row of its own (a heterogeneous stack).
-
-A taken-apart env is closed (its worker processes end): it is never stepped. Nothing here holds a
-thread or a lock.
+``ThreadedCollector`` steps a batched env as TorchRL's ``Collector`` does (one ``env.step_and_maybe_reset`` a batch:
+:class:`~lightning_rollout.envs.TorchRLUnit`), except where taking it apart provably gives the same data
+(:func:`takes_apart`): a ``SerialEnv`` or ``ParallelEnv`` of unbatched envs (one factory per ``create_env_fn`` with
+its ``create_env_kwargs``), maybe inside a ``TransformedEnv`` whose transforms are all :data:`ROW_TRANSFORMS` (each
+single env gets its own clone). Anything else is stepped as it is: ``GymEnv(name, num_envs=k)``, transforms with
+state or parameters (``CatFrames``, ``VecNorm``...), a gymnasium vector env, envpool, VMAS, a heterogeneous stack...
+A taken-apart env is closed (it is never stepped).
 """
 
 from __future__ import annotations
@@ -40,22 +25,16 @@ from .envs import EnvFactory, close_quietly
 __all__ = ["ROW_TRANSFORMS", "BatchedEnv", "batched_env", "is_batched", "takes_apart"]
 
 ROW_TRANSFORMS: tuple[type[Transform], ...] = (InitTracker, StepCounter, RewardSum, DoubleToFloat)
-"""The transforms around a ``SerialEnv`` / ``ParallelEnv`` that still let it be taken apart (those classes,
-not subclasses): those of TorchRL's sota off-policy scripts (``sota-implementations/td3/utils.py``)."""
+"""The transforms around a ``SerialEnv`` / ``ParallelEnv`` that still let it be taken apart (those classes, not
+subclasses): they keep no state or per-row parameter (what they count or sum is an entry, one per row)."""
 
 _GYM_WRAPPER_MODES = (gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED)
 
 
 @dataclass(frozen=True)
 class BatchedEnv:
-    """A batched env instance as the collector's envs.
-
-    Attributes:
-        factories: one factory per env, row-major over ``batch_size``: of a single env when taken apart,
-            else each returns the batched env itself.
-        batch_size: the batched env's batch dims (``len(factories) == batch_size.numel()``).
-        native: stepped as it is, in one call a batch (not taken apart).
-    """
+    """A batched env instance as the collector's envs: ``factories``, one per env, row-major over ``batch_size`` (of a
+    single env when taken apart, else each returns the batched env itself); ``native``: stepped as it is."""
 
     factories: list[EnvFactory]
     batch_size: torch.Size
@@ -64,9 +43,7 @@ class BatchedEnv:
 
 def is_batched(env: Any) -> bool:
     """Whether ``env`` is a batched env instance (a TorchRL env with a batch size, a gymnasium vector env)."""
-    if isinstance(env, EnvBase):
-        return tuple(env.batch_size) != ()
-    return isinstance(env, gym.vector.VectorEnv)
+    return len(env.batch_size) > 0 if isinstance(env, EnvBase) else isinstance(env, gym.vector.VectorEnv)
 
 
 def _transforms(transform: Transform) -> list[Transform]:
@@ -121,26 +98,18 @@ def _rows_match(env: EnvBase, factory: EnvFactory) -> bool:
         close_quietly([single])
 
 
-def _close(env: Any) -> None:
-    if isinstance(env, EnvBase):
-        close_quietly([env])
-    else:
-        env.close()
-
-
 def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
     """The envs of the batched env instance ``env`` (:func:`is_batched`): its single envs when
     :func:`takes_apart` (``env`` is then closed), else ``env`` itself, stepped as it is.
 
     Raises:
         ValueError: (``env`` closed) a natively stepped env with ``num_workers`` above 1 (it is stepped in this
-            process); a gymnasium vector env in an autoreset mode TorchRL's ``GymWrapper`` does not take; a
-            rebuilt single env whose specs are not one row of ``env``'s.
+            process); a gymnasium vector env in an autoreset mode TorchRL's ``GymWrapper`` does not take.
     """
     try:
         factories = _singles(env) if takes_apart(env) else None
         if factories is not None and _rows_match(env, factories[0]):  # else stepped as it is, as Collector does
-            _close(env)
+            close_quietly([env])
             return BatchedEnv(factories, torch.Size(env.batch_size), native=False)
         batch = torch.Size(env.batch_size if isinstance(env, EnvBase) else (env.num_envs,))
         if isinstance(num_workers, int) and num_workers > 1:
@@ -159,5 +128,5 @@ def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
                 "of one env and num_envs")
         return BatchedEnv([lambda: env] * batch.numel(), batch, native=True)
     except BaseException:
-        _close(env)
+        close_quietly([env])
         raise

@@ -1,6 +1,5 @@
-"""Argument checks shared by the public constructors; every message says what to pass instead.
-
-And :func:`warn_user`, which points a warning about the user's arguments at the user's own line."""
+"""Argument checks shared by the public constructors (every message says what to pass instead), and
+:func:`warn_user`, which points a warning about the user's arguments at the user's own line."""
 
 from __future__ import annotations
 
@@ -15,18 +14,13 @@ import torch
 
 __all__ = ["check_device", "check_int", "check_seconds", "warn_user"]
 
-# the packages whose frames a warning skips: this one, and Lightning's, which calls ours from Trainer.fit
+# Lightning's frames are skipped too: it calls ours from Trainer.fit
 _INTERNAL_PACKAGES = frozenset({"lightning_rollout", "lightning", "pytorch_lightning", "lightning_fabric"})
 
 
 def warn_user(message: str | Warning, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)`` attributed to the first caller outside this package and Lightning.
-
-    The warning then names the user's line however deep it was raised: their ``ThreadedCollector(...)``,
-    or their ``trainer.fit(...)`` when a ``RolloutDataModule`` built the collector inside Lightning's hooks
-    (as ``pandas`` finds its warnings' stack level). Where every frame is internal (a thread of this
-    package), the outermost one is named.
-    """
+    """``warnings.warn(message, category)`` attributed to the first caller outside this package and Lightning
+    (their ``ThreadedCollector(...)``, or their ``trainer.fit(...)``); the outermost frame where all are internal."""
     frame, level = sys._getframe(0), 1
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES:
         frame, level = frame.f_back, level + 1
@@ -36,13 +30,8 @@ def warn_user(message: str | Warning, category: type[Warning] = UserWarning) -> 
 def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
     """``value`` as a float number of seconds, or ``None`` for ``None`` (no limit).
 
-    A timeout must be one a wait can take: a finite real number (numpy scalars
-    included, bools not), ``> 0`` (``>= 0`` with ``allow_zero``) and at most
-    :data:`threading.TIMEOUT_MAX`. Infinity, NaN and ``1e300`` are refused: a
-    ``Condition.wait`` given one raises ``OverflowError`` in the thread that waits.
-
-    Raises:
-        ValueError: naming ``name``, the accepted range and what was given.
+    A finite real number (numpy scalars included, bools not), ``> 0`` (``>= 0`` with ``allow_zero``) and at most
+    :data:`threading.TIMEOUT_MAX`, which a ``Condition.wait`` takes without ``OverflowError``; else ``ValueError``.
     """
     if value is None:
         return None
@@ -57,13 +46,8 @@ def check_seconds(name: str, value: Any, *, allow_zero: bool) -> float | None:
 
 
 def check_device(name: str, device: Any) -> torch.device | None:
-    """``device`` as a ``torch.device`` (``None`` stays ``None``), refused at once when it cannot be used here.
-
-    Raises:
-        ValueError: not a device; a CUDA device while CUDA is not available (a CPU
-            build of torch, or no GPU) or whose index is past the GPUs present; an
-            MPS device while MPS is not available.
-    """
+    """``device`` as a ``torch.device`` (``None`` stays ``None``); ``ValueError``: not a device, or a CUDA / MPS
+    device that is not available here (a CPU build of torch, no GPU, an index past the GPUs present)."""
     if device is None:
         return None
     try:
@@ -85,11 +69,7 @@ def check_device(name: str, device: Any) -> torch.device | None:
 
 
 def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
-    """An int (numpy ints included, bools not) ``>= minimum`` (or ``None`` when ``optional``).
-
-    Raises:
-        ValueError: naming ``name``, the minimum and what was given.
-    """
+    """An int (numpy ints included, bools not) ``>= minimum`` (or ``None`` when ``optional``), else ``ValueError``."""
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -1,18 +1,10 @@
 """Env units: the one step API over gymnasium envs, TorchRL envs and envpool, described by TorchRL specs.
 
 A *unit* steps ``rows`` envs in one call and autoresets the ones a step ended (TorchRL's ``step_and_maybe_reset``),
-writing into a :class:`Slots` view of its executor's arrays:
-
-* :class:`GymUnit`: gymnasium envs, each ``env.step`` in turn; their specs are TorchRL's conversion of each leaf
-  space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``, ``"1"``...); the loop adds what ``InitTracker``,
-  ``StepCounter`` and ``RewardSum`` would (``loop_keys``); ``info_keys`` reads entries of ``info`` as observations.
-* :class:`TorchRLUnit`: TorchRL envs, unbatched or batched (a ``SerialEnv``, VMAS, a gymnasium vector env through
-  TorchRL's ``GymWrapper``), each stepped with ``env.step_and_maybe_reset`` as TorchRL's ``Collector`` steps it.
-* :class:`EnvpoolUnit`: an envpool env, its batch in one call, done envs reset by id.
-
-A unit is owned by one thread (the loop's, a pool thread's, or a worker process's). Errors come out as
-:class:`EnvFailure`, naming the row and the phase. Building a unit reads the env's spaces or specs, so a bad env
-fails at the boundary with a ``ValueError``.
+writing into a :class:`Slots` view of its executor's arrays: :class:`GymUnit` (gymnasium envs, each ``env.step`` in
+turn), :class:`TorchRLUnit` (TorchRL envs, batched or not, stepped as TorchRL's ``Collector`` steps them) and
+:class:`EnvpoolUnit` (an envpool env, its batch in one call). A unit is owned by one thread. Errors come out as
+:class:`EnvFailure`, naming the row and the phase; a bad env fails at construction with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.data import Composite, TensorSpec, Unbounded
-from torchrl.envs import EnvBase
+from torchrl.envs import EnvBase, StepCounter
 from torchrl.envs.libs.gym import GymWrapper
 from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform as _gym_spec
 
@@ -64,14 +56,11 @@ class RemoteTraceback(Exception):
 class EnvFailure(Exception):
     """An env call failed (internal: the loop turns it into :class:`~lightning_rollout.errors.EnvError`).
 
-    Attributes:
-        row: the env's row in its executor (a unit raises its own row; the executor shifts it).
-        phase: ``"reset"``, ``"step"`` or ``"check"``.
-        kind: ``"env"``, or ``"action"`` when the policy's action was invalid.
-        cause: the exception (or a :class:`RemoteTraceback`).
-        process: the worker process the env runs in (``None``: this process).
-        completed: rows of the failing call whose step ended before it (their results are written);
-            ``lost``: rows of that call that will never answer.
+    ``row``: the env's row in its executor (a unit raises its own, the executor shifts it); ``phase``: ``"reset"``,
+    ``"step"`` or ``"check"``; ``kind``: ``"env"``, or ``"action"`` when the policy's action was invalid; ``cause``:
+    the exception (or a :class:`RemoteTraceback`); ``process``: the worker process the env runs in (``None``: this
+    one); ``completed``: rows of the failing call whose step ended before it (results written); ``lost``: rows of
+    that call that will never answer.
     """
 
     completed: np.ndarray = np.empty(0, dtype=np.int64)
@@ -87,10 +76,9 @@ class EnvFailure(Exception):
         super().__init__(text)
         self.row, self.phase, self.kind, self.cause, self.process = row, phase, kind, cause, process
 
-    def shifted(self, offset: int, process: int | None = None) -> EnvFailure:
+    def shifted(self, offset: int) -> EnvFailure:
         """This failure, for the same env seen ``offset`` rows further in a larger executor."""
-        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause,
-                             self.process if process is None else process)
+        failure = EnvFailure(self.row + offset, self.phase, self.kind, self.cause, self.process)
         failure.completed, failure.lost = self.completed + offset, self.lost + offset
         return failure
 
@@ -103,17 +91,12 @@ class EnvFailure(Exception):
         return self
 
 
-class CheckFailed(Explained):
-    """What an env returned does not match its spec."""
-
-
 def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec], rows: int | None = None
                   ) -> str | None:
     """The first problem of ``values`` against ``specs`` (missing entry, shape, dtype, NaN), or ``None``;
     ``rows``: the values carry that leading batch dim. Python scalars pass unchecked."""
     for k, spec in specs.items():
-        v = values.get(k)
-        if v is None:
+        if (v := values.get(k)) is None:
             return f"entry {k!r} is missing"
         if not isinstance(v, np.ndarray):
             continue
@@ -132,7 +115,7 @@ def check_entries(values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, Arr
 def _checked(row: int, values: Mapping[NestedKey, Any], specs: Mapping[NestedKey, ArraySpec],
              rows: int | None = None) -> None:
     if (problem := check_entries(values, specs, rows)) is not None:
-        raise EnvFailure(row, "check", "env", CheckFailed(problem))
+        raise EnvFailure(row, "check", "env", Explained(problem))
 
 
 @dataclass
@@ -163,10 +146,9 @@ class Slots:
 
     @classmethod
     def allocate(cls, rows: int, *, inputs: Mapping[NestedKey, ArraySpec], next: Mapping[NestedKey, ArraySpec],
-                 root: Mapping[NestedKey, ArraySpec], make: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None
-                 = None) -> Slots:
+                 root: Mapping[NestedKey, ArraySpec], make: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.zeros
+                 ) -> Slots:
         """Zeroed arrays of ``rows`` rows (``make(shape, dtype)``: e.g. shared memory)."""
-        make = make or (lambda shape, dtype: np.zeros(shape, dtype))
         col = lambda specs: {k: make((rows, *s.shape), s.dtype) for k, s in specs.items()}  # noqa: E731
         return cls(col(inputs), col(next), col(root), make((rows,), np.dtype(np.float64)),
                    make((rows,), np.dtype(bool)), make((rows,), np.dtype(bool)), make((rows,), np.dtype(bool)))
@@ -176,6 +158,7 @@ class Unit:
     """What every unit provides (see the module docstring). Set by subclasses:
 
     Attributes:
+        envs: the env instances it steps.
         rows: envs stepped by one call.
         keys: one env's leaves (:class:`~lightning_rollout.specs.EnvKeys`).
         observation_spec, action_spec: one env's TorchRL composites (for wrapping a policy, random actions).
@@ -184,6 +167,7 @@ class Unit:
         writes: the entries a step writes into ``Slots.next``.
     """
 
+    envs: list[Any]
     rows: int
     keys: EnvKeys
     observation_spec: Composite
@@ -210,64 +194,57 @@ class Unit:
 
     def close(self) -> None:
         """Release the envs (errors are the caller's to swallow)."""
-        raise NotImplementedError
+        for env in self.envs:
+            if not getattr(env, "is_closed", False):
+                env.close()
 
 
 # -- gymnasium --------------------------------------------------------------------------------------
-def _space_leaves(space: gym.Space, prefix: tuple[str, ...], out: dict[NestedKey, gym.Space]) -> None:
+def _space_leaves(space: gym.Space, prefix: tuple[str, ...]) -> dict[NestedKey, gym.Space]:
     if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
-        for k, s in (space.spaces.items() if isinstance(space, gym.spaces.Dict) else enumerate(space.spaces)):
-            _space_leaves(s, (*prefix, str(k)), out)
-    elif isinstance(space, _SUPPORTED):
-        out[prefix[0] if len(prefix) == 1 else prefix] = space
-    else:
-        raise ValueError(f"unsupported space {space!r} at {prefix!r}: use Box, Discrete, MultiBinary, "
-                         "MultiDiscrete, or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
+        items = space.spaces.items() if isinstance(space, gym.spaces.Dict) else enumerate(space.spaces)
+        return {key: leaf for k, s in items for key, leaf in _space_leaves(s, (*prefix, str(k))).items()}
+    if isinstance(space, _SUPPORTED):
+        return {prefix[0] if len(prefix) == 1 else prefix: space}
+    raise ValueError(f"unsupported space {space!r} at {prefix!r}: use Box, Discrete, MultiBinary, MultiDiscrete, "
+                     "or Dict / Tuple of those (wrap the env with a gymnasium wrapper otherwise)")
 
 
 def info_key_list(info_keys: InfoKeys | None) -> list[NestedKey]:
     """The keys of ``info_keys`` (a list of keys or a ``{key: spec}`` dict), nested keys as tuples; ``ValueError``
     if ``info_keys`` is a single string, or a key is neither a string nor a tuple of strings."""
-    if info_keys is None:
-        return []
     if isinstance(info_keys, str):
         raise ValueError(f"info_keys must be a list of keys or a dict {{key: TorchRL spec}}, got the string "
                          f"{info_keys!r}; write info_keys=[{info_keys!r}]")
-    keys: list[NestedKey] = []
-    for k in info_keys:
-        if isinstance(k, tuple) and len(k) == 1:
-            k = k[0]
+    keys = [k[0] if isinstance(k, tuple) and len(k) == 1 else k for k in (info_keys if info_keys is not None else ())]
+    for k in keys:
         if not (isinstance(k, str) or (isinstance(k, tuple) and k and all(isinstance(p, str) for p in k))):
             raise ValueError(f"info key {k!r} must be a string or a tuple of strings (a nested key)")
-        keys.append(k)
     return keys
 
 
-def _info_value(info: Mapping[str, Any], key: NestedKey) -> Any:
-    value: Any = info
-    for part in key_parts(key):
-        if not isinstance(value, Mapping) or part not in value:
+def _entry(value: Any, parts: tuple[str, ...]) -> Any:
+    """The entry at ``parts`` of nested dicts (and tuples, by index), or ``_MISSING``."""
+    for part in parts:
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, (tuple, list)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
             return _MISSING
-        value = value[part]
     return value
-
-
-def _leaf_values(value: Any, path: tuple[str, ...], out: dict[NestedKey, Any], keys: set[tuple[str, ...]]) -> None:
-    if path in keys:
-        out[path[0] if len(path) == 1 else path] = value
-    else:
-        for k, v in (value.items() if isinstance(value, Mapping) else enumerate(value)):
-            _leaf_values(v, (*path, str(k)), out, keys)
 
 
 class GymUnit(Unit):
     """Gymnasium envs, stepped one after the other (``rows = len(envs)``); all share the first's spaces.
 
-    Actions are taken as an index or one-hot for discrete spaces, as the policy gives them, and checked against the
-    action space (:class:`ActionError`). ``info_keys`` reads ``info`` entries as observation entries, at the root
-    (from ``reset``) and under ``"next"`` (from ``step``): specs given (``{key: TorchRL spec}``) or inferred from one
-    reset's ``info`` as TorchRL's ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is
-    stored as zeros. ``max_episode_steps`` truncates an episode at that length.
+    Specs are TorchRL's conversion of each leaf space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``,
+    ``"1"``...); the loop adds ``is_init``, ``step_count`` and ``episode_reward`` (``loop_keys``). Actions are taken as
+    an index or one-hot for discrete spaces and checked against the action space (:class:`ActionError`).
+    ``info_keys`` reads ``info`` entries as observations, at the root (``reset``) and under ``"next"`` (``step``):
+    specs given (``{key: TorchRL spec}``) or inferred from one reset's ``info`` as TorchRL's
+    ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is stored as zeros.
+    ``max_episode_steps`` truncates an episode at that length.
 
     Raises:
         ValueError: an unsupported space; an observation or info entry named after a root key of TorchRL's or the
@@ -283,26 +260,22 @@ class GymUnit(Unit):
         env = self.envs[0]
         self.rows, self.validate, self.cap = len(self.envs), validate, max_episode_steps
         self.count = np.zeros(self.rows, dtype=np.int64)
-        spaces: dict[NestedKey, gym.Space] = {}
         obs_space = env.observation_space
-        self._dict_obs = isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple))
-        self._obs_root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
-        _space_leaves(obs_space, self._obs_root, spaces)
+        root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
+        spaces = _space_leaves(obs_space, root)
         if not spaces:
             raise ValueError(f"the observation space {obs_space!r} has no entries")
         if problem := reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
                                            fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)"):
             raise ValueError(problem)
-        self._obs_paths = {key_parts(k) for k in spaces}
+        self._obs_parts = {k: key_parts(k)[len(root):] for k in spaces}  # where in ``obs`` each entry is
         specs = {k: _gym_spec(s, categorical_action_encoding=True) for k, s in spaces.items()}
         self.observation_spec = Composite({**specs, **{k: Unbounded((1,), dtype=d) for k, d in _LOOP_OBS.items()}})
         self._info = self._info_specs(env, info_keys)
-        for k, spec in self._info.items():
-            self.observation_spec[k] = spec
+        self.observation_spec.update(self._info)
         space = self.action_space = env.action_space
         if not isinstance(space, _SUPPORTED):
-            raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or "
-                             "MultiDiscrete")
+            raise ValueError(f"unsupported action space {space!r}: use Box, Discrete, MultiBinary or MultiDiscrete")
         self.action_spec = Composite(action=_gym_spec(space, categorical_action_encoding=False))
         self.keys = EnvKeys(observation=columns_of(self.observation_spec, where="observation space"), state={},
                             reward={"reward": _RETURN}, done={"done": _FLAG, "terminated": _FLAG, "truncated": _FLAG},
@@ -312,7 +285,7 @@ class GymUnit(Unit):
                 raise ValueError(f"env {i} has spaces {other.observation_space}, {other.action_space}; env 0 has "
                                  f"{obs_space}, {space}: all envs of a loop must share their spaces")
         self._checked = {k: v for k, v in self.keys.observation.items() if k not in _LOOP_OBS}
-        self._plain = not self._dict_obs and not self._info
+        self._plain = not isinstance(obs_space, (gym.spaces.Dict, gym.spaces.Tuple)) and not self._info
         self._n = int(space.n) if isinstance(space, gym.spaces.Discrete) else 0
         self._start = int(getattr(space, "start", 0)) if self._n else 0
         self._nvec = np.asarray(space.nvec) if isinstance(space, gym.spaces.MultiDiscrete) else None
@@ -333,12 +306,10 @@ class GymUnit(Unit):
             fix = "store it in info under another name (e.g. with a gymnasium Wrapper)"
             if problem := reserved_key_problem([k], _GYM_RESERVED, where="info_keys", fix=fix):
                 raise ValueError(problem)
-            if (spec := given.get(k)) is None:
-                if given:
-                    raise ValueError(f"info_keys as a dict maps every key to a TorchRL spec; {k!r} has None")
+            if not given:
                 if first is None:
                     _, first = env.reset()
-                if (value := _info_value(first, k)) is _MISSING:
+                if (value := _entry(first, key_parts(k))) is _MISSING:
                     raise ValueError(f"info key {k!r} is not in the info of the env's first reset (it has "
                                      f"{sorted(first)}); pass info_keys={{{k!r}: spec}} to give its spec, "
                                      "e.g. Unbounded((), dtype=torch.bool) for an 'is_success' set at the end")
@@ -349,7 +320,7 @@ class GymUnit(Unit):
                                      "array; pass info_keys={key: spec} for entries that are not numeric at reset"
                                      ) from exc
                 spec = Unbounded(tuple(tensor.shape), dtype=tensor.dtype)
-            elif not isinstance(spec, TensorSpec):
+            elif not isinstance(spec := given[k], TensorSpec):
                 raise ValueError(f"the spec of info key {k!r} must be a TorchRL TensorSpec, got {type(spec).__name__}")
             out[k] = spec
         return out
@@ -362,12 +333,9 @@ class GymUnit(Unit):
                 _checked(i, {"observation": np.asarray(obs)}, self._checked)
             out["observation"][i] = obs
             return
-        values: dict[NestedKey, Any] = {} if self._dict_obs else {"observation": obs}
-        if self._dict_obs:
-            _leaf_values(obs, self._obs_root, values, self._obs_paths)
-        values = {k: np.asarray(v) for k, v in values.items()}
+        values = {k: np.asarray(v) for k, parts in self._obs_parts.items() if (v := _entry(obs, parts)) is not _MISSING}
         for k, spec in self._info.items():
-            value = _info_value(info, k)
+            value = _entry(info, key_parts(k))
             values[k] = np.zeros(spec.shape, out[k].dtype) if value is _MISSING else np.asarray(value, out[k].dtype)
         if self.validate:
             _checked(i, values, self._checked)
@@ -375,11 +343,10 @@ class GymUnit(Unit):
             out[k][i] = v
 
     def reset(self, rows: Sequence[int], seeds: Sequence[int | None]) -> None:
-        root = self.slots.root
         for i, seed in zip(rows, seeds):
             try:
                 obs, info = self.envs[i].reset(seed=seed)
-                self._write(root, i, obs, info)
+                self._write(self.slots.root, i, obs, info)
             except EnvFailure:
                 raise
             except BaseException as exc:
@@ -394,21 +361,18 @@ class GymUnit(Unit):
         nxt, reward, terminated, truncated = s.next, s.reward, s.terminated, s.truncated
         try:
             for i, action in zip(rows, actions):
-                try:
-                    obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-                    self._write(nxt, i, obs, info)
-                except EnvFailure:
-                    raise
-                except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
-                    raise EnvFailure(i, "step", "env", exc) from exc
+                obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
+                self._write(nxt, i, obs, info)
                 self.count[i] += 1
                 if self.cap is not None and self.count[i] >= self.cap:
                     truncated[i] = True
                 s.reset[i] = False
                 if terminated[i] or truncated[i]:
                     self.reset([i], [None])
-        except EnvFailure as failure:
+        except EnvFailure as failure:  # a check or a reset failed
             raise failure.within(rows) from failure.cause
+        except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
+            raise EnvFailure(i, "step", "env", exc).within(rows) from exc
         if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
             rows = np.asarray(list(rows))
             values = nxt["observation"][rows]
@@ -416,7 +380,7 @@ class GymUnit(Unit):
             if total != total:
                 bad = np.isnan(values.reshape(len(rows), -1)).any(1)
                 failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
-                                     CheckFailed("entry 'observation' contains NaN"))
+                                     Explained("entry 'observation' contains NaN"))
                 failure.completed, failure.lost = rows[~bad], rows[bad]
                 raise failure
 
@@ -453,8 +417,7 @@ class GymUnit(Unit):
             if self.validate and (not np.isfinite(value) or value != int(value) or not 0 <= value < max(n, 2)):
                 raise ActionError(f"action {value!r} is not an index in [0, {n}) of {space!r}")
             return (0 if n == 1 else int(value)) + self._start
-        if self._nvec is not None:
-            nvec = self._nvec
+        if (nvec := self._nvec) is not None:
             if action.shape == nvec.shape:
                 indices = action
             elif action.ndim == 1 and nvec.ndim == 1 and action.size == int(nvec.sum()):  # concatenated one-hots
@@ -473,10 +436,6 @@ class GymUnit(Unit):
                 raise ActionError(f"action {action!r} contains NaN")
             raise ActionError(f"action {action!r} is out of the bounds of {space!r} (clip or squash it)")
         return action.astype(space.dtype, copy=False)
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
 
 
 # -- torchrl --------------------------------------------------------------------------------------
@@ -509,8 +468,6 @@ class TorchRLUnit(Unit):
     def __init__(self, envs: Sequence[EnvBase], *, max_episode_steps: int | None = None,
                  validate: bool = True) -> None:
         if max_episode_steps is not None:
-            from torchrl.envs import StepCounter
-
             if any("step_count" in key_parts(k) for k in envs[0].output_spec.keys(True, True)):
                 raise ValueError("A 'step_count' key is already present in the environment and the "
                                  "'max_frames_per_traj' argument may conflict with a 'StepCounter' that has already "
@@ -534,7 +491,6 @@ class TorchRLUnit(Unit):
             [k for k in done if key_parts(k)[-1] == "done"]
         self._truncated = [k for k in done if key_parts(k)[-1] == "truncated"]
         self._root_done = "done" in self.keys.done
-        self._checked_next = dict(self.keys.observation) if validate else {}
 
     def _td(self, values: Mapping[NestedKey, np.ndarray]) -> TensorDict:
         lead = tuple(self.batch)
@@ -549,7 +505,6 @@ class TorchRLUnit(Unit):
         return {k: v.reshape(self.size, *v.shape[len(self.batch):]) for k, v in leaves(td, keys).items()}
 
     def reset(self, rows: Sequence[int], seeds: Sequence[int | None]) -> None:
-        s = self.slots
         for e, env in enumerate(self.envs):
             a = e * self.size
             mine = [r - a for r in rows if a <= r < a + self.size]
@@ -575,53 +530,41 @@ class TorchRLUnit(Unit):
             if self.validate:
                 _checked(a + mine[0], values, self.keys.root, rows=self.size)
             for k, v in values.items():
-                s.root[k][a:a + self.size][mine] = v[mine]
-            s.reset[[a + m for m in mine]] = True
+                self.slots.root[k][a:a + self.size][mine] = v[mine]
+            self.slots.reset[[a + m for m in mine]] = True
 
     def step(self, rows: np.ndarray | None) -> None:
         s = self.slots
+        stepped = np.arange(self.rows) if rows is None else rows
         for e, env in enumerate(self.envs):
             a, b = e * self.size, (e + 1) * self.size
-            if rows is not None and not np.any((rows >= a) & (rows < b)):
+            if not np.any((stepped >= a) & (stepped < b)):
                 continue
             try:
                 out, root = env.step_and_maybe_reset(self._td({k: v[a:b] for k, v in s.inputs.items()}))
-            except BaseException as exc:
-                raise self._cut(EnvFailure(a, "step", "env", exc), rows, a) from exc
-            nxt = self._rows_of(out.get("next"), list(self.keys.next))
-            if self.validate and (problem := check_entries(nxt, self._checked_next, rows=self.size)) is not None:
-                bad = next((i for i in range(self.size) if check_entries(
-                    {k: v[i] for k, v in nxt.items()}, self._checked_next) is not None), 0)
-                raise self._cut(EnvFailure(a + bad, "check", "env", CheckFailed(problem)), rows, a)
+                nxt = self._rows_of(out.get("next"), list(self.keys.next))
+                if self.validate and (problem := check_entries(nxt, self.keys.observation, rows=self.size)):
+                    bad = next((i for i in range(self.size) if check_entries(
+                        {k: v[i] for k, v in nxt.items()}, self.keys.observation) is not None), 0)
+                    raise EnvFailure(a + bad, "check", "env", Explained(problem))
+            except BaseException as exc:  # the rows before this env's completed
+                failure = exc if isinstance(exc, EnvFailure) else EnvFailure(a, "step", "env", exc)
+                failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
+                raise failure from failure.cause
             for k, v in nxt.items():
                 s.next[k][a:b] = v
             per_env = (self.size, -1)
             s.reward[a:b] = sum(nxt[k].reshape(per_env).sum(1) for k in self.keys.reward) if self.keys.reward else 0
-            term = np.zeros(self.size, bool)
-            for k in self._terminated:
-                term |= nxt[k].reshape(per_env).any(1)
-            trunc = np.zeros(self.size, bool)
-            for k in self._truncated:
-                trunc |= nxt[k].reshape(per_env).any(1)
+            term = np.any([nxt[k].reshape(per_env).any(1) for k in self._terminated], axis=0)  # False without keys
+            trunc = np.any([nxt[k].reshape(per_env).any(1) for k in self._truncated], axis=0)
             if self._root_done:
-                term |= nxt["done"].reshape(per_env).any(1) & ~(term | trunc)
+                term = term | (nxt["done"].reshape(per_env).any(1) & ~(term | trunc))
             s.terminated[a:b], s.truncated[a:b] = term, trunc
             done = term | trunc
             s.reset[a:b] = done
             if done.any():
                 for k, v in self._rows_of(root, list(self.keys.root)).items():
                     s.root[k][a:b][done] = v[done]
-
-    def _cut(self, failure: EnvFailure, rows: np.ndarray | None, a: int) -> EnvFailure:
-        """``failure`` of a step on ``rows`` (``None``: all) that failed at env row ``a``: rows before it completed."""
-        stepped = np.arange(self.rows) if rows is None else rows
-        failure.completed, failure.lost = stepped[stepped < a], stepped[stepped >= a]
-        return failure
-
-    def close(self) -> None:
-        for env in self.envs:
-            if not env.is_closed:
-                env.close()
 
 
 class EnvpoolUnit(GymUnit):
@@ -683,7 +626,7 @@ class GymMaker:
         return f"GymMaker({self.env_id!r}{args})"
 
 
-def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory:
+def resolve_env_factory(env: str | EnvFactory) -> EnvFactory:
     """Turn a gymnasium id or a factory into a factory; ``ValueError`` if ``env`` is neither a registered id nor
     callable."""
     if isinstance(env, str):
@@ -691,7 +634,7 @@ def resolve_env_factory(env: str | EnvFactory, **make_kwargs: Any) -> EnvFactory
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
             hint = f" (did you mean one of {close}?)" if close else ""
             raise ValueError(f"unknown gymnasium env id {env!r}{hint}; pass a registered id or a factory callable")
-        return GymMaker(env, **make_kwargs)
+        return GymMaker(env)
     if not callable(env):
         raise ValueError(f"env must be a gymnasium id or a callable returning an env, got {type(env).__name__}")
     return env
@@ -709,12 +652,10 @@ def close_quietly(envs: Sequence[Any]) -> None:
 
 def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, validate: bool = True,
               info_keys: InfoKeys | None = None) -> Unit:
-    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env goes
-    through TorchRL's ``GymWrapper``, which handles its autoreset), or one envpool env; the envs are closed when
-    refused. A TorchRL env reads its ``info`` with its own ``set_info_dict_reader``: ``info_keys`` then name entries
-    of its observation spec. Raises ``ValueError``: an env of another kind, or one whose spaces or specs cannot be
-    stored in columns.
-    """
+    """The unit stepping ``envs`` (instances of one kind): gymnasium envs, TorchRL envs (a gymnasium vector env
+    through TorchRL's ``GymWrapper``), or one envpool env; the envs are closed when refused (``ValueError``: an env of
+    another kind, or whose spaces or specs cannot be stored in columns). A TorchRL env reads its own ``info``
+    (``set_info_dict_reader``): ``info_keys`` then name entries of its observation spec."""
     envs = list(envs)
     try:
         if any(cls.__module__.startswith("envpool") for cls in type(envs[0]).__mro__):

@@ -1,20 +1,10 @@
 """Collection events and the processor protocol that receives them.
 
-This is the seed's event processor (``RLEvent::TimeStep`` / ``EpisodeEnd`` and
-the ``AgentEvaluationEvent`` variants), in Python:
-
-* :class:`TimeStep` is emitted once per collected transition, *only* when the
-  processor asks for it (:attr:`EventProcessor.wants_timesteps`), so per-step
-  events cost nothing by default.
-* :class:`EpisodeEnd` is emitted once per finished episode, on termination
-  *or* truncation (the seed dropped truncated episodes).
-* Evaluation loops emit the same types with ``eval=True`` and call the
-  ``on_eval_*`` methods.
-
-Threading: every event is built and delivered **in the thread that called**
-``run_steps`` / ``run_episodes`` (or iterates the collector), never in an env
-thread, so a slow processor never puts back-pressure on env threads and needs
-no locking of its own.
+:class:`TimeStep` is emitted once per collected transition, only when the processor asks for it
+(:attr:`EventProcessor.wants_timesteps`); :class:`EpisodeEnd` once per finished episode, terminated or truncated.
+Evaluation loops emit the same types with ``eval=True`` to the ``on_eval_*`` methods. Every event is built and
+delivered in the thread that called ``run_steps`` / ``run_episodes`` (or iterates the collector), never in an env
+thread, so a processor needs no locking of its own.
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ class Progress:
     """Frames processed so far.
 
     Attributes:
-        frames: transitions delivered by the loop since it started (training
-            loops) or episodes finished in the current call (evaluation loops).
+        frames: transitions delivered since the loop started (training) or episodes finished in this call (evaluation).
         total: the target of the current call or run, ``-1`` when endless.
     """
 
@@ -52,8 +41,7 @@ class TimeStep:
         terminated, truncated: the step's flags; ``done`` is their ``or``.
         policy_version: version of the policy weights that chose the action.
         progress: frames delivered so far, this one included.
-        context: the policy's extra outputs for this row (``action_log_prob``,
-            ``logits``, an exploration rate...), the seed's ``action_context``.
+        context: the policy's extra outputs for this row (``action_log_prob``, ``logits``, an exploration rate...).
         eval: True for evaluation loops.
     """
 
@@ -85,12 +73,10 @@ class EpisodeEnd:
         terminated: True when the MDP reached a terminal state.
         truncated: True when a time limit or a reset cut it.
         policy_version: version of the weights that chose its last action.
-        progress: frames delivered so far (training) or episodes finished so far
-            in this call (evaluation).
+        progress: frames delivered so far (training) or episodes finished so far in this call (evaluation).
         eval: True for evaluation episodes.
-        info: the loop's ``info_keys`` entries at the episode's last step (its
-            ``("next", key)`` values: what the final ``step`` put in ``info``), one
-            numpy array of the entry's spec shape each; empty without ``info_keys``.
+        info: the loop's ``info_keys`` entries at the episode's last step (what the final ``step`` put in ``info``),
+            one numpy array of the entry's spec shape each; empty without ``info_keys``.
     """
 
     env_id: int
@@ -105,14 +91,11 @@ class EpisodeEnd:
 
 
 class EventProcessor:
-    """Receives collection events; subclass and override what you need.
+    """Receives collection events; subclass and override what you need (all methods are no-ops by default).
 
-    All methods are no-ops by default. Set :attr:`wants_timesteps` to ``True``
-    (class or instance attribute) to receive :meth:`on_timestep` calls: without
-    it no :class:`TimeStep` is ever built.
-
-    Methods are called from the thread that drives collection, never from env
-    threads. An exception raised here propagates to that caller.
+    Set :attr:`wants_timesteps` to ``True`` (class or instance attribute) to receive :meth:`on_timestep` calls:
+    without it no :class:`TimeStep` is ever built. Methods are called from the thread that drives collection, never
+    from env threads; an exception raised here propagates to that caller.
     """
 
     wants_timesteps: bool = False
@@ -131,12 +114,11 @@ class EventProcessor:
 
 
 class Interrupter:
-    """A stop flag shared between a driver and the loops it drives (the seed's ``Interrupter``).
+    """A stop flag shared between a driver and the loops it drives.
 
-    Thread-safe: :meth:`stop` may be called from any thread (a signal handler,
-    a trainer callback, another collector). Loops check it while they wait, so
-    a stop request makes ``run_steps`` / ``run_episodes`` return promptly with
-    what was collected so far.
+    Thread-safe: :meth:`stop` may be called from any thread (a signal handler, a trainer callback, another
+    collector). Loops check it while they wait, so ``run_steps`` / ``run_episodes`` return promptly with what was
+    collected so far.
     """
 
     def __init__(self) -> None:

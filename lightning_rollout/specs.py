@@ -1,14 +1,10 @@
 """TorchRL specs -> the column layout of a transition (no hand-written key list).
 
-Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs: what it fills at the root on
-reset and under ``"next"`` after a step (observations, primers, ``is_init``, ``step_count``, masks...), its
-rewards, its done flags and the actions it reads. :class:`EnvKeys` lists those leaves with their per-env shape and
-numpy dtype (:class:`ArraySpec`), nested keys included, plus the shapes of nested sub-tensordicts (the agent dim
-of a multi-agent group), so a batch is laid out as TorchRL's collector lays it out.
-
-Columns hold fixed-shape tensors: dynamic shapes (``-1``), lazily stacked heterogeneous specs and non-tensor
-entries (drop those with an env transform such as ``ExcludeTransform``) are refused with a :class:`ValueError`
-that says so. Nothing here holds state or threads.
+Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs (observations, state, rewards, done
+flags, actions): :class:`EnvKeys` lists them with their per-env shape and numpy dtype (:class:`ArraySpec`), plus the
+shapes of nested sub-tensordicts (a multi-agent group's agent dim), so a batch is laid out as TorchRL's collector lays
+it out. Columns hold fixed-shape tensors: dynamic shapes, lazily stacked heterogeneous specs and non-tensor entries
+are refused with a :class:`ValueError` that says what to do.
 """
 
 from __future__ import annotations
@@ -23,12 +19,12 @@ from tensordict import TensorDictBase
 from torchrl.data import Bounded, Composite, TensorSpec
 
 __all__ = ["LOOP_ROOT_KEYS", "TORCHRL_ROOT_KEYS", "ArraySpec", "EnvKeys", "NestedKey", "columns_of", "key_parts",
-           "next_key", "np_dtype", "random_sample", "reserved_key_problem", "sub_batch_dims"]
+           "next_key", "random_sample", "reserved_key_problem"]
 
 NestedKey = str | tuple[str, ...]
 
-#: Root keys TorchRL gives a meaning of its own in every transition (an observation entry of one of these names
-#: would be read or overwritten as that entry), and what writes them.
+#: Root keys with a meaning of their own in every transition (an entry of that name would be overwritten), and
+#: what writes them.
 TORCHRL_ROOT_KEYS: dict[str, str] = {
     "action": "TorchRL's action key (the policy writes it)",
     "reward": "TorchRL's reward key (written under 'next' from the env's reward)",
@@ -59,15 +55,12 @@ class EnvKeys:
     """What one env reads and writes, leaf by leaf, from its TorchRL specs.
 
     Attributes:
-        observation: root entries the env fills on reset and again under ``"next"`` after each step (TorchRL's
-            ``full_observation_spec``; state entries it reads back are in ``state``).
-        state: entries of ``full_state_spec`` that are not observations (read by the env at the root, written by
-            reset; carried from step to step).
+        observation: root entries the env fills on reset and again under ``"next"`` after each step.
+        state: entries of ``full_state_spec`` that are not observations (read at the root, written by reset).
         reward: entries found under ``"next"`` only.
         done: done flags (``done``, ``terminated``, ``truncated``, nested ones too), at the root and under ``"next"``.
         action: entries the env reads from the policy.
-        sub_batch: shapes of nested sub-tensordicts beyond the env's batch (``{("agents",): (3,)}``), applied when a
-            batch is built.
+        sub_batch: shapes of nested sub-tensordicts beyond the env's batch (``{("agents",): (3,)}``).
     """
 
     observation: dict[NestedKey, ArraySpec]
@@ -94,14 +87,12 @@ class EnvKeys:
     @classmethod
     def from_specs(cls, *, observation: Composite, state: Composite, reward: Composite, done: Composite,
                    action: Composite, where: str) -> EnvKeys:
-        """Build from an unbatched env's ``full_*_spec`` composites.
-
-        Raises:
-            ValueError: a spec that cannot live in a fixed-shape column (named, with what to do).
-        """
+        """Build from an unbatched env's ``full_*_spec`` composites; ``ValueError``: a spec that cannot live in a
+        fixed-shape column (named, with what to do)."""
         obs_cols = columns_of(observation, where=f"{where} observation spec")
         state_cols = {k: v for k, v in columns_of(state, where=f"{where} state spec").items() if k not in obs_cols}
-        sub = {k: v for spec in (observation, state, reward, done, action) for k, v in sub_batch_dims(spec).items()}
+        sub = {key_parts(k): tuple(int(d) for d in v.shape) for spec in (observation, state, reward, done, action)
+               for k, v in spec.items(True, False) if isinstance(v, Composite) and tuple(v.shape)}  # nested batch dims
         return cls(observation=obs_cols, state=state_cols,
                    reward=columns_of(reward, where=f"{where} reward spec"),
                    done=columns_of(done, where=f"{where} done spec"),
@@ -109,9 +100,8 @@ class EnvKeys:
 
 
 def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *, where: str, fix: str) -> str | None:
-    """The message refusing the first of ``keys`` (nested ones as tuples) whose top-level name is in ``reserved``
-    (root name -> what it holds: :data:`TORCHRL_ROOT_KEYS`, :data:`LOOP_ROOT_KEYS`), or ``None``. ``where``: what
-    the keys are ("observation space"), ``fix``: what to do, both for the message."""
+    """The message refusing the first of ``keys`` whose top-level name is in ``reserved`` (root name -> what it holds),
+    or ``None``; ``where`` (what the keys are) and ``fix`` (what to do) go into the message."""
     for key in keys:
         root = key[0] if isinstance(key, tuple) else key
         if root in reserved:
@@ -122,44 +112,32 @@ def reserved_key_problem(keys: Iterable[NestedKey], reserved: dict[str, str], *,
 
 
 def random_sample(spec: TensorSpec, shape: Sequence[int] = ()) -> Any:
-    """``spec.rand(shape)`` (a tensor, or a TensorDict for a ``Composite``), finite where a float ``Bounded``
-    leaf has an infinite bound (TorchRL's uniform draw gives ``inf`` / ``NaN`` there).
-
-    Those dims are drawn as gymnasium's ``Box.sample`` draws them: unbounded from a standard normal, bounded below
-    as ``low + Exponential(1)``, above as ``high - Exponential(1)``, on both sides uniformly. Draws from torch's
-    default CPU generator (a seeded :class:`AutobatchPolicy` swaps its own stream in around a forward pass).
-    ``spec``: a leaf or a ``Composite`` without batch dims beyond its leaves'; ``shape``: leading batch dims.
-    """
+    """``spec.rand(shape)`` (a tensor, or a TensorDict for a ``Composite``; ``shape``: leading batch dims), where a
+    float ``Bounded`` leaf's dims with an infinite bound are drawn as gymnasium's ``Box.sample`` draws them (TorchRL's
+    uniform draw gives ``inf`` / ``NaN`` there). Draws from torch's default CPU generator."""
     sample = spec.rand(shape)
     if not isinstance(spec, Composite):
-        finite = _finite_sample(spec, tuple(shape), sample)
-        return sample if finite is None else finite
+        return _finite_sample(spec, tuple(shape), sample)
     for key, leaf in spec.items(True, True):
-        if (finite := _finite_sample(leaf, tuple(shape), sample.get(key))) is not None:
-            sample.set(key, finite)
+        sample.set(key, _finite_sample(leaf, tuple(shape), sample.get(key)))
     return sample
 
 
-def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor | None:
-    """Gymnasium's ``Box.sample`` of a float ``Bounded`` leaf with an infinite bound (``drawn``, TorchRL's
-    uniform sample, kept in the dims bounded on both sides), else ``None``."""
+def _finite_sample(leaf: TensorSpec, shape: tuple[int, ...], drawn: torch.Tensor) -> torch.Tensor:
+    """``drawn`` (TorchRL's uniform sample of ``leaf``) where a float ``Bounded`` leaf has an infinite bound drawn as
+    gymnasium's ``Box.sample`` draws it: unbounded from a normal, half-bounded as the bound +/- Exponential(1)."""
     if not isinstance(leaf, Bounded) or not leaf.dtype.is_floating_point:
-        return None
+        return drawn
     low, high = leaf.space.low, leaf.space.high
     low_finite, high_finite = torch.isfinite(low), torch.isfinite(high)
     if bool(low_finite.all()) and bool(high_finite.all()):
-        return None
+        return drawn
     full = (*shape, *leaf.shape)
     exponential = torch.empty(full, dtype=leaf.dtype).exponential_().to(drawn.device)
     normal = torch.randn(full, dtype=leaf.dtype).to(drawn.device)
     out = torch.where(low_finite & high_finite, drawn, normal)
     out = torch.where(low_finite & ~high_finite, low + exponential, out)
     return torch.where(~low_finite & high_finite, high - exponential, out)
-
-
-def np_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype a torch dtype is stored as."""
-    return torch.empty((), dtype=dtype).numpy().dtype
 
 
 def key_parts(key: NestedKey) -> tuple[str, ...]:
@@ -173,11 +151,8 @@ def next_key(key: NestedKey) -> tuple[str, ...]:
 
 
 def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
-    """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples).
-
-    Raises:
-        ValueError: a leaf that cannot be a fixed-shape column.
-    """
+    """``{leaf key: ArraySpec}`` of an unbatched composite spec (nested keys as tuples); ``ValueError``: a leaf that
+    cannot be a fixed-shape column."""
     if type(spec).__name__.startswith("Stacked") or getattr(spec, "_td_dim", None) is not None:
         raise ValueError(f"the {where} is a lazily stacked (heterogeneous) spec; ThreadedCollector stores "
                          "fixed-shape columns: give every entry one shape (pad), or use torchrl's Collector")
@@ -188,14 +163,8 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
             problem = "is a non-tensor entry" if non_tensor else f"has a dynamic shape {tuple(leaf.shape)}"
             raise ValueError(f"entry {key!r} of the {where} {problem}; ThreadedCollector stores fixed-shape "
                              f"tensors: drop it with ExcludeTransform({key!r}) or use torchrl's Collector")
-        out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), np_dtype(leaf.dtype))
+        out[key] = ArraySpec(tuple(int(d) for d in leaf.shape), torch.empty((), dtype=leaf.dtype).numpy().dtype)
     return out
-
-
-def sub_batch_dims(spec: Composite) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Shapes of the nested composites of ``spec`` (their batch dims inside one env)."""
-    return {key_parts(key): tuple(int(d) for d in sub.shape) for key, sub in spec.items(True, False)
-            if isinstance(sub, Composite) and tuple(sub.shape)}
 
 
 def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
