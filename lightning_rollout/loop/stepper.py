@@ -254,16 +254,16 @@ class Stepper:
         for cursor, part in self._split(ids):
             cursor.fit(part, 2)
             cols = cursor.ring.cols
+            rows, envs = self._where(cursor, part)
             random = self.random_left[part] > 0
             if random.any():
-                rows = cursor.t[part] % cursor.ring.capacity
-                self._act_random(cols, part[random], rows[random])
+                at = cursor.t[part] % cursor.ring.capacity
+                self._act_random(cols, part[random], at[random])
                 self.random_left[part[random]] -= 1
                 if not random.all():
-                    self._act(cols, part[~random], rows[~random], cursor.t)
+                    self._act(cols, at[~random], part[~random], part[~random], cursor.t)
             else:
-                self._act(cols, *self._where(cursor, part)[::-1], cursor.t, ids=part)
-            rows, envs = self._where(cursor, part)
+                self._act(cols, rows, envs, part, cursor.t)
             for k in self.env_cols:
                 inputs[k][envs] = cols[k][rows, envs]
         for k in self.env_done:
@@ -271,9 +271,8 @@ class Stepper:
         self.envs.send(ids)
         self.flying[ids] = True
 
-    def _act(self, cols: dict[NestedKey, np.ndarray], envs: Any, rows: Any, t: np.ndarray,
-             ids: np.ndarray | None = None) -> None:
-        ids = envs if ids is None else ids
+    def _act(self, cols: dict[NestedKey, np.ndarray], rows: Any, envs: Any, ids: np.ndarray, t: np.ndarray) -> None:
+        """The policy's outputs for envs ``ids`` into ``cols[rows, envs]``."""
         n = len(ids)
         inputs = {k: cols[k][rows, envs] for k in self.input_cols}
         inputs.update({k: v[:n] for k, v in self.input_done.items()})
