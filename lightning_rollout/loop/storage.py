@@ -76,8 +76,8 @@ class Layout:
         row.update({VERSION: scalar_i, REWARD: scalar_f, TERMINATED: flag, TRUNCATED: flag, RETURN: scalar_f,
                     LENGTH: scalar_i, SEQ: scalar_i})
         # a gymnasium env's "next" flags and counters are derived from the bookkeeping when a batch is made
-        self.derived = [next_key(k) for k in (*keys.reward, *keys.done, *GYM_LOOP_KEYS)] if loop_keys else []
-        self.step_specs = {k: v for k, v in row.items() if k not in self.shared_next and k not in self.derived}
+        derived = [next_key(k) for k in (*keys.reward, *keys.done, *GYM_LOOP_KEYS)] if loop_keys else []
+        self.step_specs = {k: v for k, v in row.items() if k not in self.shared_next and k not in derived}
         self.specs: dict[NestedKey, ArraySpec] = {**{k: v for k, v in row.items() if k != SEQ},
                                                   TRAJ: scalar_i, ENV_ID: scalar_i}
 
@@ -180,18 +180,14 @@ _UNREFERENCED = _max_refcount({"probe": np.empty(0)})  # what _max_refcount repo
 
 
 class BatchPool:
-    """The columns of a loop's last ``keep`` batches, handed out again once nothing references them.
-
-    Recycled memory is already mapped (fresh pages are zeroed by the kernel on first write). A batch is recycled
-    only when CPython's reference counts show no TensorDict, tensor, view or slice of it left, and every column
-    is written in full before it is read. The stepping thread uses it; :meth:`clear` may run in any thread.
+    """The columns of a loop's last two batches, handed out again once nothing references them (their memory is
+    already mapped): only when CPython's reference counts show no TensorDict, tensor, view or slice of them left;
+    every column is written in full before it is read. The stepping thread uses it; :meth:`clear` may run in any.
     """
 
-    def __init__(self, layout: Layout, *, keep: int = 2) -> None:
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.keep = keep
         self._kept: list[tuple[tuple[int, ...], dict[NestedKey, np.ndarray]]] = []
-        self.reused = 0  # batches whose columns were recycled
 
     def allocate(self, lead: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         """Columns with leading dims ``lead``: recycled ones nothing references, else fresh ones."""
@@ -199,13 +195,10 @@ class BatchPool:
         for i, (shape, columns) in enumerate(self._kept):
             if shape == lead and _max_refcount(columns) <= _UNREFERENCED:
                 del self._kept[i]
-                self._kept.append((lead, columns))
-                self.reused += 1
-                return columns
-        columns = self.layout.allocate(lead)
-        if self.keep:
-            self._kept.append((lead, columns))
-            del self._kept[:-self.keep]
+                break
+        else:
+            columns = self.layout.allocate(lead)
+        self._kept = [*self._kept[-1:], (lead, columns)]
         return columns
 
     def clear(self) -> None:
