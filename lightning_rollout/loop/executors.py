@@ -200,8 +200,7 @@ class SerialEnvs(_Local):
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         if not self._sent:
-            if wait > 0:
-                time.sleep(min(wait, POLL_S))
+            time.sleep(min(wait, POLL_S))
             return np.empty(0, dtype=np.int64)
         rows = self._sent[0] if len(self._sent) == 1 else np.sort(np.concatenate(self._sent))
         self._sent = []
@@ -233,13 +232,7 @@ class _PoolThread:
         import torch
 
         torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
-        while not self.stop.is_set():
-            try:
-                call = self.calls.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if call is None:
-                return
+        while (call := self.calls.get()) is not None and not self.stop.is_set():  # close() sends None
             kind, rows, seeds = call
             try:
                 if kind == "step":

@@ -1,11 +1,7 @@
 """The one stepping loop, in the collecting thread: send the idle envs a :class:`Rule` selects (actions from one
-policy call), receive the rows whose step ended (``min(in flight, autobatch_size)`` rows, or those ready within
+policy call), receive the rows whose step ended (``min(in flight, autobatch_size)``, or those ready within
 ``max_wait``) and settle them into the :class:`~.storage.Ring`, numpy over the round's rows (no loop over envs).
-
-Rules are the calls' stop rules (``T`` steps per env, ``n`` frames in arrival order, ``k`` fresh episodes). With
-``lookahead`` a call ends with a last send (a step in flight per env while the caller trains). Per env: ``t`` is
-the step whose root entries are in row ``t``, ``consumed`` the steps handed out; ``consumed`` to ``t - 1`` are
-complete.
+Per env, ``t`` is the step whose root entries are in row ``t``; steps ``consumed`` to ``t - 1`` are complete.
 """
 
 from __future__ import annotations
@@ -162,9 +158,8 @@ class Stepper:
 
     ``policy``: ``(inputs, rows, mode) -> (outputs, version)``; ``random_action``: ``rows -> outputs``.
     ``input_keys`` / ``env_inputs``: root entries the policy / the envs read. ``random_steps``: each env's first
-    steps act at random (version ``-1``). ``group``: envs stepped together at the least. ``stop``: set when the
-    loop closes; every wait checks it. ``main`` is the cursor of step calls, ``episodes`` that of
-    ``run_episodes`` (envs in ``in_episode``). One thread drives it at a time; ``stop`` may be set from any.
+    steps act at random (version ``-1``). ``main`` is the cursor of step calls, ``episodes`` that of
+    ``run_episodes`` (envs in ``in_episode``). One thread drives it; ``stop`` (closing) may be set from any.
     """
 
     def __init__(self, envs: Envs, layout: Layout, *, policy: PolicyFn,
@@ -333,12 +328,12 @@ class Stepper:
                                            f"inside the env's {phase} and is abandoned",
                                            env_id=row, step=self.steps_of(row), phase=phase)
 
-    def _salvage(self, completed: np.ndarray, lost: np.ndarray, within: float = 0.5) -> None:
-        """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within ``within``
-        seconds (``lost`` ones never will)."""
+    def _salvage(self, completed: np.ndarray, lost: np.ndarray) -> None:
+        """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within 0.5 s (``lost``
+        ones never will)."""
         self.settle(completed)
         self.flying[lost] = False
-        end = time.perf_counter() + within
+        end = time.perf_counter() + 0.5
         while self.flying.any() and time.perf_counter() < end:
             try:
                 rows = self.envs.recv(int(self.flying.sum()), POLL_S)
