@@ -92,12 +92,10 @@ def _record_sys_exit() -> None:
 
 
 def _still_running() -> list[threading.Thread]:
-    with _LOCK:
-        abandoned = set(_ABANDONED)
-        exempt = set(_EXEMPT)
-    current = threading.current_thread()
     ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
-    return [t for t in (abandoned | ours) - exempt if t.is_alive() and t is not current]
+    with _LOCK:
+        threads = (set(_ABANDONED) | ours) - set(_EXEMPT)
+    return [t for t in threads if t.is_alive() and t is not threading.current_thread()]
 
 
 def _intended_status() -> tuple[int, bool]:
@@ -106,10 +104,8 @@ def _intended_status() -> tuple[int, bool]:
     if last is not None and last is not _LAST_UNCAUGHT_AT_IMPORT:  # an uncaught exception ended the script
         return 1, isinstance(last, KeyboardInterrupt)
     status = _EXIT_STATUS[0] if _EXIT_STATUS else None
-    if status is None:
-        return 0, False
-    if isinstance(status, int):  # bools included, as Python does
-        return int(status) & 0xFF, False
+    if status is None or isinstance(status, int):  # bools included, as Python does
+        return int(status or 0) & 0xFF, False
     return 1, False  # sys.exit("message"): Python prints it and exits with 1
 
 

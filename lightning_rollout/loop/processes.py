@@ -29,11 +29,10 @@ from .._exit import exempt_at_exit, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, Explained, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
-from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
+from .executors import POLL_S, Envs, SerialEnvs, ThreadEnvs, build_units
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
-_POLL_S = 0.05
 _BUILD_TIMEOUT_S = 120.0  # seconds a child may take to build and reset its envs
 _FDS = ("; if this process ran out of file descriptors, raise the open-files limit (ulimit -n) or use fewer worker "
         "processes")
@@ -59,11 +58,9 @@ def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
     return [blobs[id(factory)] for factory in factories]
 
 
-def _shared_slots(rows: int, inputs: dict[NestedKey, ArraySpec], nxt: dict[NestedKey, ArraySpec],
-                  root: dict[NestedKey, ArraySpec]) -> Slots:
-    """Slots over torch tensors in shared memory (what a child is sent: :func:`_numpy` reads them)."""
-    return Slots.allocate(rows, inputs=inputs, next=nxt, root=root, make=lambda shape, dtype: torch.zeros(
-        shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_())
+def _shared_zeros(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """A torch tensor of zeros in shared memory (slots of these are sent to a child: :func:`_numpy` reads them)."""
+    return torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_()
 
 
 def _numpy(tensors: Slots) -> Slots:
@@ -264,7 +261,7 @@ class ProcessEnvs(Envs):
     def _wait_ready(self, child: _Child) -> None:
         deadline = time.monotonic() + _BUILD_TIMEOUT_S
         while True:
-            while not child.conn.poll(_POLL_S):
+            while not child.conn.poll(POLL_S):
                 if not child.process.is_alive() and not child.conn.poll(0):
                     raise child.death()
                 if time.monotonic() > deadline:
@@ -286,7 +283,8 @@ class ProcessEnvs(Envs):
 
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
         try:
-            tensors = _shared_slots(self.num_envs, inputs, self.unit.writes, self.unit.keys.root)
+            tensors = Slots.allocate(self.num_envs, inputs=inputs, next=self.unit.writes, root=self.unit.keys.root,
+                                     make=_shared_zeros)
             for child in self.children:
                 child.conn.send(("attach", tensors))
         except (OSError, RuntimeError) as exc:
@@ -346,7 +344,7 @@ class ProcessEnvs(Envs):
         busy = {child.conn: child for child in self.children if child.calls}
         while busy or self._local_left:
             if self._local_left:  # shard 0 in pool threads
-                got = self.local.recv(self._local_left, 0.0 if busy else min(_POLL_S, wait))
+                got = self.local.recv(self._local_left, 0.0 if busy else min(POLL_S, wait))
                 if len(got):
                     ready.append(got)
                     count += len(got)
@@ -355,7 +353,7 @@ class ProcessEnvs(Envs):
                     if count >= min_rows or time.perf_counter() >= deadline:
                         break
                     continue
-            timeout = 0.0 if count >= min_rows else max(0.0, min(_POLL_S, deadline - time.perf_counter()))
+            timeout = 0.0 if count >= min_rows else max(0.0, min(POLL_S, deadline - time.perf_counter()))
             answered = wait_for(list(busy), timeout)
             for conn in answered:
                 child = busy[conn]
