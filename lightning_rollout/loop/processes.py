@@ -166,6 +166,7 @@ class _Child:
     def __init__(self, index: int, process: Any, conn: Any, a: int, b: int) -> None:
         self.index, self.process, self.conn, self.a, self.b = index, process, conn, a, b
         self.started = self.ready = False
+        self.roots: dict[NestedKey, np.ndarray] = {}  # its envs' root entries after their first reset
         self.calls = 0  # calls sent and not answered
         self.since = 0.0  # perf_counter() when the last call was sent
         self.phase = "step"
@@ -248,11 +249,10 @@ class ProcessEnvs(Envs):
             self.local: Envs = (ThreadEnvs(units, seeds[:cuts[1]], name=name) if threads
                                 else SerialEnvs(units, seeds[:cuts[1]]))
             self.unit = self.local.unit
-            self.roots = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in self.local.roots.items()}
-            for k, v in self.local.roots.items():
-                self.roots[k][:cuts[1]] = v
             for child in self.children:
                 self._wait_ready(child)
+            self.roots = {k: np.concatenate([v, *(c.roots[k] for c in self.children)])
+                          for k, v in self.local.roots.items()}
             self.bounds = np.array(cuts)
         except BaseException:
             self.close(1.0)
@@ -276,9 +276,7 @@ class ProcessEnvs(Envs):
             if not keys.same_layout(self.unit.keys):
                 raise ValueError(f"env {child.a} has specs {keys}, env 0 has {self.unit.keys}; all envs of a loop "
                                  "must share their keys, shapes and dtypes")
-            for k, v in message[2].items():
-                self.roots[k][child.a:child.b] = v
-            child.ready = True
+            child.roots, child.ready = message[2], True
             return
 
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:

@@ -136,8 +136,6 @@ class EpisodeRule(Rule):
 
     def settled(self, stepper: Stepper, rows: np.ndarray) -> None:
         mine = rows[self.running[rows] >= 0]
-        if not len(mine):
-            return
         ended = mine[stepper.episodes.last_done(mine)]
         for e in ended.tolist():
             self.finished(int(self.running[e]), e, int(self.start[e]), int(stepper.episodes.t[e]))
@@ -349,14 +347,11 @@ class Stepper:
 
     def failure_error(self, failure: EnvFailure) -> CollectionError:
         """An env call's failure as an :class:`EnvError` (env and step), or a :class:`PolicyError` (bad action)."""
-        e, where = failure.row, "" if failure.process is None else f" (in worker process {failure.process})"
+        e, step = failure.row, self.steps_of(failure.row)
         if failure.kind == "action":
-            error: CollectionError = PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,),
-                                                 step=self.steps_of(e))
-        else:
-            error = EnvError(f"{failure}{where}", env_id=e, step=self.steps_of(e), phase=failure.phase)
-        error.__cause__ = failure.cause
-        return error
+            return PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,), step=step)
+        where = "" if failure.process is None else f" (in worker process {failure.process})"
+        return EnvError(f"{failure}{where}", env_id=e, step=step, phase=failure.phase)
 
     # -- settling -----------------------------------------------------------------------------------------
     def settle(self, ids: np.ndarray) -> None:
