@@ -71,7 +71,9 @@ class Delivery:
         cursor.consumed += steps
         cursor.ring.forget(cursor.consumed)
         done = out[TERMINATED] | out[TRUNCATED]
-        out[TRAJ][...] = self._traj_env_time(done)
+        by_env = np.arange(done.size).reshape(steps, n).T.reshape(-1)  # the time-major rows, env by env
+        traj = self._traj_flat(np.tile(np.arange(n), steps), done.T.reshape(-1), by_env)  # delivered time-major
+        out[TRAJ][...] = traj.reshape(steps, n).T
         first = self.frames + 1
         self.frames += done.size
         if processor is not None and done.size:  # events in time order, env by env within a step
@@ -131,16 +133,16 @@ class Delivery:
         return self.layout.to_tensordict(out, [len(steps)])
 
     # -- trajectory ids --------------------------------------------------------------------------------
-    def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
+    def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
         """Ids of rows delivered in this order (vectorised: each env keeps its id until a done row; new ids in
-        delivery order)."""
+        delivery order); ``order``: the rows env by env, if known."""
         n = len(env_ids)
         if n == 0:
             return np.empty(0, dtype=np.int64)
         done = done.astype(np.int64)
         new_ids = np.empty(n, dtype=np.int64)
         new_ids[done > 0] = self.next_traj + np.arange(int(done.sum()), dtype=np.int64)
-        order = np.argsort(env_ids, kind="stable")
+        order = np.argsort(env_ids, kind="stable") if order is None else order
         env, d = env_ids[order], done[order]
         starts = np.flatnonzero(np.r_[True, env[1:] != env[:-1]])
         group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
@@ -157,23 +159,6 @@ class Delivery:
         self.cur_traj[env[starts][ended]] = new_ids[order[done_pos[before[last][ended] + d[last][ended] - 1]]]
         self.next_traj += int(done.sum())
         return traj
-
-    def _traj_env_time(self, done: np.ndarray) -> np.ndarray:
-        """Ids of ``[num_envs, T]`` steps delivered in time order, env by env within a step."""
-        by_time = done.T
-        if not len(by_time):
-            return np.empty(done.shape, dtype=np.int64)
-        count = int(np.count_nonzero(by_time))
-        new = np.full(by_time.shape, -1, dtype=np.int64)
-        new[by_time] = self.next_traj + np.arange(count, dtype=np.int64)
-        traj = np.empty(by_time.shape, dtype=np.int64)
-        traj[0] = self.cur_traj
-        started = np.maximum.accumulate(new[:-1], axis=0)
-        traj[1:] = np.where(started >= 0, started, self.cur_traj)
-        last = np.maximum.reduce(new, axis=0)
-        self.cur_traj = np.where(last >= 0, last, self.cur_traj)
-        self.next_traj += count
-        return traj.T
 
     # -- events ------------------------------------------------------------------------------------------
     def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor, total: int,

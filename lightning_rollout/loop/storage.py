@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ..specs import ArraySpec, EnvKeys, NestedKey, key_parts, next_key
+from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 
 __all__ = ["BatchPool", "Layout", "Ring"]
 
@@ -91,19 +90,13 @@ class Layout:
                       names: Sequence[str | None] | None = None) -> TensorDict:
         """One TensorDict over numpy storage (zero-copy), in TorchRL's layout, the private bookkeeping left out."""
         lead = list(batch_size)
-        tree: dict[str, Any] = {}
-        items = [(key, torch.from_numpy(value)) for key, value in columns.items()
-                 if not (isinstance(key, tuple) and key[0] == PRIVATE)]
-        items += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool)) for key in self.done_keys]
+        entries = {key: torch.from_numpy(value) for key, value in columns.items()
+                   if not (isinstance(key, tuple) and key[0] == PRIVATE)}
+        entries.update({key: torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool)
+                        for key in self.done_keys})
         if "policy_version" not in self.out_keys and VERSION in columns:  # else the policy's own entry
-            items.append(("policy_version", torch.from_numpy(columns[VERSION])))
-        for key, tensor in items:
-            *path, leaf = key_parts(key)
-            node = tree
-            for part in path:
-                node = node.setdefault(part, {})
-            node[leaf] = tensor
-        td = TensorDict(tree, batch_size=lead)
+            entries["policy_version"] = torch.from_numpy(columns[VERSION])
+        td = TensorDict(entries, batch_size=lead)  # nested keys make nested TensorDicts
         for prefix, dims in self.keys.sub_batch.items():
             for root in (prefix, ("next", *prefix)):
                 sub = td.get(root, None)
