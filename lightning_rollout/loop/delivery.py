@@ -80,7 +80,7 @@ class Delivery:
             by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in out.items()
                        if (isinstance(k, tuple) and k[0] == "_loop") or k in (ENV_ID, VERSION)
                        or k in self.info_next or processor.wants_timesteps}
-            self._emit(by_time, range(done.size), processor, -1, first)
+            self._emit(by_time, processor, -1, first)
         self.episodes += int(np.count_nonzero(done))
         return self.layout.to_tensordict(out, [n, steps], names=[None, "time"])
 
@@ -101,7 +101,7 @@ class Delivery:
         cols = {k: np.empty((len(envs), *self.layout.specs[k].shape), self.layout.specs[k].dtype) for k in keys}
         cursor.ring.gather(steps, envs, cols)
         cols[ENV_ID] = envs
-        self._emit(cols, range(len(envs)), processor, -1, self.frames + self.announced + 1)
+        self._emit(cols, processor, -1, self.frames + self.announced + 1)
         self.announced += len(envs)
 
     def flat(self, cursor: Cursor, frames: int) -> TensorDict:
@@ -127,7 +127,7 @@ class Delivery:
         out[TRAJ][...] = self.next_traj
         self.next_traj += 1
         if processor is not None:
-            self._emit(out, range(len(steps)), processor, total, finished)
+            self._emit(out, processor, total, finished)
         if not self.eval:
             self.episodes += 1
         return self.layout.to_tensordict(out, [len(steps)])
@@ -161,11 +161,10 @@ class Delivery:
         return traj
 
     # -- events ------------------------------------------------------------------------------------------
-    def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor, total: int,
-              first: int) -> None:
-        """Events for rows ``rows`` of ``cols``; row ``rows[i]`` is frame (or finished episode) ``first + i``."""
+    def _emit(self, cols: dict[NestedKey, np.ndarray], processor: EventProcessor, total: int, first: int) -> None:
+        """Events for the rows of ``cols``; row ``i`` is frame (or finished episode) ``first + i``."""
         wants_steps = processor.wants_timesteps
-        terminated, truncated = cols[TERMINATED][rows], cols[TRUNCATED][rows]
+        terminated, truncated = cols[TERMINATED], cols[TRUNCATED]
         done = terminated | truncated
         if not wants_steps and not done.any():
             return
@@ -173,16 +172,15 @@ class Delivery:
         on_end = processor.on_eval_episode_end if self.eval else processor.on_episode_end
         extras = [k for k in self.layout.out_keys if k != "action"]
         env_id, version, length, ret = cols[ENV_ID], cols[VERSION], cols[LENGTH], cols[RETURN]
-        for i in (range(len(rows)) if wants_steps else np.flatnonzero(done).tolist()):
-            r = rows[i]
-            progress = Progress(first + (i if total < 0 else 0), total)
+        for r in (range(len(done)) if wants_steps else np.flatnonzero(done).tolist()):
+            progress = Progress(first + (r if total < 0 else 0), total)
             if wants_steps:
                 on_step(TimeStep(env_id=int(env_id[r]), reward=float(cols[REWARD][r]), step_count=int(length[r]),
-                                 episode_reward=float(ret[r]), terminated=bool(terminated[i]),
-                                 truncated=bool(truncated[i]), policy_version=int(version[r]), progress=progress,
+                                 episode_reward=float(ret[r]), terminated=bool(terminated[r]),
+                                 truncated=bool(truncated[r]), policy_version=int(version[r]), progress=progress,
                                  context={k: cols[k][r] for k in extras}, eval=self.eval))
-            if done[i]:
+            if done[r]:
                 on_end(EpisodeEnd(env_id=int(env_id[r]), length=int(length[r]), reward=float(ret[r]),
-                                  terminated=bool(terminated[i]), truncated=bool(truncated[i]),
+                                  terminated=bool(terminated[r]), truncated=bool(truncated[r]),
                                   policy_version=int(version[r]), progress=progress, eval=self.eval,
                                   info={k: np.array(cols[next_key(k)][r]) for k in self.info_keys}))

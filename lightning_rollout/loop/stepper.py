@@ -6,6 +6,7 @@ Per env, ``t`` is the step whose root entries are in row ``t``; steps ``consumed
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -166,7 +167,8 @@ class Stepper:
                  step_timeout: float | None, random_steps: int, group: int, stop: threading.Event) -> None:
         self.num_envs = n = envs.num_envs
         self.envs, self.layout, self.policy, self.random_action = envs, layout, policy, random_action
-        self.autobatch_size, self.max_wait, self.step_timeout = autobatch_size, max_wait, step_timeout
+        self.autobatch_size, self.step_timeout = autobatch_size, step_timeout
+        self.max_wait = math.inf if max_wait is None else max_wait
         self.stop = stop
         self.main = Cursor(layout, n)
         self.episodes = Cursor(layout, n)
@@ -295,13 +297,10 @@ class Stepper:
         flying = int(self.flying.sum())
         need = flying if self.autobatch_size is None else min(flying, self.autobatch_size)
         got: list[np.ndarray] = []
-        count, first = 0, 0.0
+        count, end = 0, math.inf  # end: max_wait after the first rows came
         while True:
-            wait = POLL_S
-            if self.max_wait is not None and count:
-                wait = max(0.0, min(wait, first + self.max_wait - time.perf_counter()))
             try:
-                rows = self.envs.recv(need - count, wait)
+                rows = self.envs.recv(need - count, max(0.0, min(POLL_S, end - time.perf_counter())))
             except EnvFailure as failure:
                 if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
                     raise failure.cause from None  # a Ctrl-C inside an env call of this process: as it is
@@ -309,22 +308,20 @@ class Stepper:
                 raise self.failure_error(failure) from failure.cause
             if len(rows):
                 got.append(rows)
-                first = first or time.perf_counter()
+                end = min(end, time.perf_counter() + self.max_wait)
                 count += len(rows)
-            if count >= need or (count and self.max_wait is not None
-                                 and time.perf_counter() - first >= self.max_wait):
+            if count >= need or time.perf_counter() >= end:
                 return got[0] if len(got) == 1 else np.concatenate(got)
             if self.stop.is_set():
                 raise CollectionError("the loop was closed while collecting")
             if interrupter is not None and interrupter.should_stop():
                 return np.concatenate(got) if got else None
-            if self.step_timeout is not None:
-                stuck = self.envs.stuck(self.step_timeout)
-                if stuck is not None:
-                    row, phase, where = stuck
-                    raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
-                                           f"inside the env's {phase} and is abandoned",
-                                           env_id=row, step=self.steps_of(row), phase=phase)
+            stuck = None if self.step_timeout is None else self.envs.stuck(self.step_timeout)
+            if stuck is not None:
+                row, phase, where = stuck
+                raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
+                                       f"inside the env's {phase} and is abandoned",
+                                       env_id=row, step=self.steps_of(row), phase=phase)
 
     def _salvage(self, completed: np.ndarray, lost: np.ndarray) -> None:
         """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within 0.5 s (``lost``
