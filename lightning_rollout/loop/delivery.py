@@ -21,11 +21,7 @@ __all__ = ["Delivery"]
 
 class Delivery:
     """Copies steps out into batches, numbers trajectories and emits events (the collecting thread only).
-
-    Attributes:
-        frames, episodes: transitions and episodes delivered by training calls.
-        next_traj: the id the next new trajectory gets.
-    """
+    ``frames``, ``episodes``: those delivered by training calls; ``next_traj``: the next new trajectory's id."""
 
     def __init__(self, layout: Layout, num_envs: int, *, traj_id_start: int, info_keys: Sequence[NestedKey],
                  eval: bool) -> None:
@@ -51,14 +47,11 @@ class Delivery:
         out = self.pool.allocate(steps.shape)
         cursor.ring.gather(steps, envs, out)
         if self.layout.loop_keys:  # a gymnasium env's "next" flags and counters, from the bookkeeping
-            term, trunc = out[TERMINATED], out[TRUNCATED]
-            out["next", "reward"][..., 0] = out[REWARD]
-            out["next", "terminated"][..., 0] = term
-            out["next", "truncated"][..., 0] = trunc
-            out["next", "done"][..., 0] = term | trunc
+            for key, col in (("reward", REWARD), ("terminated", TERMINATED), ("truncated", TRUNCATED),
+                             ("step_count", LENGTH), ("episode_reward", RETURN)):
+                out["next", key][..., 0] = out[col]
+            out["next", "done"][..., 0] = out[TERMINATED] | out[TRUNCATED]
             out["next", "is_init"][...] = False
-            out["next", "step_count"][..., 0] = out[LENGTH]
-            out["next", "episode_reward"][..., 0] = out[RETURN]
         out[ENV_ID][...] = envs
         return out
 

@@ -84,12 +84,9 @@ def batch_rows(env: Any) -> int | None:
 def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_steps: int | None, validate: bool,
                 info_keys: InfoKeys | None, parallel: bool = False) -> list[Unit]:
     """The units of envs made by ``factories`` (one a row): ``group`` envs a unit, a natively batched env a unit
-    of its own (its factory repeated for its rows; not with ``parallel``). Built envs are closed when one fails.
-
-    Raises:
-        EnvFailure: a factory raised (phase ``"reset"``, named by its row). ValueError: an env no unit takes, or a
-            natively batched env that does not fit ``group``.
-    """
+    of its own (its factory repeated for its rows; not with ``parallel``); built envs are closed when one fails.
+    Raises EnvFailure (a factory raised, named by its row), ValueError (an env no unit takes, or a natively
+    batched env that does not fit ``group``)."""
     units: list[Unit] = []
     envs: list[Any] = []
     i = 0

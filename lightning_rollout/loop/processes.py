@@ -203,14 +203,9 @@ class _Child:
 
 
 class ProcessEnvs(Envs):
-    """Envs in this process (shard 0) and in ``num_workers - 1`` worker processes (see the module docstring).
-
-    ``factories``: one picklable factory a row; ``seeds``: each row's first seed; ``group``: envs a unit steps;
-    ``threads``: shard 0 in pool threads (for ``step_timeout``).
-
+    """Envs in this process (shard 0; in pool threads with ``threads``) and in ``num_workers - 1`` worker processes.
     Raises ValueError (an unpicklable factory, specs that differ), CollectionError (a daemonic process, no
-    process started), EnvFailure (an env failed to build or reset, named by its row).
-    """
+    process started), EnvFailure (an env failed to build or reset, named by its row)."""
 
     def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,
                  max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None, name: str,
@@ -347,12 +342,8 @@ class ProcessEnvs(Envs):
                     ready.append(got)
                     count += len(got)
                     self._local_left -= len(got)
-                if not busy:
-                    if count >= min_rows or time.perf_counter() >= deadline:
-                        break
-                    continue
             timeout = 0.0 if count >= min_rows else max(0.0, min(POLL_S, deadline - time.perf_counter()))
-            answered = wait_for(list(busy), timeout)
+            answered = wait_for(list(busy), timeout) if busy else []
             for conn in answered:
                 child = busy[conn]
                 try:

@@ -131,8 +131,6 @@ class Ring:
     def keep_final(self, steps: np.ndarray, envs: np.ndarray) -> None:
         """Keep the shared observations step ``steps[i]`` of ``envs[i]`` ended with, its next root about to be
         replaced by a reset's (the first value kept stays)."""
-        if not self.layout.shared:
-            return
         rows = (steps + 1) % self.capacity
         for nk, k in self.layout.shared_next.items():
             values = self.cols[k][rows, envs]
