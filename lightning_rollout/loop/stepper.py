@@ -179,7 +179,8 @@ class Stepper:
         self.env_cols = [k for k in env_inputs if k in cols]
         self.env_done = [k for k in env_inputs if k not in cols]
         self.out_shapes = {k: layout.step_specs[k].shape for k in layout.out_keys}
-        self.writes = [(k, k in layout.shared) for k in layout.env_next if k in envs.slots.next]
+        self.writes = [(k, k if k in layout.shared else next_key(k), k in layout.shared)  # (slot, column, in row t+1)
+                       for k in layout.env_next if k in envs.slots.next]
         self.gym = layout.loop_keys
         self.flying = np.zeros(n, dtype=bool)
         self.random_left = np.full(n, random_steps, dtype=np.int64)
@@ -361,11 +362,8 @@ class Stepper:
         s, cols = self.envs.slots, c.ring.cols
         rows, envs = self._where(c, ids)
         nxt = self._where(c, ids, 1)[0]
-        for k, shared in self.writes:
-            if shared:
-                cols[k][nxt, envs] = s.next[k][envs]
-            else:
-                cols[next_key(k)][rows, envs] = s.next[k][envs]
+        for k, dst, shared in self.writes:
+            cols[dst][nxt if shared else rows, envs] = s.next[k][envs]
         reward, terminated, truncated = s.reward[envs], s.terminated[envs], s.truncated[envs]
         cols[REWARD][rows, envs] = reward
         cols[TERMINATED][rows, envs] = terminated

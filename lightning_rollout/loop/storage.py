@@ -49,8 +49,7 @@ class Layout:
 
     def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
         env_root = keys.root
-        self.keys = keys
-        self.loop_keys = loop_keys
+        self.keys, self.loop_keys = keys, loop_keys
         self.out_keys = list(outputs)
         self.action_keys = [k for k in keys.action if k in outputs]
         policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
