@@ -217,10 +217,9 @@ class ProcessEnvs(Envs):
                 f"is daemonic ({mp.current_process().name!r}: a torch DataLoader worker, a multiprocessing Pool "
                 "worker), and daemonic processes are not allowed to have children. Build the loop or collector in "
                 "the main process, or pass num_workers=1 to keep its envs in threads")
-        n = len(factories)
+        self.num_envs = n = len(factories)
         options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
         cuts = [round(i * (n // group) / num_workers) * group for i in range(num_workers + 1)]
-        self.num_envs = n
         self.children: list[_Child] = []
         self._closed = False
         self._local_left = 0  # rows of shard 0 in flight
@@ -255,7 +254,7 @@ class ProcessEnvs(Envs):
 
     def _wait_ready(self, child: _Child) -> None:
         deadline = time.monotonic() + _BUILD_TIMEOUT_S
-        while True:
+        while not child.ready:
             while not child.conn.poll(POLL_S):
                 if not child.process.is_alive() and not child.conn.poll(0):
                     raise child.death()
@@ -264,15 +263,12 @@ class ProcessEnvs(Envs):
                         f"worker process {child.process.name!r} did not build its envs within {_BUILD_TIMEOUT_S} s"),
                         child.index)
             message = child.receive()
-            if message[0] == "started":
-                child.started = True
-                continue
-            keys = message[1]
-            if not keys.same_layout(self.unit.keys):
-                raise ValueError(f"env {child.a} has specs {keys}, env 0 has {self.unit.keys}; all envs of a loop "
-                                 "must share their keys, shapes and dtypes")
-            child.roots, child.ready = message[2], True
-            return
+            child.started = True
+            if message[0] == "ready":
+                if not message[1].same_layout(self.unit.keys):
+                    raise ValueError(f"env {child.a} has specs {message[1]}, env 0 has {self.unit.keys}; all envs of "
+                                     "a loop must share their keys, shapes and dtypes")
+                child.roots, child.ready = message[2], True
 
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
         try:
