@@ -325,14 +325,11 @@ class ProcessEnvs(Envs):
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         ready, self._stash = self._stash, []
-        if self._local_left and isinstance(self.local, SerialEnvs):  # stepped here meanwhile
-            self._local_left = 0
-            ready.append(self.local.recv(0, 0.0))
         count = sum(len(r) for r in ready)
         deadline = time.perf_counter() + wait
         busy = {child.conn: child for child in self.children if child.calls}
         while busy or self._local_left:
-            if self._local_left:  # shard 0 in pool threads
+            if self._local_left:  # shard 0: stepped now (SerialEnvs), or answered by its pool threads
                 got = self.local.recv(self._local_left, 0.0 if busy else min(POLL_S, wait))
                 if len(got):
                     ready.append(got)
