@@ -355,14 +355,9 @@ class ProcessEnvs(Envs):
         return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
-        local = self.local.stuck(timeout)
-        if local is not None:
-            return local
         now = time.perf_counter()
-        for child in self.children:
-            if child.calls and now - child.since > timeout:
-                return child.a, child.phase, child.process.name
-        return None
+        return self.local.stuck(timeout) or next(((c.a, c.phase, c.process.name) for c in self.children
+                                                  if c.calls and now - c.since > timeout), None)
 
     def close(self, timeout: float) -> list[str]:
         """Close every env and end every child; a close cut short (a second Ctrl-C) is finished by the next."""
@@ -377,8 +372,7 @@ class ProcessEnvs(Envs):
                 child.process.terminate()
         deadline = time.monotonic() + timeout
         while self.children:
-            child = self.children[0]
-            process = child.process
+            child, process = self.children[0], self.children[0].process
             process.join(max(0.0, deadline - time.monotonic()))
             for end in (process.terminate, process.kill):
                 if process.is_alive():
