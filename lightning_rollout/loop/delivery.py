@@ -98,8 +98,7 @@ class Delivery:
         self.announced += len(envs)
 
     def flat(self, cursor: Cursor, frames: int) -> TensorDict:
-        """The first ``frames`` complete steps not handed out yet, in arrival order: ``[frames]`` (their events
-        went out through :meth:`announce`)."""
+        """The first ``frames`` complete steps not handed out, in arrival order (events went out: :meth:`announce`)."""
         steps, envs = self.pending(cursor)
         steps, envs = steps[:frames], envs[:frames]
         out = self._gather(cursor, steps, envs)

@@ -181,7 +181,6 @@ class Stepper:
         self.out_shapes = {k: layout.step_specs[k].shape for k in layout.out_keys}
         self.writes = [(k, k if k in layout.shared else next_key(k), k in layout.shared)  # (slot, column, in row t+1)
                        for k in layout.env_next if k in envs.slots.next]
-        self.gym = layout.loop_keys
         self.flying = np.zeros(n, dtype=bool)
         self.random_left = np.full(n, random_steps, dtype=np.int64)
         self.seq = 0
@@ -192,8 +191,7 @@ class Stepper:
         self._write_roots(self.main, np.arange(n), envs.roots)
 
     def whole_groups(self, mask: np.ndarray, any_of: np.ndarray | None = None) -> np.ndarray:
-        """The envs of the groups (``group`` envs stepped together) whose every env is in ``mask`` (and, given
-        ``any_of``, one env at least in it), ascending."""
+        """Envs of the groups (``group`` envs stepped together) all in ``mask`` (and one in ``any_of``), ascending."""
         if self.group == 1:
             return np.flatnonzero(mask if any_of is None else mask & any_of)
         if self.group == self.num_envs:  # one group (every env in the stepping thread): all or none
@@ -325,8 +323,7 @@ class Stepper:
                                        env_id=row, step=self.steps_of(row), phase=phase)
 
     def _salvage(self, completed: np.ndarray, lost: np.ndarray) -> None:
-        """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within 0.5 s (``lost``
-        ones never will)."""
+        """After a failure: settle ``completed``, and the steps in flight that end within 0.5 s (not ``lost``)."""
         self.settle(completed)
         self.flying[lost] = False
         end = time.perf_counter() + 0.5
@@ -376,7 +373,7 @@ class Stepper:
         self.seq += len(ids)
         for k, src in self.layout.advance:
             cols[k][nxt, envs] = cols[src][rows, envs]
-        if self.gym:
+        if self.layout.loop_keys:
             cols["is_init"][nxt, envs] = False
             cols["step_count"][nxt, envs, 0] = c.ep_len[envs]
             cols["episode_reward"][nxt, envs, 0] = c.ep_ret[envs]
@@ -397,7 +394,7 @@ class Stepper:
                 cols[k][rows, ids] = v
         for k in self.layout.policy_carried:
             cols[k][rows, ids] = 0
-        if self.gym:
+        if self.layout.loop_keys:
             cols["is_init"][rows, ids] = True
             cols["step_count"][rows, ids] = 0
             cols["episode_reward"][rows, ids] = 0
@@ -418,8 +415,7 @@ class Stepper:
                 raise CollectionError("the loop was closed while collecting")
 
     def _cut(self, e: int) -> None:
-        """End env ``e``'s step-mode episode: its last unconsumed step is marked truncated (and done), else the env
-        starts a new trajectory."""
+        """End env ``e``'s step-mode episode: its last unconsumed step marked truncated, else a new trajectory."""
         main = self.main
         if main.ep_len[e] == 0:
             return
