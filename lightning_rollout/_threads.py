@@ -1,8 +1,7 @@
 """How many intra-op threads torch may use in each thread of a collection, whatever the user's torch settings.
 
-Each thread running a parallel op gets an OpenMP team of its own (spinning for a while after each op), and
-``torch.set_num_threads`` is process-wide: the loop sets the count below around each policy call
-(:func:`torch_threads_set`), so the policy's team and the envs stepped meanwhile stay within the cores.
+Each thread running a parallel op has an OpenMP team of its own, and ``torch.set_num_threads`` is process-wide:
+the loop sets the count around each policy call, so the policy's team and the envs stepped meanwhile fit the cores.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 import gymnasium as gym
+import numpy as np
+import torch
+from torchrl.envs import EnvBase
 
 from .._exit import abandon, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
@@ -71,8 +72,6 @@ class Envs:
 def batch_rows(env: Any) -> int | None:
     """The envs a natively batched ``env`` steps in one call (a TorchRL env with a batch size, a gymnasium vector
     env, envpool); ``None`` for a single env."""
-    from torchrl.envs import EnvBase
-
     if isinstance(env, EnvBase):
         return int(env.batch_size.numel()) if tuple(env.batch_size) else None
     if isinstance(env, gym.vector.VectorEnv):
@@ -226,8 +225,6 @@ class _PoolThread:
         self.thread.start()
 
     def _main(self) -> None:
-        import torch
-
         torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
         while (call := self.calls.get()) is not None and not self.stop.is_set():  # close() sends None
             kind, rows, seeds = call

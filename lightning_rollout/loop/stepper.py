@@ -324,17 +324,16 @@ class Stepper:
 
     def _salvage(self, completed: np.ndarray, lost: np.ndarray) -> None:
         """After a failure: settle ``completed``, and the steps in flight that end within 0.5 s (not ``lost``)."""
-        self.settle(completed)
-        self.flying[lost] = False
         end = time.perf_counter() + 0.5
-        while self.flying.any() and time.perf_counter() < end:
+        while True:
+            self.settle(completed)
+            self.flying[lost] = False
+            if not self.flying.any() or time.perf_counter() >= end:
+                return
             try:
-                rows = self.envs.recv(int(self.flying.sum()), POLL_S)
+                completed, lost = self.envs.recv(int(self.flying.sum()), POLL_S), self._no_one
             except EnvFailure as other:
-                self.settle(other.completed)
-                self.flying[other.lost] = False
-                continue
-            self.settle(rows)
+                completed, lost = other.completed, other.lost
 
     def steps_of(self, e: int) -> int:
         """Env ``e``'s steps so far (its episode cursor's while it runs an episode)."""
