@@ -67,13 +67,12 @@ class Delivery:
         by_env = np.arange(done.size).reshape(steps, n).T.reshape(-1)  # the time-major rows, env by env
         traj = self._traj_flat(np.tile(np.arange(n), steps), done.T.reshape(-1), by_env)  # delivered time-major
         out[TRAJ][...] = traj.reshape(steps, n).T
-        first = self.frames + 1
-        self.frames += done.size
         if processor is not None and done.size:  # events in time order, env by env within a step
             by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in out.items()
                        if (isinstance(k, tuple) and k[0] == "_loop") or k in (ENV_ID, VERSION)
                        or k in self.info_next or processor.wants_timesteps}
-            self._emit(by_time, processor, -1, first)
+            self._emit(by_time, processor, -1, self.frames + 1)
+        self.frames += done.size
         self.episodes += int(np.count_nonzero(done))
         return self.layout.to_tensordict(out, [n, steps], names=[None, "time"])
 
@@ -126,8 +125,8 @@ class Delivery:
 
     # -- trajectory ids --------------------------------------------------------------------------------
     def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
-        """Ids of rows delivered in this order (vectorised: each env keeps its id until a done row; new ids in
-        delivery order); ``order``: the rows env by env, if known."""
+        """Ids of rows delivered in this order: each env keeps its id until a done row, new ids in delivery order
+        (``order``: the rows env by env, if known)."""
         n = len(env_ids)
         if n == 0:
             return np.empty(0, dtype=np.int64)

@@ -273,8 +273,7 @@ class Stepper:
         try:
             outputs, version = self.policy(inputs, n, self.mode)
         except PolicyError as exc:
-            error = PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]]))
-            raise error from exc
+            raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]])) from exc
         for k, shape in self.out_shapes.items():
             value = outputs.get(k)
             if value is None or value.shape[1:] != shape:
@@ -455,8 +454,6 @@ class Stepper:
 
     def end_episodes(self, ids: np.ndarray) -> None:
         """Envs ``ids`` (idle) back to step mode: from the fresh episode after their done step, else a new reset."""
-        if not len(ids):
-            return
         self.in_episode[ids] = False
         ep, main = self.episodes, self.main
         main.fit(ids, 2)

@@ -79,9 +79,8 @@ class Layout:
         self.specs: dict[NestedKey, ArraySpec] = {**{k: v for k, v in row.items() if k != SEQ},
                                                   TRAJ: scalar_i, ENV_ID: scalar_i}
 
-    def allocate(self, lead: int | tuple[int, ...], *, ring: bool = False) -> dict[NestedKey, np.ndarray]:
+    def allocate(self, lead: tuple[int, ...], *, ring: bool = False) -> dict[NestedKey, np.ndarray]:
         """Fresh (uninitialised) columns with leading dims ``lead``: a batch's, or with ``ring`` the ring's."""
-        lead = (lead,) if isinstance(lead, int) else lead
         specs = self.step_specs if ring else self.specs
         return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in specs.items()}
 
@@ -179,9 +178,8 @@ class BatchPool:
         self.layout = layout
         self._kept: list[tuple[tuple[int, ...], dict[NestedKey, np.ndarray]]] = []
 
-    def allocate(self, lead: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+    def allocate(self, lead: tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         """Columns with leading dims ``lead``: recycled ones nothing references, else fresh ones."""
-        lead = (lead,) if isinstance(lead, int) else tuple(lead)
         for i, (shape, columns) in enumerate(self._kept):
             if shape == lead and _max_refcount(columns) <= _UNREFERENCED:
                 del self._kept[i]
