@@ -67,12 +67,13 @@ class Delivery:
         by_env = np.arange(done.size).reshape(steps, n).T.reshape(-1)  # the time-major rows, env by env
         traj = self._traj_flat(np.tile(np.arange(n), steps), done.T.reshape(-1), by_env)  # delivered time-major
         out[TRAJ][...] = traj.reshape(steps, n).T
+        first = self.frames + 1
+        self.frames += done.size
         if processor is not None and done.size:  # events in time order, env by env within a step
             by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in out.items()
                        if (isinstance(k, tuple) and k[0] == "_loop") or k in (ENV_ID, VERSION)
                        or k in self.info_next or processor.wants_timesteps}
-            self._emit(by_time, processor, -1, self.frames + 1)
-        self.frames += done.size
+            self._emit(by_time, processor, -1, first)
         self.episodes += int(np.count_nonzero(done))
         return self.layout.to_tensordict(out, [n, steps], names=[None, "time"])
 
