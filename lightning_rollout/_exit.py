@@ -109,8 +109,21 @@ def _intended_status() -> tuple[int, bool]:
     return 1, False  # sys.exit("message"): Python prints it and exits with 1
 
 
-def _exit_now(stuck: list[threading.Thread]) -> None:
-    """End the process without finalizing (``stuck`` threads could abort it there)."""
+@atexit.register
+def _close_live() -> None:
+    with _LOCK:
+        live = [obj for _, obj in sorted(_LIVE.items(), key=lambda item: item[0], reverse=True)]
+    for obj in live:
+        with contextlib.suppress(Exception):  # exiting: nothing to report to
+            obj.close()
+    deadline = time.monotonic() + EXIT_GRACE_S
+    stuck = _still_running()
+    for thread in stuck:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in stuck if t.is_alive()]
+    if not stuck:
+        return
+    # end the process without finalizing (the stuck threads could abort it there)
     code, by_sigint = _intended_status()
     for run in (weakref.finalize._exitfunc, logging.shutdown):  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):  # exiting: nothing to report to
@@ -130,22 +143,6 @@ def _exit_now(stuck: list[threading.Thread]) -> None:
             os.kill(os.getpid(), signal.SIGINT)
         code = 130
     os._exit(code)
-
-
-@atexit.register
-def _close_live() -> None:
-    with _LOCK:
-        live = [obj for _, obj in sorted(_LIVE.items(), key=lambda item: item[0], reverse=True)]
-    for obj in live:
-        with contextlib.suppress(Exception):  # exiting: nothing to report to
-            obj.close()
-    deadline = time.monotonic() + EXIT_GRACE_S
-    stuck = _still_running()
-    for thread in stuck:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t for t in stuck if t.is_alive()]
-    if stuck:
-        _exit_now(stuck)
 
 
 @contextlib.contextmanager

@@ -126,8 +126,7 @@ class _Local(Envs):
             if not u.keys.same_layout(units[0].keys):
                 raise ValueError(f"env {sum(x.rows for x in units[:i])} has specs {u.keys}, env 0 has "
                                  f"{units[0].keys}; all envs of a loop must share their keys, shapes and dtypes")
-        self.units = list(units)
-        self.unit = units[0]
+        self.units, self.unit = list(units), units[0]
         self.bounds = np.cumsum([0, *(u.rows for u in units)])
         self.num_envs = int(self.bounds[-1])
         self.use(Slots.allocate(self.num_envs, inputs={}, next=self.unit.writes, root=self.unit.keys.root))

@@ -167,9 +167,8 @@ class Stepper:
                  step_timeout: float | None, random_steps: int, group: int, stop: threading.Event) -> None:
         self.num_envs = n = envs.num_envs
         self.envs, self.layout, self.policy, self.random_action = envs, layout, policy, random_action
-        self.autobatch_size, self.step_timeout = autobatch_size, step_timeout
+        self.autobatch_size, self.step_timeout, self.stop = autobatch_size, step_timeout, stop
         self.max_wait = math.inf if max_wait is None else max_wait
-        self.stop = stop
         self.main = Cursor(layout, n)
         self.episodes = Cursor(layout, n)
         self.in_episode = np.zeros(n, dtype=bool)

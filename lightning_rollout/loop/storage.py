@@ -42,8 +42,8 @@ class Layout:
         done_keys: done flags (no root columns: false at the root, an env being reset once done).
         env_next: entries a step writes (``Slots.next``) that the loop stores.
         shared: the observations stored once: step ``t``'s ``("next", key)`` is row ``t + 1``'s ``key``.
-        advance: ``(root key, column)``: where each other carried entry comes from after a step.
-        policy_carried: carried entries the env does not provide (zeroed at a reset).
+        advance: ``(root key, column)``: where each other carried entry comes from after a step; ``policy_carried``:
+            the carried entries the env does not provide (zeroed at a reset).
         step_specs: the columns of the ring; ``specs``: those of a batch.
     """
 
@@ -110,9 +110,7 @@ class Ring:
     shared observations are row ``t + 1``'s root entries, or, after a reset, ``final[(t, env)][("next", key)]``."""
 
     def __init__(self, layout: Layout, num_envs: int, capacity: int = 4) -> None:
-        self.layout = layout
-        self.num_envs = num_envs
-        self.capacity = capacity
+        self.layout, self.num_envs, self.capacity = layout, num_envs, capacity
         self.cols = layout.allocate((capacity, num_envs), ring=True)
         self.final: dict[tuple[int, int], dict[NestedKey, np.ndarray]] = {}
 
