@@ -61,8 +61,7 @@ def close_at_exit(obj: _Closable) -> None:
 
 
 def exempt_at_exit(thread: threading.Thread) -> None:
-    """The exit hook neither waits for ``thread`` nor names it: a daemon that only waits on a file descriptor or a
-    lock (never inside a torch call) cannot abort finalization. Safe from any thread."""
+    """The exit hook neither waits for nor names ``thread``, a daemon that only waits on a fd or a lock (any thread)."""
     with _LOCK:
         _EXEMPT.add(thread)
 
@@ -91,13 +90,6 @@ def _record_sys_exit() -> None:
     sys.exit = exit
 
 
-def _still_running() -> list[threading.Thread]:
-    ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
-    with _LOCK:
-        threads = (set(_ABANDONED) | ours) - set(_EXEMPT)
-    return [t for t in threads if t.is_alive() and t is not threading.current_thread()]
-
-
 def _intended_status() -> tuple[int, bool]:
     """``(exit code, killed by SIGINT)`` the interpreter was about to exit with (see the module docs)."""
     last = _last_uncaught()
@@ -117,7 +109,10 @@ def _close_live() -> None:
         with contextlib.suppress(Exception):  # exiting: nothing to report to
             obj.close()
     deadline = time.monotonic() + EXIT_GRACE_S
-    stuck = _still_running()
+    ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+    with _LOCK:
+        threads = (set(_ABANDONED) | ours) - set(_EXEMPT)
+    stuck = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
     for thread in stuck:
         thread.join(max(0.0, deadline - time.monotonic()))
     stuck = [t for t in stuck if t.is_alive()]

@@ -446,10 +446,9 @@ class Stepper:
         self.drain(ids)
         self._cut(e)
         self.in_episode[e] = True
-        ep = self.episodes
-        ep.consumed[e] = ep.t[e]
-        ep.fit(ids, 2)
-        self._reset(ep, ids, [None])
+        self.episodes.consumed[e] = self.episodes.t[e]
+        self.episodes.fit(ids, 2)
+        self._reset(self.episodes, ids, [None])
 
     def end_episodes(self, ids: np.ndarray) -> None:
         """Envs ``ids`` (idle) back to step mode: from the fresh episode after their done step, else a new reset."""
@@ -468,7 +467,6 @@ class Stepper:
     def finish(self, lookahead: bool) -> None:
         """The end of a call: with ``lookahead`` every env with no complete step waiting gets one in flight."""
         if lookahead:
-            main = self.main
-            ids = self.whole_groups(~self.flying & (main.t == main.consumed) & ~self.in_episode)
+            ids = self.whole_groups(~self.flying & (self.main.t == self.main.consumed) & ~self.in_episode)
             if len(ids):
                 self.send(ids)
