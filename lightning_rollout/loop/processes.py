@@ -2,7 +2,7 @@
 child processes the others (a :class:`SerialEnvs` each), one message a shard a step, over
 :class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
 The parent sends ``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)``, ``("close",)``; a child
-answers ``("started",)``, ``("ready", unit description, roots)``, ``("ok", kind, rows)`` or
+answers ``("started",)``, ``("ready", keys, roots)``, ``("ok", kind, rows)`` or
 ``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``, not daemonic (an env may
 start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
 """
@@ -328,28 +328,30 @@ class ProcessEnvs(Envs):
         count = sum(len(r) for r in ready)
         deadline = time.perf_counter() + wait
         busy = {child.conn: child for child in self.children if child.calls}
-        while busy or self._local_left:
-            if self._local_left:  # shard 0: stepped now (SerialEnvs), or answered by its pool threads
-                got = self.local.recv(self._local_left, 0.0 if busy else min(POLL_S, wait))
-                if len(got):
+        try:
+            while busy or self._local_left:
+                if self._local_left:  # shard 0: stepped now (SerialEnvs), or answered by its pool threads
+                    got = self.local.recv(self._local_left, 0.0 if busy else min(POLL_S, wait))
+                    if len(got):
+                        ready.append(got)
+                        count += len(got)
+                        self._local_left -= len(got)
+                timeout = 0.0 if count >= min_rows else max(0.0, min(POLL_S, deadline - time.perf_counter()))
+                answered = wait_for(list(busy), timeout) if busy else []
+                for conn in answered:
+                    child = busy[conn]
+                    got = self._answer(child)[1]
+                    if not child.calls:
+                        del busy[conn]
                     ready.append(got)
                     count += len(got)
-                    self._local_left -= len(got)
-            timeout = 0.0 if count >= min_rows else max(0.0, min(POLL_S, deadline - time.perf_counter()))
-            answered = wait_for(list(busy), timeout) if busy else []
-            for conn in answered:
-                child = busy[conn]
-                try:
-                    got = self._answer(child)[1]
-                except EnvFailure as failure:
-                    failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
-                    raise
-                if not child.calls:
-                    del busy[conn]
-                ready.append(got)
-                count += len(got)
-            if not answered and (count >= min_rows or time.perf_counter() >= deadline):
-                break
+                if not answered and (count >= min_rows or time.perf_counter() >= deadline):
+                    break
+        except EnvFailure as failure:
+            if failure.process is None:  # shard 0's rows of that call answered or lost
+                self._local_left -= len(failure.completed) + len(failure.lost)
+            failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
+            raise
         if not ready:
             return np.empty(0, dtype=np.int64)
         return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]

@@ -48,16 +48,15 @@ class Layout:
     """
 
     def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
-        env_root = keys.root
         self.keys, self.loop_keys = keys, loop_keys
         self.out_keys = list(outputs)
         self.action_keys = [k for k in keys.action if k in outputs]
         policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
                        if isinstance(k, tuple) and k[0] == "next"}
-        fed_back = {k: spec for k, spec in policy_next.items() if k not in env_root and k not in keys.next}
+        fed_back = {k: spec for k, spec in policy_next.items() if k not in keys.root and k not in keys.next}
         kept = {k: spec for k, spec in outputs.items() if not (isinstance(k, tuple) and k[0] == "next")
-                and k not in keys.action and k not in env_root and k not in fed_back}
-        self.carried = {**env_root, **fed_back, **kept}
+                and k not in keys.action and k not in keys.root and k not in fed_back}
+        self.carried = {**keys.root, **fed_back, **kept}
         self.policy_carried = [*fed_back, *kept]
         self.done_keys = list(keys.done)
         skip = set(GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
