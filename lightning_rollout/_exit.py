@@ -53,7 +53,7 @@ _LAST_UNCAUGHT_AT_IMPORT = _last_uncaught()
 
 
 def close_at_exit(obj: _Closable) -> None:
-    """Close ``obj`` at interpreter exit if it is still alive then (weak reference); again: keeps its first place."""
+    """Close ``obj`` at interpreter exit if still alive (weak reference); registered again, it keeps its place."""
     with _LOCK:
         if not any(o is obj for o in _LIVE.values()):
             _LIVE[next(_ORDER)] = obj
@@ -67,8 +67,7 @@ def exempt_at_exit(thread: threading.Thread) -> None:
 
 
 def abandon(thread: threading.Thread) -> None:
-    """Record a daemon ``thread`` left running after a timeout: waited for at exit (see the module docstring).
-    Safe from any thread; a thread that has ended is ignored."""
+    """Record a daemon ``thread`` left running after a timeout, to wait for at exit (see the module docstring)."""
     with _LOCK:
         _ABANDONED.add(thread)
     _record_sys_exit()
