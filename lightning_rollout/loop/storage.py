@@ -134,8 +134,7 @@ class Ring:
 
     def gather(self, steps: np.ndarray, envs: np.ndarray, out: dict[NestedKey, np.ndarray]) -> None:
         """Copy step ``steps[...]`` of ``envs[...]`` (index arrays of ``out``'s leading shape) into ``out``."""
-        rows = steps % self.capacity
-        nxt = (steps + 1) % self.capacity
+        rows, nxt = steps % self.capacity, (steps + 1) % self.capacity
         for k, dst in out.items():
             root = self.layout.shared_next.get(k)
             if root is not None:
