@@ -1,21 +1,19 @@
 """Interpreter exit: close running loops and policies, and never let an abandoned thread abort the process.
 
-* One ``atexit`` hook closes every object registered with :func:`close_at_exit` (held weakly) that is still
-  alive, the last registered first, before ``multiprocessing``'s own hook joins child processes.
-* A thread **abandoned** after a timeout (:func:`abandon`: an env call past ``step_timeout``, a forward pass
-  past ``policy_timeout``, a join past ``join_timeout``) cannot be stopped; killed inside a torch call at
-  finalization, it aborts the process (exit status -6). So the hook waits up to :data:`EXIT_GRACE_S` seconds
-  for every ``lightning_rollout-*`` thread (except those of :func:`exempt_at_exit`); if one still runs, it
-  flushes ``logging`` and the std streams, names the threads on stderr and ends with :func:`os._exit`, with
-  the exit code the script was about to exit with: ``sys.exit``'s code from the main thread, 1 after an
-  uncaught exception, death by ``SIGINT`` after a ``KeyboardInterrupt``, else 0. ``logging.shutdown`` and
-  ``weakref.finalize`` callbacks run first; other exit handlers registered before this module are skipped.
+One ``atexit`` hook closes every object of :func:`close_at_exit` still alive, the last registered first (before
+``multiprocessing``'s hook joins child processes). A thread abandoned after a timeout (:func:`abandon`) cannot be
+stopped, and killed inside a torch call at finalization it aborts the process; so the hook waits up to
+:data:`EXIT_GRACE_S` s for every ``lightning_rollout-*`` thread (but those of :func:`exempt_at_exit`), and if one
+still runs it names them on stderr and ends with :func:`os._exit`, with the exit code the script was about to exit
+with (``sys.exit``'s, 1 after an uncaught exception, death by ``SIGINT`` after a ``KeyboardInterrupt``, else 0).
+``logging.shutdown`` and ``weakref.finalize`` run first; exit handlers registered before this module are skipped.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing.util  # noqa: F401 (imported first: its exit hook then runs after ours)
@@ -55,8 +53,7 @@ _LAST_UNCAUGHT_AT_IMPORT = _last_uncaught()
 
 
 def close_at_exit(obj: _Closable) -> None:
-    """Close ``obj`` at interpreter exit if it is still alive then (weak reference). Objects are closed
-    the last registered first. Registering an object again keeps its first place."""
+    """Close ``obj`` at interpreter exit if still alive (weak reference); registered again, it keeps its place."""
     with _LOCK:
         if not any(o is obj for o in _LIVE.values()):
             _LIVE[next(_ORDER)] = obj
@@ -64,20 +61,13 @@ def close_at_exit(obj: _Closable) -> None:
 
 
 def exempt_at_exit(thread: threading.Thread) -> None:
-    """The exit hook neither waits for ``thread`` nor names it, whatever its name: a daemon that only
-    waits on a file descriptor or a lock (never inside a torch call) cannot abort finalization. Safe
-    from any thread."""
+    """The exit hook neither waits for nor names ``thread``, a daemon that only waits on a fd or a lock (any thread)."""
     with _LOCK:
         _EXEMPT.add(thread)
 
 
 def abandon(thread: threading.Thread) -> None:
-    """Record a daemon ``thread`` left running after a timeout (it cannot be stopped).
-
-    At exit it is waited for at most :data:`EXIT_GRACE_S` seconds; if it still runs
-    then, the process ends with :func:`os._exit` instead of finalizing (see the
-    module docs). Safe from any thread; a thread that has ended is ignored.
-    """
+    """Record a daemon ``thread`` left running after a timeout, to wait for at exit (see the module docstring)."""
     with _LOCK:
         _ABANDONED.add(thread)
     _record_sys_exit()
@@ -89,24 +79,14 @@ def _record_sys_exit() -> None:
         return
     original = sys.exit
 
+    @functools.wraps(original)
     def exit(status: Any = None) -> None:  # noqa: A001 (same name and signature as sys.exit)
         if threading.current_thread() is threading.main_thread():
             _EXIT_STATUS[:] = [status]
         original(status)
 
-    exit.__doc__ = original.__doc__
     exit._lightning_rollout_wrapped = True  # type: ignore[attr-defined]
-    exit.__wrapped__ = original  # type: ignore[attr-defined]
     sys.exit = exit
-
-
-def _still_running() -> list[threading.Thread]:
-    with _LOCK:
-        abandoned = set(_ABANDONED)
-        exempt = set(_EXEMPT)
-    current = threading.current_thread()
-    ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
-    return [t for t in (abandoned | ours) - exempt if t.is_alive() and t is not current]
 
 
 def _intended_status() -> tuple[int, bool]:
@@ -115,43 +95,9 @@ def _intended_status() -> tuple[int, bool]:
     if last is not None and last is not _LAST_UNCAUGHT_AT_IMPORT:  # an uncaught exception ended the script
         return 1, isinstance(last, KeyboardInterrupt)
     status = _EXIT_STATUS[0] if _EXIT_STATUS else None
-    if status is None:
-        return 0, False
-    if isinstance(status, int):  # bools included, as Python does
-        return int(status) & 0xFF, False
+    if status is None or isinstance(status, int):  # bools included, as Python does
+        return int(status or 0) & 0xFF, False
     return 1, False  # sys.exit("message"): Python prints it and exits with 1
-
-
-def _exit_now(stuck: list[threading.Thread]) -> None:
-    """End the process without finalizing (``stuck`` threads could abort it there)."""
-    code, by_sigint = _intended_status()
-    for run in (weakref.finalize._exitfunc, logging.shutdown):  # type: ignore[attr-defined]
-        try:
-            run()
-        except Exception:  # exiting: nothing to report to
-            pass
-    names = sorted(t.name for t in stuck)
-    how = "by SIGINT (KeyboardInterrupt)" if by_sigint and os.name == "posix" else f"with os._exit({code})"
-    try:
-        print(f"lightning_rollout: thread(s) {names} abandoned after a timeout are still running at interpreter "
-              f"exit; ending the process {how} so they cannot crash its finalization",
-              file=sys.stderr)
-    except Exception:  # stderr closed
-        pass
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # a closed or broken stream
-            pass
-    if by_sigint and os.name == "posix":  # POSIX: die by SIGINT, as Python does after a KeyboardInterrupt
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        except (OSError, ValueError):
-            pass
-        code = 130
-    os._exit(code)
 
 
 @atexit.register
@@ -159,24 +105,44 @@ def _close_live() -> None:
     with _LOCK:
         live = [obj for _, obj in sorted(_LIVE.items(), key=lambda item: item[0], reverse=True)]
     for obj in live:
-        try:
+        with contextlib.suppress(Exception):  # exiting: nothing to report to
             obj.close()
-        except Exception:  # exiting: nothing to report to
-            pass
     deadline = time.monotonic() + EXIT_GRACE_S
-    stuck = _still_running()
+    ours = {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+    with _LOCK:
+        threads = (set(_ABANDONED) | ours) - set(_EXEMPT)
+    stuck = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
     for thread in stuck:
         thread.join(max(0.0, deadline - time.monotonic()))
     stuck = [t for t in stuck if t.is_alive()]
-    if stuck:
-        _exit_now(stuck)
+    if not stuck:
+        return
+    # end the process without finalizing (the stuck threads could abort it there)
+    code, by_sigint = _intended_status()
+    for run in (weakref.finalize._exitfunc, logging.shutdown):  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):  # exiting: nothing to report to
+            run()
+    names = sorted(t.name for t in stuck)
+    how = "by SIGINT (KeyboardInterrupt)" if by_sigint and os.name == "posix" else f"with os._exit({code})"
+    with contextlib.suppress(Exception):  # stderr closed
+        print(f"lightning_rollout: thread(s) {names} abandoned after a timeout are still running at interpreter "
+              f"exit; ending the process {how} so they cannot crash its finalization", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):  # a closed or broken stream
+            if stream is not None:
+                stream.flush()
+    if by_sigint and os.name == "posix":  # POSIX: die by SIGINT, as Python does after a KeyboardInterrupt
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    os._exit(code)
 
 
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread for the block: processes started meanwhile (worker processes, a ``ParallelEnv``'s)
-    start with it blocked (kept across ``exec``), so a Ctrl-C reaching the process group is this process's alone. A
-    SIGINT arriving meanwhile waits until the block ends: none is lost."""
+    """SIGINT blocked in this thread for the block: processes started meanwhile start with it blocked (kept across
+    ``exec``), so a Ctrl-C to the process group is ours alone; one arriving meanwhile waits for the block's end."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return

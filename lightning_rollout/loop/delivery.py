@@ -21,11 +21,7 @@ __all__ = ["Delivery"]
 
 class Delivery:
     """Copies steps out into batches, numbers trajectories and emits events (the collecting thread only).
-
-    Attributes:
-        frames, episodes: transitions and episodes delivered by training calls.
-        next_traj: the id the next new trajectory gets.
-    """
+    ``frames``, ``episodes``: those delivered by training calls; ``next_traj``: the next new trajectory's id."""
 
     def __init__(self, layout: Layout, num_envs: int, *, traj_id_start: int, info_keys: Sequence[NestedKey],
                  eval: bool) -> None:
@@ -51,14 +47,11 @@ class Delivery:
         out = self.pool.allocate(steps.shape)
         cursor.ring.gather(steps, envs, out)
         if self.layout.loop_keys:  # a gymnasium env's "next" flags and counters, from the bookkeeping
-            term, trunc = out[TERMINATED], out[TRUNCATED]
-            out["next", "reward"][..., 0] = out[REWARD]
-            out["next", "terminated"][..., 0] = term
-            out["next", "truncated"][..., 0] = trunc
-            out["next", "done"][..., 0] = term | trunc
+            for key, col in (("reward", REWARD), ("terminated", TERMINATED), ("truncated", TRUNCATED),
+                             ("step_count", LENGTH), ("episode_reward", RETURN)):
+                out["next", key][..., 0] = out[col]
+            out["next", "done"][..., 0] = out[TERMINATED] | out[TRUNCATED]
             out["next", "is_init"][...] = False
-            out["next", "step_count"][..., 0] = out[LENGTH]
-            out["next", "episode_reward"][..., 0] = out[RETURN]
         out[ENV_ID][...] = envs
         return out
 
@@ -71,14 +64,16 @@ class Delivery:
         cursor.consumed += steps
         cursor.ring.forget(cursor.consumed)
         done = out[TERMINATED] | out[TRUNCATED]
-        out[TRAJ][...] = self._traj_env_time(done)
+        by_env = np.arange(done.size).reshape(steps, n).T.reshape(-1)  # the time-major rows, env by env
+        traj = self._traj_flat(np.tile(np.arange(n), steps), done.T.reshape(-1), by_env)  # delivered time-major
+        out[TRAJ][...] = traj.reshape(steps, n).T
         first = self.frames + 1
         self.frames += done.size
         if processor is not None and done.size:  # events in time order, env by env within a step
             by_time = {k: np.ascontiguousarray(v.swapaxes(0, 1)).reshape(-1, *v.shape[2:]) for k, v in out.items()
                        if (isinstance(k, tuple) and k[0] == "_loop") or k in (ENV_ID, VERSION)
                        or k in self.info_next or processor.wants_timesteps}
-            self._emit(by_time, range(done.size), processor, -1, first)
+            self._emit(by_time, processor, -1, first)
         self.episodes += int(np.count_nonzero(done))
         return self.layout.to_tensordict(out, [n, steps], names=[None, "time"])
 
@@ -99,12 +94,11 @@ class Delivery:
         cols = {k: np.empty((len(envs), *self.layout.specs[k].shape), self.layout.specs[k].dtype) for k in keys}
         cursor.ring.gather(steps, envs, cols)
         cols[ENV_ID] = envs
-        self._emit(cols, range(len(envs)), processor, -1, self.frames + self.announced + 1)
+        self._emit(cols, processor, -1, self.frames + self.announced + 1)
         self.announced += len(envs)
 
     def flat(self, cursor: Cursor, frames: int) -> TensorDict:
-        """The first ``frames`` complete steps not handed out yet, in arrival order: ``[frames]`` (their events
-        went out through :meth:`announce`)."""
+        """The first ``frames`` complete steps not handed out, in arrival order (events went out: :meth:`announce`)."""
         steps, envs = self.pending(cursor)
         steps, envs = steps[:frames], envs[:frames]
         out = self._gather(cursor, steps, envs)
@@ -125,22 +119,22 @@ class Delivery:
         out[TRAJ][...] = self.next_traj
         self.next_traj += 1
         if processor is not None:
-            self._emit(out, range(len(steps)), processor, total, finished)
+            self._emit(out, processor, total, finished)
         if not self.eval:
             self.episodes += 1
         return self.layout.to_tensordict(out, [len(steps)])
 
     # -- trajectory ids --------------------------------------------------------------------------------
-    def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray) -> np.ndarray:
-        """Ids of rows delivered in this order (vectorised: each env keeps its id until a done row; new ids in
-        delivery order)."""
+    def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+        """Ids of rows delivered in this order: each env keeps its id until a done row, new ids in delivery order
+        (``order``: the rows env by env, if known)."""
         n = len(env_ids)
         if n == 0:
             return np.empty(0, dtype=np.int64)
         done = done.astype(np.int64)
         new_ids = np.empty(n, dtype=np.int64)
         new_ids[done > 0] = self.next_traj + np.arange(int(done.sum()), dtype=np.int64)
-        order = np.argsort(env_ids, kind="stable")
+        order = np.argsort(env_ids, kind="stable") if order is None else order
         env, d = env_ids[order], done[order]
         starts = np.flatnonzero(np.r_[True, env[1:] != env[:-1]])
         group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
@@ -158,29 +152,11 @@ class Delivery:
         self.next_traj += int(done.sum())
         return traj
 
-    def _traj_env_time(self, done: np.ndarray) -> np.ndarray:
-        """Ids of ``[num_envs, T]`` steps delivered in time order, env by env within a step."""
-        by_time = done.T
-        if not len(by_time):
-            return np.empty(done.shape, dtype=np.int64)
-        count = int(np.count_nonzero(by_time))
-        new = np.full(by_time.shape, -1, dtype=np.int64)
-        new[by_time] = self.next_traj + np.arange(count, dtype=np.int64)
-        traj = np.empty(by_time.shape, dtype=np.int64)
-        traj[0] = self.cur_traj
-        started = np.maximum.accumulate(new[:-1], axis=0)
-        traj[1:] = np.where(started >= 0, started, self.cur_traj)
-        last = np.maximum.reduce(new, axis=0)
-        self.cur_traj = np.where(last >= 0, last, self.cur_traj)
-        self.next_traj += count
-        return traj.T
-
     # -- events ------------------------------------------------------------------------------------------
-    def _emit(self, cols: dict[NestedKey, np.ndarray], rows: range, processor: EventProcessor, total: int,
-              first: int) -> None:
-        """Events for rows ``rows`` of ``cols``; row ``rows[i]`` is frame (or finished episode) ``first + i``."""
+    def _emit(self, cols: dict[NestedKey, np.ndarray], processor: EventProcessor, total: int, first: int) -> None:
+        """Events for the rows of ``cols``; row ``i`` is frame (or finished episode) ``first + i``."""
         wants_steps = processor.wants_timesteps
-        terminated, truncated = cols[TERMINATED][rows], cols[TRUNCATED][rows]
+        terminated, truncated = cols[TERMINATED], cols[TRUNCATED]
         done = terminated | truncated
         if not wants_steps and not done.any():
             return
@@ -188,16 +164,15 @@ class Delivery:
         on_end = processor.on_eval_episode_end if self.eval else processor.on_episode_end
         extras = [k for k in self.layout.out_keys if k != "action"]
         env_id, version, length, ret = cols[ENV_ID], cols[VERSION], cols[LENGTH], cols[RETURN]
-        for i in (range(len(rows)) if wants_steps else np.flatnonzero(done).tolist()):
-            r = rows[i]
-            progress = Progress(first + (i if total < 0 else 0), total)
+        for r in (range(len(done)) if wants_steps else np.flatnonzero(done).tolist()):
+            progress = Progress(first + (r if total < 0 else 0), total)
             if wants_steps:
                 on_step(TimeStep(env_id=int(env_id[r]), reward=float(cols[REWARD][r]), step_count=int(length[r]),
-                                 episode_reward=float(ret[r]), terminated=bool(terminated[i]),
-                                 truncated=bool(truncated[i]), policy_version=int(version[r]), progress=progress,
+                                 episode_reward=float(ret[r]), terminated=bool(terminated[r]),
+                                 truncated=bool(truncated[r]), policy_version=int(version[r]), progress=progress,
                                  context={k: cols[k][r] for k in extras}, eval=self.eval))
-            if done[i]:
+            if done[r]:
                 on_end(EpisodeEnd(env_id=int(env_id[r]), length=int(length[r]), reward=float(ret[r]),
-                                  terminated=bool(terminated[i]), truncated=bool(truncated[i]),
+                                  terminated=bool(terminated[r]), truncated=bool(truncated[r]),
                                   policy_version=int(version[r]), progress=progress, eval=self.eval,
                                   info={k: np.array(cols[next_key(k)][r]) for k in self.info_keys}))

@@ -1,12 +1,9 @@
-"""Executors: a vector env of ``num_envs`` rows over units, in envpool's ``send`` / ``recv`` shape.
-
-The stepping loop writes the stepped envs' inputs into ``slots.inputs`` and calls :meth:`Envs.send`;
-:meth:`Envs.recv` returns the rows whose step ended, their results in ``slots`` (``"next"`` entries, reward,
-flags, and a done env's reset root entries). :class:`SerialEnvs` steps every unit in the calling thread at
-``recv``; :class:`ThreadEnvs` gives each unit a pool thread (``lightning_rollout-<name>-env<i>``: for steps
-that release the GIL, or a ``step_timeout``); :class:`~lightning_rollout.loop.processes.ProcessEnvs` puts
-shards in worker processes. A unit's rows are sent whole. One thread drives an executor; ``close`` may run in
-any.
+"""Executors: a vector env of ``num_envs`` rows over units, in envpool's ``send`` / ``recv`` shape: the loop writes
+the inputs into ``slots.inputs`` and sends rows; ``recv`` returns the rows whose step ended, their results in
+``slots``. :class:`SerialEnvs` steps every unit in the calling thread at ``recv``; :class:`ThreadEnvs` gives each
+unit a pool thread (``lightning_rollout-<name>-env<i>``); :class:`~lightning_rollout.loop.processes.ProcessEnvs`
+puts shards in worker processes. A unit's rows are sent whole. One thread drives an executor; ``close`` may run
+in any.
 """
 
 from __future__ import annotations
@@ -17,9 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 import gymnasium as gym
+import numpy as np
+import torch
+from torchrl.envs import EnvBase
 
 from .._exit import abandon, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
@@ -36,14 +34,12 @@ class Envs:
     Attributes:
         num_envs: rows.
         unit: a unit like those stepped (one env's keys and specs; ``unit.loop_keys``, ``unit.partial``).
-        bounds: ``[units + 1]`` first row of each unit (and ``num_envs``).
         slots: the per-row arrays (:class:`~lightning_rollout.envs.Slots`); ``inputs`` allocated by :meth:`attach`.
         roots: ``[num_envs, ...]`` every env's root entries after its first (seeded) reset.
     """
 
     num_envs: int
     unit: Unit
-    bounds: np.ndarray
     slots: Slots
     roots: dict[NestedKey, np.ndarray]
 
@@ -76,8 +72,6 @@ class Envs:
 def batch_rows(env: Any) -> int | None:
     """The envs a natively batched ``env`` steps in one call (a TorchRL env with a batch size, a gymnasium vector
     env, envpool); ``None`` for a single env."""
-    from torchrl.envs import EnvBase
-
     if isinstance(env, EnvBase):
         return int(env.batch_size.numel()) if tuple(env.batch_size) else None
     if isinstance(env, gym.vector.VectorEnv):
@@ -89,40 +83,36 @@ def batch_rows(env: Any) -> int | None:
 def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_steps: int | None, validate: bool,
                 info_keys: InfoKeys | None, parallel: bool = False) -> list[Unit]:
     """The units of envs made by ``factories`` (one a row): ``group`` envs a unit, a natively batched env a unit
-    of its own (its factory repeated for its rows; not with ``parallel``). Built envs are closed when one fails.
-
-    Raises:
-        EnvFailure: a factory raised (phase ``"reset"``, named by its row). ValueError: an env no unit takes, or a
-            natively batched env that does not fit ``group``.
-    """
+    of its own (its factory repeated for its rows; not with ``parallel``); built envs are closed when one fails.
+    Raises EnvFailure (a factory raised, named by its row), ValueError (an env no unit takes, or a natively
+    batched env that does not fit ``group``)."""
     units: list[Unit] = []
+    envs: list[Any] = []
     i = 0
     try:
         while i < len(factories):
-            envs = []
             for j in range(i, min(i + group, len(factories))):
                 try:
-                    env = factories[j]()
+                    envs.append(factories[j]())
                 except Exception as exc:
-                    close_quietly(envs)
                     raise EnvFailure(j, "reset", "env", exc) from exc
-                envs.append(env)
-                batch = batch_rows(env)
-                if batch is not None:
-                    if parallel:
-                        close_quietly(envs)
-                        raise ValueError(f"parallel_steps=True steps each env in a pool thread; a natively batched "
-                                         f"env steps its {batch} envs in one call: leave parallel_steps out")
-                    if len(factories) % batch or group != batch:
-                        close_quietly(envs)
-                        raise ValueError(
-                            f"the env factory makes a natively batched env of {batch} envs, stepped in one call: "
-                            f"num_envs ({len(factories)}) must be a multiple of {batch} and envs_per_thread "
-                            f"({group}) equal to it; pass envs_per_thread={batch}")
-                    break
-            units.append(make_unit(envs, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys))
+                batch = batch_rows(envs[-1])
+                if batch is None:
+                    continue
+                if parallel:
+                    raise ValueError(f"parallel_steps=True steps each env in a pool thread; a natively batched "
+                                     f"env steps its {batch} envs in one call: leave parallel_steps out")
+                if len(factories) % batch or group != batch:
+                    raise ValueError(
+                        f"the env factory makes a natively batched env of {batch} envs, stepped in one call: "
+                        f"num_envs ({len(factories)}) must be a multiple of {batch} and envs_per_thread "
+                        f"({group}) equal to it; pass envs_per_thread={batch}")
+                break
+            built, envs = envs, []  # make_unit closes them if it refuses them
+            units.append(make_unit(built, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys))
             i += units[-1].rows
     except BaseException:
+        close_quietly(envs)
         close_quietly(units)
         raise
     return units
@@ -136,13 +126,12 @@ class _Local(Envs):
             if not u.keys.same_layout(units[0].keys):
                 raise ValueError(f"env {sum(x.rows for x in units[:i])} has specs {u.keys}, env 0 has "
                                  f"{units[0].keys}; all envs of a loop must share their keys, shapes and dtypes")
-        self.units = list(units)
-        self.unit = units[0]
+        self.units, self.unit = list(units), units[0]
         self.bounds = np.cumsum([0, *(u.rows for u in units)])
         self.num_envs = int(self.bounds[-1])
         self.use(Slots.allocate(self.num_envs, inputs={}, next=self.unit.writes, root=self.unit.keys.root))
         with sigint_blocked():  # a batched env (ParallelEnv) starts its processes here: Ctrl-C stays ours
-            self._reset_units(np.arange(self.num_envs), seeds)
+            _Local.reset(self, np.arange(self.num_envs), seeds)  # the pool threads start later
         self.roots = {k: v.copy() for k, v in self.slots.root.items()}
 
     def use(self, slots: Slots) -> None:
@@ -176,7 +165,7 @@ class _Local(Envs):
             out.append((u, local, [seed_of.get(r + a) for r in local]))
         return out
 
-    def _reset_units(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
+    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
         for u, local, mine in self._seeded(rows, seeds):
             try:
                 self.units[u].reset(local, mine)
@@ -201,16 +190,12 @@ class SerialEnvs(_Local):
         super().__init__(units, seeds)
         self._sent: list[np.ndarray] = []
 
-    def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
-        self._reset_units(rows, seeds)
-
     def send(self, rows: np.ndarray) -> None:
         self._sent.append(rows)
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         if not self._sent:
-            if wait > 0:
-                time.sleep(min(wait, POLL_S))
+            time.sleep(min(wait, POLL_S))
             return np.empty(0, dtype=np.int64)
         rows = self._sent[0] if len(self._sent) == 1 else np.sort(np.concatenate(self._sent))
         self._sent = []
@@ -239,16 +224,8 @@ class _PoolThread:
         self.thread.start()
 
     def _main(self) -> None:
-        import torch
-
         torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
-        while not self.stop.is_set():
-            try:
-                call = self.calls.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if call is None:
-                return
+        while (call := self.calls.get()) is not None and not self.stop.is_set():  # close() sends None
             kind, rows, seeds = call
             try:
                 if kind == "step":
@@ -271,8 +248,7 @@ class ThreadEnvs(_Local):
         self._answers: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.pool = [_PoolThread(i, u, self._answers, self._stop, f"lightning_rollout-{name}-env{int(a)}")
                      for i, (u, a) in enumerate(zip(self.units, self.bounds))]
-        self._ready: list[np.ndarray] = []
-        self._count = 0
+        self._ready: list[np.ndarray] = []  # rows of the steps answered, for recv
         self._abandoned: set[threading.Thread] = set()
 
     def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
@@ -285,8 +261,8 @@ class ThreadEnvs(_Local):
             thread.calls.put((kind, part[1], part[2] if kind == "reset" else None))
         return len(parts)
 
-    def _answer(self, timeout: float) -> tuple[str, np.ndarray] | None:
-        """The next answer (its kind and rows), ``None`` when none came within ``timeout``."""
+    def _answer(self, timeout: float) -> str | None:
+        """The next answer's kind (a step's rows kept for :meth:`recv`), ``None`` when none came within ``timeout``."""
         try:
             u, kind, result = self._answers.get(timeout=timeout)
         except queue.Empty:
@@ -295,19 +271,17 @@ class ThreadEnvs(_Local):
         if isinstance(result, EnvFailure):
             failure = result.shifted(a)
             failure.completed = np.concatenate([*self._ready, failure.completed])  # answers before it stay
-            self._ready, self._count = [], 0
+            self._ready = []
             raise failure from result.cause
-        return kind, (np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a
+        if kind == "step":
+            self._ready.append((np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a)
+        return kind
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
         waiting = self._call("reset", rows, seeds)
         while waiting and not self._stop.is_set():
-            answer = self._answer(POLL_S)
-            if answer is not None and answer[0] == "reset":
+            if self._answer(POLL_S) == "reset":
                 waiting -= 1
-            elif answer is not None:  # another unit's step: kept for recv
-                self._ready.append(answer[1])
-                self._count += len(answer[1])
 
     def send(self, rows: np.ndarray) -> None:
         self._call("step", rows)
@@ -316,14 +290,10 @@ class ThreadEnvs(_Local):
         deadline = time.perf_counter() + wait
         while True:
             remaining = deadline - time.perf_counter()
-            got = self._answer(0.0 if self._count >= min_rows or remaining <= 0 else min(remaining, POLL_S))
-            if got is None:
-                if self._count >= min_rows or remaining <= 0:
-                    break
-                continue
-            self._ready.append(got[1])
-            self._count += len(got[1])
-        ready, self._ready, self._count = self._ready, [], 0
+            enough = remaining <= 0 or sum(len(r) for r in self._ready) >= min_rows
+            if self._answer(0.0 if enough else min(remaining, POLL_S)) is None and enough:
+                break
+        ready, self._ready = self._ready, []
         if not ready:
             return np.empty(0, dtype=np.int64)
         return ready[0] if len(ready) == 1 else np.sort(np.concatenate(ready))

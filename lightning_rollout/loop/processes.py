@@ -1,15 +1,10 @@
-"""Worker processes: ``num_workers`` contiguous shards of whole units; the stepping thread steps shard 0 itself
-(between sending the children their steps and reading their answers), child processes the others (a
-:class:`SerialEnvs` each), one message a shard a step. The :class:`~lightning_rollout.envs.Slots` are torch
-tensors in shared memory, numpy on both sides; a message orders every write before the other side reads.
+"""Worker processes: ``num_workers`` contiguous shards of whole units; the stepping thread steps shard 0 itself,
+child processes the others (a :class:`SerialEnvs` each), one message a shard a step, over
+:class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
 The parent sends ``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)``, ``("close",)``; a child
-answers ``("started",)``, ``("ready", unit description, roots)``, ``("ok", kind, rows)`` or
-``("failed", row, phase, kind, text, completed, lost)``.
-
-Children start with ``spawn``, not daemonic (an env may start processes), SIGINT ignored (Ctrl-C is the
-parent's), torch on one thread, a watchdog ending them with the parent, and ``os._exit`` once their envs are
-closed. :meth:`ProcessEnvs.close` asks each to close, joins it within a bound, then terminates and kills it. A
-daemonic process (a ``DataLoader`` worker) cannot have children: worker processes are refused there.
+answers ``("started",)``, ``("ready", keys, roots)``, ``("ok", kind, rows)`` or
+``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``, not daemonic (an env may
+start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
 """
 
 from __future__ import annotations
@@ -30,15 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._exit import close_at_exit, exempt_at_exit, sigint_blocked
+from .._exit import exempt_at_exit, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, Explained, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
-from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
+from .executors import POLL_S, Envs, SerialEnvs, ThreadEnvs, build_units
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
-_POLL_S = 0.05
+_BUILD_TIMEOUT_S = 120.0  # seconds a child may take to build and reset its envs
 _FDS = ("; if this process ran out of file descriptors, raise the open-files limit (ulimit -n) or use fewer worker "
         "processes")
 
@@ -63,28 +58,15 @@ def check_picklable(factories: Sequence[EnvFactory]) -> list[bytes]:
     return [blobs[id(factory)] for factory in factories]
 
 
-def _shared_slots(rows: int, inputs: dict[NestedKey, ArraySpec], nxt: dict[NestedKey, ArraySpec],
-                  root: dict[NestedKey, ArraySpec]) -> tuple[Slots, tuple[Any, ...]]:
-    """Slots over torch tensors in shared memory, and those tensors as :func:`_slots` takes them (sent to a child)."""
-    tensors: dict[int, torch.Tensor] = {}
-
-    def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        tensor = torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_()
-        array = tensor.numpy()
-        tensors[id(array)] = tensor
-        return array
-
-    slots = Slots.allocate(rows, inputs=inputs, next=nxt, root=root, make=make)
-    t = lambda a: tensors[id(a)]  # noqa: E731
-    return slots, ({k: t(v) for k, v in slots.inputs.items()}, {k: t(v) for k, v in slots.next.items()},
-                   {k: t(v) for k, v in slots.root.items()}, t(slots.reward), t(slots.terminated),
-                   t(slots.truncated), t(slots.reset))
+def _shared_zeros(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """A torch tensor of zeros in shared memory (slots of these are sent to a child: :func:`_numpy` reads them)."""
+    return torch.zeros(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_()
 
 
-def _slots(tensors: tuple[Any, ...]) -> Slots:
-    inputs, nxt, root, *rest = tensors
-    return Slots({k: v.numpy() for k, v in inputs.items()}, {k: v.numpy() for k, v in nxt.items()},
-                 {k: v.numpy() for k, v in root.items()}, *(v.numpy() for v in rest))
+def _numpy(tensors: Slots) -> Slots:
+    """``tensors`` as numpy arrays over the same memory."""
+    return Slots(*({k: v.numpy() for k, v in f.items()} if isinstance(f, dict) else f.numpy()
+                   for f in vars(tensors).values()))
 
 
 def _watch_parent() -> None:
@@ -106,6 +88,15 @@ def _send(conn: Any, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def _factory(i: int, blob: bytes) -> EnvFactory:
+    try:
+        return pickle.loads(blob)
+    except BaseException as exc:  # noqa: BLE001 - named, then reported
+        raise EnvFailure(i, "reset", "env", _explained(
+            f"the env factory could not be unpickled in the worker process ({type(exc).__name__}: {exc}); "
+            "it must be importable in a fresh process (a module's function or class)", exc)) from exc
+
+
 def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, group: int,
                 options: dict[str, Any]) -> None:
     """A worker process: build its shard, serve its steps, then end (``os._exit``) with every env closed."""
@@ -120,32 +111,18 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
     envs: SerialEnvs | None = None
     try:
         _send(conn, ("started",))
-        factories = []
-        for i, blob in enumerate(blobs):
-            try:
-                factories.append(pickle.loads(blob))
-            except BaseException as exc:  # noqa: BLE001 - named, then reported
-                raise EnvFailure(i, "reset", "env", _explained(
-                    f"the env factory could not be unpickled in the worker process ({type(exc).__name__}: {exc}); "
-                    "it must be importable in a fresh process (a module's function or class)", exc)) from exc
-        envs = SerialEnvs(build_units(factories, group=group, **options), seeds)
-        unit = envs.unit
-        _send(conn, ("ready", (unit.keys, unit.observation_spec, unit.action_spec, unit.loop_keys, unit.partial),
-                     envs.roots))
+        envs = SerialEnvs(build_units([_factory(i, b) for i, b in enumerate(blobs)], group=group, **options), seeds)
+        _send(conn, ("ready", envs.unit.keys, envs.roots))
         try:
             message = conn.recv()  # the shared buffers: their file descriptors arrive with it
-            envs.use(_slots(message[1]).rows(a, a + envs.num_envs))
+            envs.use(_numpy(message[1]).rows(a, a + envs.num_envs))
         except Exception as exc:
             raise EnvFailure(0, "reset", "env", _explained(
                 f"could not attach the shared buffers of envs {list(range(a, a + envs.num_envs))} "
                 f"({type(exc).__name__}: {exc}){_FDS}", exc)) from exc
         _send(conn, ("ok", "attach", None))
-        while True:
-            message = conn.recv()
-            kind = message[0]
-            if kind == "close":
-                break
-            rows = message[1]
+        while (message := conn.recv())[0] != "close":
+            kind, rows = message[0], message[1]
             if kind == "step":
                 envs.send(np.arange(envs.num_envs) if rows is None else rows)
                 envs.recv(0, 0.0)
@@ -189,6 +166,7 @@ class _Child:
     def __init__(self, index: int, process: Any, conn: Any, a: int, b: int) -> None:
         self.index, self.process, self.conn, self.a, self.b = index, process, conn, a, b
         self.started = self.ready = False
+        self.roots: dict[NestedKey, np.ndarray] = {}  # its envs' root entries after their first reset
         self.calls = 0  # calls sent and not answered
         self.since = 0.0  # perf_counter() when the last call was sent
         self.phase = "step"
@@ -225,19 +203,13 @@ class _Child:
 
 
 class ProcessEnvs(Envs):
-    """Envs in this process (shard 0) and in ``num_workers - 1`` worker processes (see the module docstring).
-
-    ``factories``: one picklable factory a row; ``seeds``: each row's first seed; ``group``: envs a unit steps;
-    ``threads``: shard 0 in a pool thread (for ``step_timeout``); ``timeout``: seconds a child may take to build
-    and reset its envs.
-
+    """Envs in this process (shard 0; in pool threads with ``threads``) and in ``num_workers - 1`` worker processes.
     Raises ValueError (an unpicklable factory, specs that differ), CollectionError (a daemonic process, no
-    process started), EnvFailure (an env failed to build or reset, named by its row).
-    """
+    process started), EnvFailure (an env failed to build or reset, named by its row)."""
 
     def __init__(self, factories: Sequence[EnvFactory], seeds: Sequence[int | None], *, num_workers: int, group: int,
                  max_episode_steps: int | None, validate: bool, info_keys: InfoKeys | None, name: str,
-                 threads: bool = False, timeout: float = 120.0) -> None:
+                 threads: bool = False) -> None:
         blobs = check_picklable(factories)
         if mp.current_process().daemon:
             raise CollectionError(
@@ -245,15 +217,13 @@ class ProcessEnvs(Envs):
                 f"is daemonic ({mp.current_process().name!r}: a torch DataLoader worker, a multiprocessing Pool "
                 "worker), and daemonic processes are not allowed to have children. Build the loop or collector in "
                 "the main process, or pass num_workers=1 to keep its envs in threads")
-        n = len(factories)
+        self.num_envs = n = len(factories)
         options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
         cuts = [round(i * (n // group) / num_workers) * group for i in range(num_workers + 1)]
-        self.num_envs = n
         self.children: list[_Child] = []
         self._closed = False
-        self._local_rows: np.ndarray | None = None
+        self._local_left = 0  # rows of shard 0 in flight
         self._stash: list[np.ndarray] = []
-        close_at_exit(self)
         ctx = torch.multiprocessing.get_context("spawn")
         try:
             for i in range(1, num_workers):  # children first: they build while this process builds shard 0
@@ -273,53 +243,46 @@ class ProcessEnvs(Envs):
             self.local: Envs = (ThreadEnvs(units, seeds[:cuts[1]], name=name) if threads
                                 else SerialEnvs(units, seeds[:cuts[1]]))
             self.unit = self.local.unit
-            self.roots = {k: np.empty((n, *v.shape[1:]), v.dtype) for k, v in self.local.roots.items()}
-            for k, v in self.local.roots.items():
-                self.roots[k][:cuts[1]] = v
             for child in self.children:
-                self._wait_ready(child, timeout)
+                self._wait_ready(child)
+            self.roots = {k: np.concatenate([v, *(c.roots[k] for c in self.children)])
+                          for k, v in self.local.roots.items()}
             self.bounds = np.array(cuts)
-            self.slots = Slots.allocate(n, inputs={}, next=self.unit.writes, root=self.unit.keys.root)
-            self.local.use(self.slots.rows(0, cuts[1]))
         except BaseException:
             self.close(1.0)
             raise
 
-    def _wait_ready(self, child: _Child, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            while not child.conn.poll(_POLL_S):
+    def _wait_ready(self, child: _Child) -> None:
+        deadline = time.monotonic() + _BUILD_TIMEOUT_S
+        while not child.ready:
+            while not child.conn.poll(POLL_S):
                 if not child.process.is_alive() and not child.conn.poll(0):
                     raise child.death()
                 if time.monotonic() > deadline:
                     raise EnvFailure(child.a, "reset", "env", TimeoutError(
-                        f"worker process {child.process.name!r} did not build its envs within {timeout} s"),
+                        f"worker process {child.process.name!r} did not build its envs within {_BUILD_TIMEOUT_S} s"),
                         child.index)
             message = child.receive()
-            if message[0] == "started":
-                child.started = True
-                continue
-            keys = message[1][0]
-            if not keys.same_layout(self.unit.keys):
-                raise ValueError(f"env {child.a} has specs {keys}, env 0 has {self.unit.keys}; all envs of a loop "
-                                 "must share their keys, shapes and dtypes")
-            for k, v in message[2].items():
-                self.roots[k][child.a:child.b] = v
-            child.ready = True
-            return
+            child.started = True
+            if message[0] == "ready":
+                if not message[1].same_layout(self.unit.keys):
+                    raise ValueError(f"env {child.a} has specs {message[1]}, env 0 has {self.unit.keys}; all envs of "
+                                     "a loop must share their keys, shapes and dtypes")
+                child.roots, child.ready = message[2], True
 
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
         try:
-            self.slots, tensors = _shared_slots(self.num_envs, inputs, self.unit.writes, self.unit.keys.root)
+            tensors = Slots.allocate(self.num_envs, inputs=inputs, next=self.unit.writes, root=self.unit.keys.root,
+                                     make=_shared_zeros)
             for child in self.children:
                 child.conn.send(("attach", tensors))
         except (OSError, RuntimeError) as exc:
             raise CollectionError(f"could not share the envs' buffers with the worker processes "
                                   f"({type(exc).__name__}: {exc}){_FDS}") from exc
+        self.slots = _numpy(tensors)
         self.local.use(self.slots.rows(0, int(self.bounds[1])))
         for child in self.children:
-            child.calls += 1
-            self._answer(child)
+            child.receive()
 
     def _split(self, rows: np.ndarray) -> list[tuple[_Child | None, np.ndarray]]:
         shard = np.searchsorted(self.bounds, rows, side="right") - 1
@@ -355,59 +318,48 @@ class ProcessEnvs(Envs):
     def send(self, rows: np.ndarray) -> None:
         for child, local in self._split(rows):
             if child is None:
-                self._local_rows = local
+                self._local_left += len(local)
                 self.local.send(local)
             else:
                 self._call(child, ("step", None if len(local) == child.b - child.a else local))
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         ready, self._stash = self._stash, []
-        if self._local_rows is not None and isinstance(self.local, SerialEnvs):  # stepped here meanwhile
-            rows, self._local_rows = self._local_rows, None
-            self.local.recv(0, 0.0)
-            ready.append(rows)
         count = sum(len(r) for r in ready)
         deadline = time.perf_counter() + wait
         busy = {child.conn: child for child in self.children if child.calls}
-        while busy or self._local_rows is not None:
-            if self._local_rows is not None:  # shard 0 in a pool thread
-                got = self.local.recv(len(self._local_rows), 0.0 if busy else min(_POLL_S, wait))
-                if len(got):
+        try:
+            while busy or self._local_left:
+                if self._local_left:  # shard 0: stepped now (SerialEnvs), or answered by its pool threads
+                    got = self.local.recv(self._local_left, 0.0 if busy else min(POLL_S, wait))
+                    if len(got):
+                        ready.append(got)
+                        count += len(got)
+                        self._local_left -= len(got)
+                timeout = 0.0 if count >= min_rows else max(0.0, min(POLL_S, deadline - time.perf_counter()))
+                answered = wait_for(list(busy), timeout) if busy else []
+                for conn in answered:
+                    child = busy[conn]
+                    got = self._answer(child)[1]
+                    if not child.calls:
+                        del busy[conn]
                     ready.append(got)
                     count += len(got)
-                    self._local_rows = None
-                if not busy:
-                    if count >= min_rows or time.perf_counter() >= deadline:
-                        break
-                    continue
-            timeout = 0.0 if count >= min_rows else max(0.0, min(_POLL_S, deadline - time.perf_counter()))
-            answered = wait_for(list(busy), timeout)
-            for conn in answered:
-                child = busy[conn]
-                try:
-                    got = self._answer(child)[1]
-                except EnvFailure as failure:
-                    failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
-                    raise
-                if not child.calls:
-                    del busy[conn]
-                ready.append(got)
-                count += len(got)
-            if not answered and (count >= min_rows or time.perf_counter() >= deadline):
-                break
+                if not answered and (count >= min_rows or time.perf_counter() >= deadline):
+                    break
+        except EnvFailure as failure:
+            if failure.process is None:  # shard 0's rows of that call answered or lost
+                self._local_left -= len(failure.completed) + len(failure.lost)
+            failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
+            raise
         if not ready:
             return np.empty(0, dtype=np.int64)
         return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
-        local = self.local.stuck(timeout)
-        if local is not None:
-            return local
         now = time.perf_counter()
-        for child in self.children:
-            if child.calls and now - child.since > timeout:
-                return child.a, child.phase, child.process.name
-        return None
+        return self.local.stuck(timeout) or next(((c.a, c.phase, c.process.name) for c in self.children
+                                                  if c.calls and now - c.since > timeout), None)
 
     def close(self, timeout: float) -> list[str]:
         """Close every env and end every child; a close cut short (a second Ctrl-C) is finished by the next."""
@@ -422,8 +374,7 @@ class ProcessEnvs(Envs):
                 child.process.terminate()
         deadline = time.monotonic() + timeout
         while self.children:
-            child = self.children[0]
-            process = child.process
+            child, process = self.children[0], self.children[0].process
             process.join(max(0.0, deadline - time.monotonic()))
             for end in (process.terminate, process.kill):
                 if process.is_alive():

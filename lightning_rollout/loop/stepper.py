@@ -1,15 +1,12 @@
 """The one stepping loop, in the collecting thread: send the idle envs a :class:`Rule` selects (actions from one
-policy call), receive the rows whose step ended (``min(in flight, autobatch_size)`` rows, or those ready within
+policy call), receive the rows whose step ended (``min(in flight, autobatch_size)``, or those ready within
 ``max_wait``) and settle them into the :class:`~.storage.Ring`, numpy over the round's rows (no loop over envs).
-
-Rules are the calls' stop rules (``T`` steps per env, ``n`` frames in arrival order, ``k`` fresh episodes). With
-``lookahead`` a call ends with a last send (a step in flight per env while the caller trains). Per env: ``t`` is
-the step whose root entries are in row ``t``, ``consumed`` the steps handed out; ``consumed`` to ``t - 1`` are
-complete.
+Per env, ``t`` is the step whose root entries are in row ``t``; steps ``consumed`` to ``t - 1`` are complete.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -140,8 +137,6 @@ class EpisodeRule(Rule):
 
     def settled(self, stepper: Stepper, rows: np.ndarray) -> None:
         mine = rows[self.running[rows] >= 0]
-        if not len(mine):
-            return
         ended = mine[stepper.episodes.last_done(mine)]
         for e in ended.tolist():
             self.finished(int(self.running[e]), e, int(self.start[e]), int(stepper.episodes.t[e]))
@@ -162,9 +157,8 @@ class Stepper:
 
     ``policy``: ``(inputs, rows, mode) -> (outputs, version)``; ``random_action``: ``rows -> outputs``.
     ``input_keys`` / ``env_inputs``: root entries the policy / the envs read. ``random_steps``: each env's first
-    steps act at random (version ``-1``). ``group``: envs stepped together at the least. ``stop``: set when the
-    loop closes; every wait checks it. ``main`` is the cursor of step calls, ``episodes`` that of
-    ``run_episodes`` (envs in ``in_episode``). One thread drives it at a time; ``stop`` may be set from any.
+    steps act at random (version ``-1``). ``main`` is the cursor of step calls, ``episodes`` that of
+    ``run_episodes`` (envs in ``in_episode``). One thread drives it; ``stop`` (closing) may be set from any.
     """
 
     def __init__(self, envs: Envs, layout: Layout, *, policy: PolicyFn,
@@ -173,8 +167,8 @@ class Stepper:
                  step_timeout: float | None, random_steps: int, group: int, stop: threading.Event) -> None:
         self.num_envs = n = envs.num_envs
         self.envs, self.layout, self.policy, self.random_action = envs, layout, policy, random_action
-        self.autobatch_size, self.max_wait, self.step_timeout = autobatch_size, max_wait, step_timeout
-        self.stop = stop
+        self.autobatch_size, self.step_timeout, self.stop = autobatch_size, step_timeout, stop
+        self.max_wait = math.inf if max_wait is None else max_wait
         self.main = Cursor(layout, n)
         self.episodes = Cursor(layout, n)
         self.in_episode = np.zeros(n, dtype=bool)
@@ -184,8 +178,8 @@ class Stepper:
         self.env_cols = [k for k in env_inputs if k in cols]
         self.env_done = [k for k in env_inputs if k not in cols]
         self.out_shapes = {k: layout.step_specs[k].shape for k in layout.out_keys}
-        self.writes = [(k, k in layout.shared) for k in layout.env_next if k in envs.slots.next]
-        self.gym = layout.loop_keys
+        self.writes = [(k, k if k in layout.shared else next_key(k), k in layout.shared)  # (slot, column, in row t+1)
+                       for k in layout.env_next if k in envs.slots.next]
         self.flying = np.zeros(n, dtype=bool)
         self.random_left = np.full(n, random_steps, dtype=np.int64)
         self.seq = 0
@@ -196,8 +190,7 @@ class Stepper:
         self._write_roots(self.main, np.arange(n), envs.roots)
 
     def whole_groups(self, mask: np.ndarray, any_of: np.ndarray | None = None) -> np.ndarray:
-        """The envs of the groups (``group`` envs stepped together) whose every env is in ``mask`` (and, given
-        ``any_of``, one env at least in it), ascending."""
+        """Envs of the groups (``group`` envs stepped together) all in ``mask`` (and one in ``any_of``), ascending."""
         if self.group == 1:
             return np.flatnonzero(mask if any_of is None else mask & any_of)
         if self.group == self.num_envs:  # one group (every env in the stepping thread): all or none
@@ -254,16 +247,16 @@ class Stepper:
         for cursor, part in self._split(ids):
             cursor.fit(part, 2)
             cols = cursor.ring.cols
+            rows, envs = self._where(cursor, part)
             random = self.random_left[part] > 0
             if random.any():
-                rows = cursor.t[part] % cursor.ring.capacity
-                self._act_random(cols, part[random], rows[random])
+                at = cursor.t[part] % cursor.ring.capacity
+                self._act_random(cols, part[random], at[random])
                 self.random_left[part[random]] -= 1
                 if not random.all():
-                    self._act(cols, part[~random], rows[~random], cursor.t)
+                    self._act(cols, at[~random], part[~random], part[~random], cursor.t)
             else:
-                self._act(cols, *self._where(cursor, part)[::-1], cursor.t, ids=part)
-            rows, envs = self._where(cursor, part)
+                self._act(cols, rows, envs, part, cursor.t)
             for k in self.env_cols:
                 inputs[k][envs] = cols[k][rows, envs]
         for k in self.env_done:
@@ -271,17 +264,15 @@ class Stepper:
         self.envs.send(ids)
         self.flying[ids] = True
 
-    def _act(self, cols: dict[NestedKey, np.ndarray], envs: Any, rows: Any, t: np.ndarray,
-             ids: np.ndarray | None = None) -> None:
-        ids = envs if ids is None else ids
+    def _act(self, cols: dict[NestedKey, np.ndarray], rows: Any, envs: Any, ids: np.ndarray, t: np.ndarray) -> None:
+        """The policy's outputs for envs ``ids`` into ``cols[rows, envs]``."""
         n = len(ids)
         inputs = {k: cols[k][rows, envs] for k in self.input_cols}
         inputs.update({k: v[:n] for k, v in self.input_done.items()})
         try:
             outputs, version = self.policy(inputs, n, self.mode)
         except PolicyError as exc:
-            error = PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]]))
-            raise error from exc
+            raise PolicyError(exc.reason, env_ids=exc.env_ids or tuple(ids.tolist()), step=int(t[ids[0]])) from exc
         for k, shape in self.out_shapes.items():
             value = outputs.get(k)
             if value is None or value.shape[1:] != shape:
@@ -303,13 +294,10 @@ class Stepper:
         flying = int(self.flying.sum())
         need = flying if self.autobatch_size is None else min(flying, self.autobatch_size)
         got: list[np.ndarray] = []
-        count, first = 0, 0.0
+        count, end = 0, math.inf  # end: max_wait after the first rows came
         while True:
-            wait = POLL_S
-            if self.max_wait is not None and count:
-                wait = max(0.0, min(wait, first + self.max_wait - time.perf_counter()))
             try:
-                rows = self.envs.recv(need - count, wait)
+                rows = self.envs.recv(need - count, max(0.0, min(POLL_S, end - time.perf_counter())))
             except EnvFailure as failure:
                 if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
                     raise failure.cause from None  # a Ctrl-C inside an env call of this process: as it is
@@ -317,37 +305,33 @@ class Stepper:
                 raise self.failure_error(failure) from failure.cause
             if len(rows):
                 got.append(rows)
-                first = first or time.perf_counter()
+                end = min(end, time.perf_counter() + self.max_wait)
                 count += len(rows)
-            if count >= need or (count and self.max_wait is not None
-                                 and time.perf_counter() - first >= self.max_wait):
+            if count >= need or time.perf_counter() >= end:
                 return got[0] if len(got) == 1 else np.concatenate(got)
             if self.stop.is_set():
                 raise CollectionError("the loop was closed while collecting")
             if interrupter is not None and interrupter.should_stop():
                 return np.concatenate(got) if got else None
-            if self.step_timeout is not None:
-                stuck = self.envs.stuck(self.step_timeout)
-                if stuck is not None:
-                    row, phase, where = stuck
-                    raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
-                                           f"inside the env's {phase} and is abandoned",
-                                           env_id=row, step=self.steps_of(row), phase=phase)
+            stuck = None if self.step_timeout is None else self.envs.stuck(self.step_timeout)
+            if stuck is not None:
+                row, phase, where = stuck
+                raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
+                                       f"inside the env's {phase} and is abandoned",
+                                       env_id=row, step=self.steps_of(row), phase=phase)
 
-    def _salvage(self, completed: np.ndarray, lost: np.ndarray, within: float = 0.5) -> None:
-        """After a failure, settle the ``completed`` steps and those in flight elsewhere ending within ``within``
-        seconds (``lost`` ones never will)."""
-        self.settle(completed)
-        self.flying[lost] = False
-        end = time.perf_counter() + within
-        while self.flying.any() and time.perf_counter() < end:
+    def _salvage(self, completed: np.ndarray, lost: np.ndarray) -> None:
+        """After a failure: settle ``completed``, and the steps in flight that end within 0.5 s (not ``lost``)."""
+        end = time.perf_counter() + 0.5
+        while True:
+            self.settle(completed)
+            self.flying[lost] = False
+            if not self.flying.any() or time.perf_counter() >= end:
+                return
             try:
-                rows = self.envs.recv(int(self.flying.sum()), POLL_S)
+                completed, lost = self.envs.recv(int(self.flying.sum()), POLL_S), self._no_one
             except EnvFailure as other:
-                self.settle(other.completed)
-                self.flying[other.lost] = False
-                continue
-            self.settle(rows)
+                completed, lost = other.completed, other.lost
 
     def steps_of(self, e: int) -> int:
         """Env ``e``'s steps so far (its episode cursor's while it runs an episode)."""
@@ -355,14 +339,11 @@ class Stepper:
 
     def failure_error(self, failure: EnvFailure) -> CollectionError:
         """An env call's failure as an :class:`EnvError` (env and step), or a :class:`PolicyError` (bad action)."""
-        e, where = failure.row, "" if failure.process is None else f" (in worker process {failure.process})"
+        e, step = failure.row, self.steps_of(failure.row)
         if failure.kind == "action":
-            error: CollectionError = PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,),
-                                                 step=self.steps_of(e))
-        else:
-            error = EnvError(f"{failure}{where}", env_id=e, step=self.steps_of(e), phase=failure.phase)
-        error.__cause__ = failure.cause
-        return error
+            return PolicyError(f"invalid action for env {e}: {failure}", env_ids=(e,), step=step)
+        where = "" if failure.process is None else f" (in worker process {failure.process})"
+        return EnvError(f"{failure}{where}", env_id=e, step=step, phase=failure.phase)
 
     # -- settling -----------------------------------------------------------------------------------------
     def settle(self, ids: np.ndarray) -> None:
@@ -375,11 +356,8 @@ class Stepper:
         s, cols = self.envs.slots, c.ring.cols
         rows, envs = self._where(c, ids)
         nxt = self._where(c, ids, 1)[0]
-        for k, shared in self.writes:
-            if shared:
-                cols[k][nxt, envs] = s.next[k][envs]
-            else:
-                cols[next_key(k)][rows, envs] = s.next[k][envs]
+        for k, dst, shared in self.writes:
+            cols[dst][nxt if shared else rows, envs] = s.next[k][envs]
         reward, terminated, truncated = s.reward[envs], s.terminated[envs], s.truncated[envs]
         cols[REWARD][rows, envs] = reward
         cols[TERMINATED][rows, envs] = terminated
@@ -392,7 +370,7 @@ class Stepper:
         self.seq += len(ids)
         for k, src in self.layout.advance:
             cols[k][nxt, envs] = cols[src][rows, envs]
-        if self.gym:
+        if self.layout.loop_keys:
             cols["is_init"][nxt, envs] = False
             cols["step_count"][nxt, envs, 0] = c.ep_len[envs]
             cols["episode_reward"][nxt, envs, 0] = c.ep_ret[envs]
@@ -413,7 +391,7 @@ class Stepper:
                 cols[k][rows, ids] = v
         for k in self.layout.policy_carried:
             cols[k][rows, ids] = 0
-        if self.gym:
+        if self.layout.loop_keys:
             cols["is_init"][rows, ids] = True
             cols["step_count"][rows, ids] = 0
             cols["episode_reward"][rows, ids] = 0
@@ -434,8 +412,7 @@ class Stepper:
                 raise CollectionError("the loop was closed while collecting")
 
     def _cut(self, e: int) -> None:
-        """End env ``e``'s step-mode episode: its last unconsumed step is marked truncated (and done), else the env
-        starts a new trajectory."""
+        """End env ``e``'s step-mode episode: its last unconsumed step marked truncated, else a new trajectory."""
         main = self.main
         if main.ep_len[e] == 0:
             return
@@ -469,15 +446,12 @@ class Stepper:
         self.drain(ids)
         self._cut(e)
         self.in_episode[e] = True
-        ep = self.episodes
-        ep.consumed[e] = ep.t[e]
-        ep.fit(ids, 2)
-        self._reset(ep, ids, [None])
+        self.episodes.consumed[e] = self.episodes.t[e]
+        self.episodes.fit(ids, 2)
+        self._reset(self.episodes, ids, [None])
 
     def end_episodes(self, ids: np.ndarray) -> None:
         """Envs ``ids`` (idle) back to step mode: from the fresh episode after their done step, else a new reset."""
-        if not len(ids):
-            return
         self.in_episode[ids] = False
         ep, main = self.episodes, self.main
         main.fit(ids, 2)
@@ -493,7 +467,6 @@ class Stepper:
     def finish(self, lookahead: bool) -> None:
         """The end of a call: with ``lookahead`` every env with no complete step waiting gets one in flight."""
         if lookahead:
-            main = self.main
-            ids = self.whole_groups(~self.flying & (main.t == main.consumed) & ~self.in_episode)
+            ids = self.whole_groups(~self.flying & (self.main.t == self.main.consumed) & ~self.in_episode)
             if len(ids):
                 self.send(ids)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ..specs import ArraySpec, EnvKeys, NestedKey, key_parts, next_key
+from ..specs import ArraySpec, EnvKeys, NestedKey, next_key
 
 __all__ = ["BatchPool", "Layout", "Ring"]
 
@@ -43,23 +42,21 @@ class Layout:
         done_keys: done flags (no root columns: false at the root, an env being reset once done).
         env_next: entries a step writes (``Slots.next``) that the loop stores.
         shared: the observations stored once: step ``t``'s ``("next", key)`` is row ``t + 1``'s ``key``.
-        advance: ``(root key, column)``: where each other carried entry comes from after a step.
-        policy_carried: carried entries the env does not provide (zeroed at a reset).
+        advance: ``(root key, column)``: where each other carried entry comes from after a step; ``policy_carried``:
+            the carried entries the env does not provide (zeroed at a reset).
         step_specs: the columns of the ring; ``specs``: those of a batch.
     """
 
     def __init__(self, keys: EnvKeys, outputs: dict[NestedKey, ArraySpec], *, loop_keys: bool) -> None:
-        env_root = keys.root
-        self.keys = keys
-        self.loop_keys = loop_keys
+        self.keys, self.loop_keys = keys, loop_keys
         self.out_keys = list(outputs)
         self.action_keys = [k for k in keys.action if k in outputs]
         policy_next = {k[1:] if len(k) > 2 else k[1]: spec for k, spec in outputs.items()
                        if isinstance(k, tuple) and k[0] == "next"}
-        fed_back = {k: spec for k, spec in policy_next.items() if k not in env_root and k not in keys.next}
+        fed_back = {k: spec for k, spec in policy_next.items() if k not in keys.root and k not in keys.next}
         kept = {k: spec for k, spec in outputs.items() if not (isinstance(k, tuple) and k[0] == "next")
-                and k not in keys.action and k not in env_root and k not in fed_back}
-        self.carried = {**env_root, **fed_back, **kept}
+                and k not in keys.action and k not in keys.root and k not in fed_back}
+        self.carried = {**keys.root, **fed_back, **kept}
         self.policy_carried = [*fed_back, *kept]
         self.done_keys = list(keys.done)
         skip = set(GYM_LOOP_KEYS) | set(keys.done) | set(keys.reward) if loop_keys else set()
@@ -76,14 +73,13 @@ class Layout:
         row.update({VERSION: scalar_i, REWARD: scalar_f, TERMINATED: flag, TRUNCATED: flag, RETURN: scalar_f,
                     LENGTH: scalar_i, SEQ: scalar_i})
         # a gymnasium env's "next" flags and counters are derived from the bookkeeping when a batch is made
-        self.derived = [next_key(k) for k in (*keys.reward, *keys.done, *GYM_LOOP_KEYS)] if loop_keys else []
-        self.step_specs = {k: v for k, v in row.items() if k not in self.shared_next and k not in self.derived}
+        derived = [next_key(k) for k in (*keys.reward, *keys.done, *GYM_LOOP_KEYS)] if loop_keys else []
+        self.step_specs = {k: v for k, v in row.items() if k not in self.shared_next and k not in derived}
         self.specs: dict[NestedKey, ArraySpec] = {**{k: v for k, v in row.items() if k != SEQ},
                                                   TRAJ: scalar_i, ENV_ID: scalar_i}
 
-    def allocate(self, lead: int | tuple[int, ...], *, ring: bool = False) -> dict[NestedKey, np.ndarray]:
+    def allocate(self, lead: tuple[int, ...], *, ring: bool = False) -> dict[NestedKey, np.ndarray]:
         """Fresh (uninitialised) columns with leading dims ``lead``: a batch's, or with ``ring`` the ring's."""
-        lead = (lead,) if isinstance(lead, int) else lead
         specs = self.step_specs if ring else self.specs
         return {k: np.empty(lead + s.shape, dtype=s.dtype) for k, s in specs.items()}
 
@@ -91,19 +87,13 @@ class Layout:
                       names: Sequence[str | None] | None = None) -> TensorDict:
         """One TensorDict over numpy storage (zero-copy), in TorchRL's layout, the private bookkeeping left out."""
         lead = list(batch_size)
-        tree: dict[str, Any] = {}
-        items = [(key, torch.from_numpy(value)) for key, value in columns.items()
-                 if not (isinstance(key, tuple) and key[0] == PRIVATE)]
-        items += [(key, torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool)) for key in self.done_keys]
+        entries = {key: torch.from_numpy(value) for key, value in columns.items()
+                   if not (isinstance(key, tuple) and key[0] == PRIVATE)}
+        entries.update({key: torch.zeros((*lead, *self.keys.done[key].shape), dtype=torch.bool)
+                        for key in self.done_keys})
         if "policy_version" not in self.out_keys and VERSION in columns:  # else the policy's own entry
-            items.append(("policy_version", torch.from_numpy(columns[VERSION])))
-        for key, tensor in items:
-            *path, leaf = key_parts(key)
-            node = tree
-            for part in path:
-                node = node.setdefault(part, {})
-            node[leaf] = tensor
-        td = TensorDict(tree, batch_size=lead)
+            entries["policy_version"] = torch.from_numpy(columns[VERSION])
+        td = TensorDict(entries, batch_size=lead)  # nested keys make nested TensorDicts
         for prefix, dims in self.keys.sub_batch.items():
             for root in (prefix, ("next", *prefix)):
                 sub = td.get(root, None)
@@ -119,9 +109,7 @@ class Ring:
     shared observations are row ``t + 1``'s root entries, or, after a reset, ``final[(t, env)][("next", key)]``."""
 
     def __init__(self, layout: Layout, num_envs: int, capacity: int = 4) -> None:
-        self.layout = layout
-        self.num_envs = num_envs
-        self.capacity = capacity
+        self.layout, self.num_envs, self.capacity = layout, num_envs, capacity
         self.cols = layout.allocate((capacity, num_envs), ring=True)
         self.final: dict[tuple[int, int], dict[NestedKey, np.ndarray]] = {}
 
@@ -138,8 +126,6 @@ class Ring:
     def keep_final(self, steps: np.ndarray, envs: np.ndarray) -> None:
         """Keep the shared observations step ``steps[i]`` of ``envs[i]`` ended with, its next root about to be
         replaced by a reset's (the first value kept stays)."""
-        if not self.layout.shared:
-            return
         rows = (steps + 1) % self.capacity
         for nk, k in self.layout.shared_next.items():
             values = self.cols[k][rows, envs]
@@ -148,8 +134,7 @@ class Ring:
 
     def gather(self, steps: np.ndarray, envs: np.ndarray, out: dict[NestedKey, np.ndarray]) -> None:
         """Copy step ``steps[...]`` of ``envs[...]`` (index arrays of ``out``'s leading shape) into ``out``."""
-        rows = steps % self.capacity
-        nxt = (steps + 1) % self.capacity
+        rows, nxt = steps % self.capacity, (steps + 1) % self.capacity
         for k, dst in out.items():
             root = self.layout.shared_next.get(k)
             if root is not None:
@@ -180,32 +165,24 @@ _UNREFERENCED = _max_refcount({"probe": np.empty(0)})  # what _max_refcount repo
 
 
 class BatchPool:
-    """The columns of a loop's last ``keep`` batches, handed out again once nothing references them.
-
-    Recycled memory is already mapped (fresh pages are zeroed by the kernel on first write). A batch is recycled
-    only when CPython's reference counts show no TensorDict, tensor, view or slice of it left, and every column
-    is written in full before it is read. The stepping thread uses it; :meth:`clear` may run in any thread.
+    """The columns of a loop's last two batches, handed out again once nothing references them (their memory is
+    already mapped): only when CPython's reference counts show no TensorDict, tensor, view or slice of them left;
+    every column is written in full before it is read. The stepping thread uses it; :meth:`clear` may run in any.
     """
 
-    def __init__(self, layout: Layout, *, keep: int = 2) -> None:
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.keep = keep
         self._kept: list[tuple[tuple[int, ...], dict[NestedKey, np.ndarray]]] = []
-        self.reused = 0  # batches whose columns were recycled
 
-    def allocate(self, lead: int | tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
+    def allocate(self, lead: tuple[int, ...]) -> dict[NestedKey, np.ndarray]:
         """Columns with leading dims ``lead``: recycled ones nothing references, else fresh ones."""
-        lead = (lead,) if isinstance(lead, int) else tuple(lead)
         for i, (shape, columns) in enumerate(self._kept):
             if shape == lead and _max_refcount(columns) <= _UNREFERENCED:
                 del self._kept[i]
-                self._kept.append((lead, columns))
-                self.reused += 1
-                return columns
-        columns = self.layout.allocate(lead)
-        if self.keep:
-            self._kept.append((lead, columns))
-            del self._kept[:-self.keep]
+                break
+        else:
+            columns = self.layout.allocate(lead)
+        self._kept = [*self._kept[-1:], (lead, columns)]
         return columns
 
     def clear(self) -> None:
