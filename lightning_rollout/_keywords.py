@@ -1,12 +1,12 @@
 """The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into :class:`Options` or refused by
-:data:`TORCHRL_ONLY` (:func:`options`; :func:`signature` makes the collector's signature from both), and
-``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads
-them."""
+:data:`TORCHRL_ONLY` (:func:`options`; :func:`signature` makes the collector's signature from both), and the env,
+seed, interruptor, devices and policy read as TorchRL reads them."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -26,9 +26,6 @@ from torchrl.envs.utils import ExplorationType
 from ._checks import check_device, check_int, check_seconds, warn_user
 from .envs import EnvFactory, InfoKeys
 from .events import EventProcessor, Interrupter
-
-__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chained_seeds", "check_options",
-           "env_seeds", "env_source", "frame_budget", "interrupter", "options", "signature", "storing_device"]
 
 Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
@@ -96,7 +93,6 @@ def _is(*accepted: Any) -> Callable[[Any], bool]:
     return lambda value: any(value is a or (type(value) is type(a) and value == a) for a in accepted)
 
 
-
 #: TorchRL keywords whose meaning does not carry over: ``name: (TorchRL's default, the values that change nothing
 #: here, what to do instead)``; any other value is refused, every refused one named in one ``ValueError``.
 TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
@@ -138,7 +134,7 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
 
 def options(keywords: dict[str, Any]) -> Options:
     """The keywords given, TorchRL-only ones checked against :data:`TORCHRL_ONLY`, the others taken into
-    :class:`Options`. ``ValueError``: refused values (all named in one error, with what to do instead), or a
+    :class:`Options` and checked. ``ValueError``: refused values (all named in one error, with what to do), or a
     per-worker list of values that are not one; ``TypeError``: an unknown keyword, or no ``frames_per_batch``."""
     refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
                for name, (_, accepts, instead) in TORCHRL_ONLY.items()
@@ -154,9 +150,11 @@ def options(keywords: dict[str, Any]) -> Options:
                                  f"ThreadedCollector takes one {name} for all its envs")
             taken[name] = value[0]
     try:
-        return Options(**taken)
+        o = Options(**taken)
     except TypeError as exc:
         raise TypeError(str(exc).replace("Options.__init__()", "ThreadedCollector()")) from None
+    _check(o)
+    return o
 
 
 def signature() -> inspect.Signature:
@@ -172,9 +170,9 @@ def signature() -> inspect.Signature:
     return inspect.Signature(params, return_annotation=None)
 
 
-def check_options(o: Options) -> None:
-    """Refuse (``ValueError``, named, with what to change) the options checked before anything is built;
-    ``TypeError`` for ``use_buffers=True`` with a ``replay_buffer``, as TorchRL's ``Collector`` raises."""
+def _check(o: Options) -> None:
+    """Refuse the options checked before anything is built (``TypeError`` for ``use_buffers=True`` with a
+    ``replay_buffer``, as TorchRL's ``Collector`` raises; else ``ValueError``)."""
     check_int("worker_idx", o.worker_idx, 0, optional=True)
     check_int("num_threads", o.num_threads, 1, optional=True)
     if o.auto_register_policy_transforms not in (None, True, False):
@@ -193,10 +191,9 @@ def check_options(o: Options) -> None:
     o.step_timeout = check_seconds("step_timeout", o.step_timeout, allow_zero=False)  # before the auto measure
 
 
-def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
-    """``(frames_per_batch, total_frames, init_random_frames, max_frames_per_traj)`` checked and rounded as TorchRL
-    rounds them, with a warning each: whole time steps of every env a batch (``env_time``), whole batches in all
-    (``-1``: endless); ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
+def frame_budget(o: Options, num_envs: int) -> None:
+    """Check ``o``'s frame counts and round them in place as TorchRL does, warning: whole time steps of every env a
+    batch (``env_time``), whole batches in all (``-1``: endless); ``None`` / ``-1``: no random frames, no cap."""
     frames_per_batch, total, random_frames, max_traj = (o.frames_per_batch, o.total_frames, o.init_random_frames,
                                                         o.max_frames_per_traj)
     check_int("frames_per_batch", frames_per_batch, 1)
@@ -221,38 +218,26 @@ def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
         warn_user(f"init_random_frames ({random_frames}) is not exactly a multiple of frames_per_batch "
                   f"({frames_per_batch}); {-(-random_frames // frames_per_batch) * frames_per_batch} "
                   "random frames will be collected")
-    return int(frames_per_batch), int(total), int(random_frames), max_traj
+    o.frames_per_batch, o.total_frames, o.init_random_frames = int(frames_per_batch), int(total), int(random_frames)
+    o.max_frames_per_traj = max_traj
 
 
-def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
-    """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``): ``storing_device``,
-    else ``device``, else ``env_device`` when it equals ``policy_device`` (each defaulting to ``device``), else
-    ``None`` (no device). Only the arguments count, not where the env or the weights are."""
+def storing_device(o: Options) -> torch.device | None:
+    """The device TorchRL's ``Collector`` stores batches on and sets as their ``device``, from the arguments only
+    (``docs/torchrl.rst``, "Devices of a batch")."""
     def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
         d = None if d is None else torch.device(d)
         return torch.device("cuda", torch.cuda.current_device()) if d is not None and d.type == "cuda" and (
             d.index is None) else d
 
-    policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
-    stored = as_dev(storing_device or device)
+    policy_, env_, stored = (as_dev(d or o.device) for d in (o.policy_device, o.env_device, o.storing_device))
     return env_ if stored is None and env_ == policy_ else stored
 
 
-class _with_kwargs:
-    """A picklable factory calling ``factory(**kwargs)`` (TorchRL's ``create_env_kwargs``)."""
-
-    def __init__(self, factory: Any, kwargs: dict[str, Any]) -> None:
-        self.factory, self.kwargs = factory, dict(kwargs)
-
-    def __call__(self) -> Any:
-        return self.factory(**self.kwargs)
-
-
 def env_source(create_env_fn: Any, o: Options) -> Any:
-    """``create_env_fn`` with TorchRL's ``create_env_kwargs`` applied (one dict, or one per env of a list, else
-    ``ValueError``); a list's env instances as factories (one listed twice: a copy, as each of TorchRL's workers
-    gets one; ``ValueError`` when it cannot be copied); a lone factory without ``num_envs`` called once, its env
-    then taken as an instance (as TorchRL's ``Collector`` does)."""
+    """``create_env_fn`` with ``create_env_kwargs`` applied (one dict, or one per env), a list's env instances as
+    factories (one listed twice: a copy), a lone factory without ``num_envs`` called once, as TorchRL's ``Collector``
+    does; ``ValueError`` for kwargs that do not match the envs, or an instance listed twice that cannot be copied."""
     kwargs = o.create_env_kwargs
     if isinstance(create_env_fn, (list, tuple)):
         seen: set[int] = set()
@@ -262,10 +247,10 @@ def env_source(create_env_fn: Any, o: Options) -> Any:
         fns = create_env_fn if isinstance(create_env_fn, (list, tuple)) else [create_env_fn] * len(kwargs)
         if len(fns) != len(kwargs):
             raise ValueError(f"create_env_kwargs holds {len(kwargs)} dicts for {len(fns)} envs; pass one per env")
-        return [_with_kwargs(f, k) for f, k in zip(fns, kwargs)]
+        return [functools.partial(f, **k) for f, k in zip(fns, kwargs)]
     if kwargs:
-        create_env_fn = ([_with_kwargs(f, kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
-                         else _with_kwargs(create_env_fn, kwargs))
+        create_env_fn = ([functools.partial(f, **kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
+                         else functools.partial(create_env_fn, **kwargs))
     if o.num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
         made = create_env_fn()
         # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
@@ -274,8 +259,7 @@ def env_source(create_env_fn: Any, o: Options) -> Any:
 
 
 def _instance(env: Any, seen: set[int]) -> EnvFactory:
-    """A factory of the env instance ``env`` of a list: a copy of it when listed before (``ValueError`` when it
-    cannot be copied)."""
+    """A factory of the env instance ``env`` of a list: a copy of it when listed before."""
     if id(env) in seen:
         try:
             env = copy.deepcopy(env)
@@ -288,9 +272,8 @@ def _instance(env: Any, seen: set[int]) -> EnvFactory:
 
 
 class PolicyTransforms:
-    """A picklable env factory adding the ``InitTracker`` / ``TensorDictPrimer`` an ``nn.Module`` policy needs and
-    a TorchRL env lacks, by TorchRL's rule (``append``), or checking for them (TorchRL's ``FutureWarning`` once,
-    naming them). A gymnasium env needs neither: the loop writes its ``is_init`` and carries recurrent state."""
+    """A picklable env factory adding the transforms an ``nn.Module`` policy needs and a TorchRL env lacks, by
+    TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``)."""
 
     def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool) -> None:
         self.factory, self.policy, self.append, self.checked = factory, policy, append, False
@@ -316,8 +299,8 @@ class PolicyTransforms:
 
 
 def chained_seeds(env: Any) -> bool:
-    """Whether ``env`` seeds its single envs by TorchRL's chain (``SerialEnv`` / ``ParallelEnv.set_seed``: env
-    ``i + 1`` gets ``seed_generator`` of env ``i``'s seed), rather than ``seed + i`` (gymnasium's vector envs)."""
+    """Whether ``env`` seeds its single envs by TorchRL's ``seed_generator`` chain (``SerialEnv`` / ``ParallelEnv``)
+    rather than with ``seed + i``."""
     while isinstance(env, TransformedEnv):
         env = env.base_env
     return isinstance(env, BatchedEnvBase)
@@ -354,9 +337,8 @@ def interrupter(interruptor: Any) -> Interrupter | None:
 
 
 def acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
-    """The policy the env threads call, and its device. A module is copied when the learner's must not act
-    (``on_policy=False``: weights change only at ``update_policy_weights_``) or it acts on another device; then
-    moved to ``policy_device`` and compiled as asked."""
+    """The policy the env threads call, and its device: a module copied when the learner's must not act
+    (``on_policy=False``) or it acts on another device, moved to ``policy_device`` and compiled as asked."""
     module = isinstance(policy, torch.nn.Module)
     own_device = next((p.device for p in policy.parameters()), torch.device("cpu")) if module else torch.device("cpu")
     policy_device = o.policy_device or o.device
