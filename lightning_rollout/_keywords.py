@@ -27,15 +27,13 @@ from ._checks import check_device, check_int, check_seconds, warn_user
 from .envs import EnvFactory, InfoKeys
 from .events import EventProcessor, Interrupter
 
-Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
 _DEVICES = ("device", "storing_device", "policy_device", "env_device")
 
 
 @dataclass(kw_only=True)
 class Options:
-    """Every keyword :class:`ThreadedCollector` takes with its meaning, with TorchRL's default where TorchRL has
-    it (the collector's signature is these fields, then :data:`TORCHRL_ONLY`)."""
+    """Every keyword :class:`ThreadedCollector` takes but :data:`TORCHRL_ONLY`'s, with TorchRL's default if any."""
 
     policy_factory: Callable[[], Callable[..., Any]] | None = None
     frames_per_batch: int
@@ -79,7 +77,7 @@ class Options:
     parallel_steps: bool | Literal["auto", "free"] = "auto"
     autobatch_size: int | None = None
     max_wait: float | None = None
-    layout: Layout = "env_time"
+    layout: Literal["env_time", "flat"] = "env_time"
     on_policy: bool = True
     seed: int | None = None
     step_timeout: float | None = None
@@ -133,9 +131,8 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
 
 
 def options(keywords: dict[str, Any]) -> Options:
-    """The keywords given, TorchRL-only ones checked against :data:`TORCHRL_ONLY`, the others taken into
-    :class:`Options` and checked. ``ValueError``: refused values (all named in one error, with what to do), or a
-    per-worker list of values that are not one; ``TypeError``: an unknown keyword, or no ``frames_per_batch``."""
+    """The keywords given as checked :class:`Options`. ``ValueError``: refused values (all named in one error, with
+    what to do), a per-worker list of unequal values; ``TypeError``: an unknown keyword, no ``frames_per_batch``."""
     refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
                for name, (_, accepts, instead) in TORCHRL_ONLY.items()
                if name in keywords and not accepts(value := keywords[name])]
@@ -178,8 +175,8 @@ def _check(o: Options) -> None:
     if o.auto_register_policy_transforms not in (None, True, False):
         raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
                          f"{o.auto_register_policy_transforms!r}")
-    for label in _DEVICES:
-        check_device(label, getattr(o, label))  # "cuda" without CUDA is refused here, not in the first forward
+    for label in _DEVICES:  # "cuda" without CUDA is refused here, not in the first forward
+        setattr(o, label, check_device(label, getattr(o, label)))
     if o.layout not in ("env_time", "flat"):
         raise ValueError(f"layout must be 'env_time' or 'flat', got {o.layout!r}")
     if o.split_trajs and o.replay_buffer is not None:
@@ -223,8 +220,7 @@ def frame_budget(o: Options, num_envs: int) -> None:
 
 
 def storing_device(o: Options) -> torch.device | None:
-    """The device TorchRL's ``Collector`` stores batches on and sets as their ``device``, from the arguments only
-    (``docs/torchrl.rst``, "Devices of a batch")."""
+    """TorchRL ``Collector``'s batch device for these arguments (``docs/torchrl.rst``, "Devices of a batch")."""
     def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
         d = None if d is None else torch.device(d)
         return torch.device("cuda", torch.cuda.current_device()) if d is not None and d.type == "cuda" and (
@@ -235,9 +231,9 @@ def storing_device(o: Options) -> torch.device | None:
 
 
 def env_source(create_env_fn: Any, o: Options) -> Any:
-    """``create_env_fn`` with ``create_env_kwargs`` applied (one dict, or one per env), a list's env instances as
-    factories (one listed twice: a copy), a lone factory without ``num_envs`` called once, as TorchRL's ``Collector``
-    does; ``ValueError`` for kwargs that do not match the envs, or an instance listed twice that cannot be copied."""
+    """``create_env_fn`` with ``create_env_kwargs`` applied, a list's env instances as factories (one listed twice:
+    a copy), a lone factory without ``num_envs`` called once, as TorchRL's ``Collector`` does. ``ValueError``:
+    ``create_env_kwargs`` not one per env, an instance listed twice that cannot be copied."""
     kwargs = o.create_env_kwargs
     if isinstance(create_env_fn, (list, tuple)):
         seen: set[int] = set()
@@ -299,8 +295,7 @@ class PolicyTransforms:
 
 
 def chained_seeds(env: Any) -> bool:
-    """Whether ``env`` seeds its single envs by TorchRL's ``seed_generator`` chain (``SerialEnv`` / ``ParallelEnv``)
-    rather than with ``seed + i``."""
+    """Whether ``env`` seeds its envs by TorchRL's ``seed_generator`` chain (``SerialEnv`` / ``ParallelEnv``)."""
     while isinstance(env, TransformedEnv):
         env = env.base_env
     return isinstance(env, BatchedEnvBase)
@@ -326,8 +321,7 @@ class _TorchRLInterruptor(Interrupter):
 
 
 def interrupter(interruptor: Any) -> Interrupter | None:
-    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted;
-    ``ValueError`` for anything else."""
+    """What the loop polls for ``interruptor`` (ours, or TorchRL's adapted); ``ValueError`` for anything else."""
     if isinstance(interruptor, Interrupter) or interruptor is None:
         return interruptor
     if callable(getattr(interruptor, "collection_stopped", None)):

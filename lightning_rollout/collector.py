@@ -10,7 +10,7 @@ import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -41,7 +41,8 @@ _CLAIM_LOCK = threading.Lock()  # guards every collector's claim (owner, depth);
 _COPIED = ("frames_per_batch", "total_frames", "init_random_frames", "max_frames_per_traj", "trajs_per_batch",
            "trajs_per_write", "layout", "reset_at_each_iter", "track_traj_ids", "postproc", "track_policy_version",
            "set_truncated", "exploration_type", "replay_buffer", "extend_buffer", "on_policy", "processor",
-           "interruptor", "name", "worker_idx", "update_at_each_batch", "compact_obs", "no_cuda_sync")
+           "interruptor", "name", "worker_idx", "update_at_each_batch", "compact_obs", "no_cuda_sync", "env_device",
+           "device")
 
 
 def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[EnvFactory], torch.Size | None, bool]:
@@ -72,7 +73,7 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
     return factories, (None if batched is None else batched.batch_size), batched is not None and batched.native
 
 
-def _layout(factory: EnvFactory, num_envs: int, o: Options, *,
+def _layout(factory: EnvFactory, num_envs: int, o: Options,
             native: bool) -> tuple[LayoutChoice | None, int, int, bool | str]:
     """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` with ``"auto"`` resolved (one thread for a
     ``native`` batched env), a slow layout warned about (``LayoutWarning``); ``ValueError`` for a bad knob."""
@@ -105,11 +106,6 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options, *,
     return choice, int(num_workers), int(envs_per_thread), parallel_steps
 
 
-def _loop_seed(seed: int | None, num_envs: int, chained: bool) -> int | list[int] | None:
-    """What the loop is seeded with for ``seed``: the seed, or each env's (TorchRL's chain for a ``SerialEnv``)."""
-    return env_seeds(seed, num_envs, True) if seed is not None and chained else seed
-
-
 class _Claim:
     """Which thread iterates a collector: one at a time (a loop has one driver), re-entrant in that thread."""
 
@@ -138,44 +134,10 @@ class _Claim:
                     self.owner = me if self.depth else None
 
 
-class _Background:
-    """The thread of ``start()``: iterates ``batches()`` until they end or :meth:`stop`; ``error`` ended it."""
-
-    def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.stopping, self.interrupter = threading.Event(), None
-
-    def start(self, batches: Callable[[], Iterator[Any]], interrupter: Interrupter, name: str) -> None:
-        def run() -> None:
-            try:
-                for _ in batches():
-                    if self.stopping.is_set():
-                        return
-            except BaseException as exc:  # re-raised by shutdown
-                self.error = exc
-
-        self.stopping.clear()
-        self.interrupter, self.thread = interrupter, threading.Thread(target=run, name=name, daemon=True)
-        self.thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop the loop through the interrupter and join the thread (``timeout``: seconds, default 10)."""
-        if self.thread is not None:
-            self.stopping.set()
-            self.interrupter.stop()
-            self.thread.join(timeout if timeout is not None else 10.0)
-            self.interrupter.reset()
-            self.thread = None
-
-
 class ThreadedCollector(BaseCollector):
-    """TorchRL collector whose envs run in threads (or worker processes) behind one autobatched policy.
-
-    Takes every keyword of torchrl 0.14's ``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` with
-    TorchRL's defaults and rounding rules; values whose meaning does not carry over are refused with what to do
-    instead (``docs/torchrl.rst``). Batches have ``Collector``'s layout, keys and dtypes: ``[num_envs, T]`` named
-    ``[None, "time"]`` (``[T]`` for one env, ``[*batch_size, T]`` for a batched env).
+    """TorchRL collector whose envs run in threads (or worker processes) behind one autobatched policy: every
+    keyword of torchrl 0.14's ``Collector`` and multi-collectors, with TorchRL's defaults (the values whose meaning
+    does not carry over refused with what to do, ``docs/torchrl.rst``), and ``Collector``'s batches.
 
     Args:
         create_env_fn: a gymnasium id; a factory of one env (alone and without ``num_envs``: called once, as
@@ -188,7 +150,8 @@ class ThreadedCollector(BaseCollector):
         envs_per_thread, num_workers, parallel_steps: the layout (:class:`MultiEnvLoop`; ``num_workers``:
             processes stepping the envs); ``"auto"`` (default): chosen from a few timed steps of one env.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
-        layout: ``"env_time"`` (``[num_envs, T]``) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
+        layout: ``"env_time"`` (``[num_envs, T]`` named ``[None, "time"]``; ``[T]`` for one env, ``[*batch_size, T]``
+            for a batched env) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
         on_policy: ``True``: nothing runs between batches, each acted by one ``policy_version`` of the policy
             passed; ``False``: envs run one step ahead with a copy refreshed by ``update_policy_weights_()``.
         seed: seeds the envs as ``env.set_seed(seed)`` seeds the env given, and the policy's own stream.
@@ -200,8 +163,8 @@ class ThreadedCollector(BaseCollector):
         TypeError: an unknown keyword; a policy TorchRL could not call; ``use_buffers=True`` with ``replay_buffer``.
 
     Warns:
-        LayoutWarning: a layout likely to run well below ``"auto"``. UserWarning: at the first batch, a started
-        ``SerialEnv`` / ``ParallelEnv`` not seeded since. FutureWarning: TorchRL's, for transforms the policy needs.
+        LayoutWarning: a layout likely to run well below ``"auto"``; UserWarning: a started ``SerialEnv`` not
+        seeded; FutureWarning: TorchRL's, for transforms the policy needs.
     """
 
     def __init__(self, create_env_fn: Any, policy: Any = None, **keywords: Any) -> None:
@@ -229,21 +192,23 @@ class ThreadedCollector(BaseCollector):
         self.reset_when_done, self.return_same_td, self.cudagraphed_policy = True, False, False
         self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
         self.storing_device = storing_device(o)
-        self.env_device, self.device = (None if d is None else torch.device(d) for d in (o.env_device, o.device))
         self._interrupter = interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
         self._frames, self._iter, self._seed, self.is_shut_down = 0, -1, o.seed, False
-        self._claim, self._background = _Claim(), _Background()
-        self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(factories[0], num_envs, o,
-                                                                                   native=native)
+        self._claim, self._stopping = _Claim(), threading.Event()
+        self._background: threading.Thread | None = None  # start()'s thread
+        self._background_error: BaseException | None = None  # what ended it, raised by shutdown()
+        self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(factories[0], num_envs, o, native)
         self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
         self._acting_policy, self.policy_device = acting_policy(policy, o)
+        seeds = None if o.seed is None else env_seeds(o.seed, num_envs, self._chained_seeds)  # each env's
         try:
             with torch_threads_set(o.num_threads or torch.get_num_threads()):  # what the loop's policy thread asks
-                self._loop = MultiEnvLoop(
+                #: The underlying :class:`MultiEnvLoop` (for events and statistics).
+                self.loop = MultiEnvLoop(
                     factories, self._acting_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
                     parallel_steps=parallel_steps, autobatch_size=o.autobatch_size, max_wait=o.max_wait,
                     device=self.policy_device, exploration_type=o.exploration_type, lookahead=not o.on_policy,
-                    max_episode_steps=self.max_frames_per_traj, seed=_loop_seed(o.seed, num_envs, self._chained_seeds),
+                    max_episode_steps=self.max_frames_per_traj, seed=seeds,
                     random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=o.step_timeout,
                     policy_timeout=o.policy_timeout, info_keys=o.info_keys, processor=o.processor,
                     interrupter=self._interrupter, env_shape=self.env_batch_size, name=o.name, start=False)
@@ -251,11 +216,12 @@ class ThreadedCollector(BaseCollector):
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
             raise
-        self._autobatch = self._loop.policy
-        self._wrapped_policy = self._autobatch.policy  # TorchRL's name for the policy as wrapped
+        #: The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size``...).
+        self.autobatch_policy = self.loop.policy
+        self._wrapped_policy = self.autobatch_policy.policy  # TorchRL's name for the policy as wrapped
         if self.policy is None:
             self.policy = self._acting_policy = self._wrapped_policy
-        keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
+        keys = self.loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
         self._compact_next_keys: list[tuple[str, ...]] = (
             [("next", *key_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
 
@@ -269,17 +235,7 @@ class ThreadedCollector(BaseCollector):
     @property
     def policy_version(self) -> int:
         """Version of the weights the next request will use (+1 per ``update_policy_weights_``)."""
-        return self._autobatch.version
-
-    @property
-    def loop(self) -> MultiEnvLoop:
-        """The underlying :class:`MultiEnvLoop` (for events and statistics)."""
-        return self._loop
-
-    @property
-    def autobatch_policy(self) -> Any:
-        """The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size`` etc.)."""
-        return self._autobatch
+        return self.autobatch_policy.version
 
     def __len__(self) -> int:
         """Number of batches; ``TypeError`` ("no length" to Lightning) for an endless one (``total_frames=-1``)."""
@@ -335,9 +291,9 @@ class ThreadedCollector(BaseCollector):
                           "collector.set_seed(...) (they seed the envs as env.set_seed(seed) would)")
                 self._started_env = None
             if self.reset_at_each_iter and self._iter >= 0:
-                self._loop.reset_envs()
-            batch = (self._loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
-                     else self._loop.run_steps(self.frames_per_batch))
+                self.loop.reset_envs()
+            batch = (self.loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
+                     else self.loop.run_steps(self.frames_per_batch))
             frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
             if frames == 0:
                 return None
@@ -366,7 +322,7 @@ class ThreadedCollector(BaseCollector):
         drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
-        elif "policy_version" not in self._loop.layout.out_keys:  # the policy's own entry stays, as in TorchRL
+        elif "policy_version" not in self.loop.layout.out_keys:  # the policy's own entry stays, as in TorchRL
             drop.append("policy_version")
         if not self.track_traj_ids:
             drop.append(("collector", "traj_ids"))
@@ -383,7 +339,7 @@ class ThreadedCollector(BaseCollector):
 
     def fake_tensordict(self) -> TensorDictBase:
         """A zero-filled batch of this collector's layout, built without collecting (TorchRL's ``fake_tensordict``)."""
-        layout, env_time = self._loop.layout, self.layout == "env_time"
+        layout, env_time = self.loop.layout, self.layout == "env_time"
         shape = [self.num_envs, self.frames_per_batch // self.num_envs] if env_time else [self.frames_per_batch]
         names = [None, "time"] if env_time else None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
@@ -398,25 +354,44 @@ class ThreadedCollector(BaseCollector):
         ``RuntimeError`` without a replay buffer or when already started."""
         if self.replay_buffer is None:
             raise RuntimeError("start() needs a replay_buffer: collected batches are written there")
-        if self._background.thread is not None:
+        if self._background is not None:
             raise RuntimeError("the collector is already running in the background")
         if self._interrupter is None:
-            self._interrupter = self._loop.interrupter = Interrupter()
+            self._interrupter = self.loop.interrupter = Interrupter()
         # BaseCollector.__iter__'s choice, without its shutdown-on-error (that thread cannot join itself): with
         # trajs_per_batch only complete trajectories reach the buffer, as TorchRL's start() writes them
         batches = self.iterator if self.trajs_per_batch is None else self._iter_by_trajectories
-        self._background.start(batches, self._interrupter, name=f"lightning_rollout-{self.name}-background")
+
+        def run() -> None:
+            try:
+                for _ in batches():
+                    if self._stopping.is_set():
+                        return
+            except BaseException as exc:  # re-raised by shutdown
+                self._background_error = exc
+
+        self._stopping.clear()
+        self._background = threading.Thread(target=run, name=f"lightning_rollout-{self.name}-background", daemon=True)
+        self._background.start()
+
+    def _stop_background(self, timeout: float | None = None) -> None:
+        """Stop :meth:`start`'s collection through the interrupter and join its thread (seconds, default 10)."""
+        if self._background is not None:
+            self._stopping.set()
+            self._interrupter.stop()
+            self._background.join(timeout if timeout is not None else 10.0)
+            self._interrupter.reset()
+            self._background = None
 
     def is_running(self) -> bool:
         """Whether background collection (:meth:`start`) is running (TorchRL's ``is_running``)."""
-        thread = self._background.thread
-        return thread is not None and thread.is_alive()
+        return self._background is not None and self._background.is_alive()
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Pause background collection inside the ``with`` block."""
-        running = self._background.thread is not None
-        self._background.stop()
+        running = self._background is not None
+        self._stop_background()
         try:
             yield
         finally:
@@ -430,9 +405,9 @@ class ThreadedCollector(BaseCollector):
         if self.is_shut_down:
             return
         self.is_shut_down = True
-        self._background.stop(timeout)
-        self._loop.close()
-        error, self._background.error = self._background.error, None
+        self._stop_background(timeout)
+        self.loop.close()
+        error, self._background_error = self._background_error, None
         if error is not None and raise_on_error:
             raise error
 
@@ -459,8 +434,8 @@ class ThreadedCollector(BaseCollector):
             sources = [weights_dict["policy"]]
         if model_id not in (None, "policy"):
             raise ValueError(f"only model_id 'policy' exists here, got {model_id!r}")
-        source = sources[0] if sources else self.policy
-        self._autobatch.update(source, buffers_from=self.policy if isinstance(self.policy, torch.nn.Module) else None)
+        buffers_from = self.policy if isinstance(self.policy, torch.nn.Module) else None
+        self.autobatch_policy.update(sources[0] if sources else self.policy, buffers_from=buffers_from)
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed the envs as ``env.set_seed(seed)`` seeds the env given (TorchRL's chain for a ``SerialEnv`` /
@@ -468,25 +443,26 @@ class ThreadedCollector(BaseCollector):
         its new seed (a running episode cut, marked truncated). ``static_seed`` has no effect."""
         check_int("seed", seed, 0)
         self._seed, self._started_env = seed, None
-        seeds = env_seeds(seed, self.num_envs, self._chained_seeds)
-        if self._loop.started:
-            self._loop.reset_envs(seeds=seeds)
+        seeds = env_seeds(seed, self.num_envs, self._chained_seeds)  # what the loop is seeded with: each env's
+        if self.loop.started:
+            self.loop.reset_envs(seeds=seeds)
         else:
-            self._loop.seed = _loop_seed(seed, self.num_envs, self._chained_seeds)
+            self.loop.seed = seeds
         return seed_generator(seeds[-1]) if self._chained_seeds else seed + self.num_envs
 
     def reset(self, index: int | Sequence[int] | None = None, **kwargs: Any) -> None:
         """Start new episodes on the given envs (all by default)."""
-        self._loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
+        self.loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
 
     def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
         """Counters, seed, policy version and, ``with_policy``, the acting weights (``torch.load(weights_only=True)``
         -safe; ``with_policy=False`` when they are saved elsewhere, e.g. in a LightningModule checkpoint)."""
-        weights = self._autobatch.state() if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}
-        return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self._loop.next_traj_id,
-                           policy_version=self._autobatch.version, seed=-1 if self._seed is None else self._seed,
+        module = isinstance(self._acting_policy, torch.nn.Module)
+        weights = self.autobatch_policy.state() if with_policy and module else {}
+        return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self.loop.next_traj_id,
+                           policy_version=self.policy_version, seed=-1 if self._seed is None else self._seed,
                            policy_state_dict=weights,
-                           traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)})  # TorchRL's, same counter
+                           traj_pool={"traj_id": torch.tensor(self.loop.next_traj_id)})  # TorchRL's, same counter
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
         """Restore what :meth:`state_dict` saved, whole or not at all, so a resumed run continues the counts.
@@ -511,18 +487,18 @@ class ThreadedCollector(BaseCollector):
         with self._claim():  # refused at once while another thread iterates: nothing changed yet
             if self.is_shut_down:
                 raise CollectionError("load_state_dict: the collector is shut down; load the state into a new one")
-            if self._loop.collecting:
+            if self.loop.collecting:
                 raise CollectionError("load_state_dict: called while this collector is collecting a batch (from an "
                                       "event processor or policy?); call it between batches")
             if next(iter(weights.keys()), None) is not None:
-                _check_weights(self._autobatch.weights, weights)
-                self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
+                _check_weights(self.autobatch_policy.weights, weights)
+                self.autobatch_policy.update(weights)  # checked: only an env or policy fault can fail it now
             if seed >= 0:  # fresh, reproducible streams on resume
                 self.set_seed(seed + frames)
             self._frames, self._iter = frames, int(state_dict["batches"]) - 1
-            self._autobatch.set_version(int(state_dict["policy_version"]))
-            if not self._loop.started:
-                self._loop.set_traj_id_start(int(state_dict["next_traj_id"]))
+            self.autobatch_policy.set_version(int(state_dict["policy_version"]))
+            if not self.loop.started:
+                self.loop.set_traj_id_start(int(state_dict["next_traj_id"]))
 
 
 def _check_weights(acting: Any, weights: Mapping[str, Any]) -> None:
