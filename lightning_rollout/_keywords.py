@@ -169,7 +169,18 @@ def signature() -> inspect.Signature:
 
 def _check(o: Options) -> None:
     """Refuse the options checked before anything is built (``TypeError`` for ``use_buffers=True`` with a
-    ``replay_buffer``, as TorchRL's ``Collector`` raises; else ``ValueError``)."""
+    ``replay_buffer``, as TorchRL's ``Collector`` raises; else ``ValueError``); ``None`` / ``-1`` frame counts read
+    as TorchRL reads them (endless, no random frames, no cap)."""
+    check_int("frames_per_batch", o.frames_per_batch, 1)
+    total = -1 if o.total_frames is None or (isinstance(o.total_frames, (float, np.floating)) and
+                                             math.isinf(o.total_frames)) else o.total_frames
+    if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
+        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
+    o.total_frames = int(total)
+    o.init_random_frames = 0 if o.init_random_frames in (None, -1) else o.init_random_frames
+    check_int("init_random_frames", o.init_random_frames, 0)
+    o.max_frames_per_traj = None if o.max_frames_per_traj in (None, -1) else o.max_frames_per_traj
+    check_int("max_frames_per_traj", o.max_frames_per_traj, 1, optional=True)
     check_int("worker_idx", o.worker_idx, 0, optional=True)
     check_int("num_threads", o.num_threads, 1, optional=True)
     if o.auto_register_policy_transforms not in (None, True, False):
@@ -189,19 +200,9 @@ def _check(o: Options) -> None:
 
 
 def frame_budget(o: Options, num_envs: int) -> None:
-    """Check ``o``'s frame counts and round them in place as TorchRL does, warning: whole time steps of every env a
-    batch (``env_time``), whole batches in all (``-1``: endless); ``None`` / ``-1``: no random frames, no cap."""
-    frames_per_batch, total, random_frames, max_traj = (o.frames_per_batch, o.total_frames, o.init_random_frames,
-                                                        o.max_frames_per_traj)
-    check_int("frames_per_batch", frames_per_batch, 1)
-    if total is None or (isinstance(total, (float, np.floating)) and math.isinf(total)):
-        total = -1
-    if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
-        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
-    random_frames = 0 if random_frames in (None, -1) else random_frames
-    check_int("init_random_frames", random_frames, 0)
-    max_traj = None if max_traj in (None, -1) else max_traj
-    check_int("max_frames_per_traj", max_traj, 1, optional=True)
+    """Round ``o``'s frame counts as TorchRL does, warning: whole time steps of every env a batch (``env_time``),
+    whole batches in all."""
+    frames_per_batch, total, random_frames = o.frames_per_batch, o.total_frames, o.init_random_frames
     steps = -(-frames_per_batch // num_envs)
     if steps * num_envs != frames_per_batch and o.layout == "env_time":
         warn_user(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
@@ -216,7 +217,6 @@ def frame_budget(o: Options, num_envs: int) -> None:
                   f"({frames_per_batch}); {-(-random_frames // frames_per_batch) * frames_per_batch} "
                   "random frames will be collected")
     o.frames_per_batch, o.total_frames, o.init_random_frames = int(frames_per_batch), int(total), int(random_frames)
-    o.max_frames_per_traj = max_traj
 
 
 def storing_device(o: Options) -> torch.device | None:

@@ -198,7 +198,7 @@ class ThreadedCollector(BaseCollector):
         self._background: threading.Thread | None = None  # start()'s thread
         self._background_error: BaseException | None = None  # what ended it, raised by shutdown()
         self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(factories[0], num_envs, o, native)
-        self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
+        self.policy = policy
         self._acting_policy, self.policy_device = acting_policy(policy, o)
         seeds = None if o.seed is None else env_seeds(o.seed, num_envs, self._chained_seeds)  # each env's
         try:
@@ -218,9 +218,8 @@ class ThreadedCollector(BaseCollector):
             raise
         #: The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size``...).
         self.autobatch_policy = self.loop.policy
-        self._wrapped_policy = self.autobatch_policy.policy  # TorchRL's name for the policy as wrapped
-        if self.policy is None:
-            self.policy = self._acting_policy = self._wrapped_policy
+        if self.policy is None:  # TorchRL's RandomPolicy, made by the loop
+            self.policy = self._acting_policy = self.autobatch_policy.policy
         keys = self.loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
         self._compact_next_keys: list[tuple[str, ...]] = (
             [("next", *key_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
