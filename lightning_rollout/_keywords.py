@@ -168,9 +168,8 @@ def signature() -> inspect.Signature:
 
 
 def _check(o: Options) -> None:
-    """Refuse the options checked before anything is built (``TypeError`` for ``use_buffers=True`` with a
-    ``replay_buffer``, as TorchRL's ``Collector`` raises; else ``ValueError``); ``None`` / ``-1`` frame counts read
-    as TorchRL reads them (endless, no random frames, no cap)."""
+    """Refuse options before anything is built (``TypeError``: ``use_buffers=True`` with a ``replay_buffer``, as
+    TorchRL raises; else ``ValueError``); ``None`` / ``-1`` frame counts: endless, no random frames, no cap."""
     check_int("frames_per_batch", o.frames_per_batch, 1)
     total = -1 if o.total_frames is None or (isinstance(o.total_frames, (float, np.floating)) and
                                              math.isinf(o.total_frames)) else o.total_frames
@@ -234,18 +233,17 @@ def env_source(create_env_fn: Any, o: Options) -> Any:
     """``create_env_fn`` with ``create_env_kwargs`` applied, a list's env instances as factories (one listed twice:
     a copy), a lone factory without ``num_envs`` called once, as TorchRL's ``Collector`` does. ``ValueError``:
     ``create_env_kwargs`` not one per env, an instance listed twice that cannot be copied."""
-    kwargs = o.create_env_kwargs
-    if isinstance(create_env_fn, (list, tuple)):
+    kwargs, listed = o.create_env_kwargs, isinstance(create_env_fn, (list, tuple))
+    if listed:
         seen: set[int] = set()
-        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env
-                         for env in create_env_fn]
+        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env for env in create_env_fn]
     if isinstance(kwargs, (list, tuple)):
-        fns = create_env_fn if isinstance(create_env_fn, (list, tuple)) else [create_env_fn] * len(kwargs)
+        fns = create_env_fn if listed else [create_env_fn] * len(kwargs)
         if len(fns) != len(kwargs):
             raise ValueError(f"create_env_kwargs holds {len(kwargs)} dicts for {len(fns)} envs; pass one per env")
         return [functools.partial(f, **k) for f, k in zip(fns, kwargs)]
     if kwargs:
-        create_env_fn = ([functools.partial(f, **kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
+        create_env_fn = ([functools.partial(f, **kwargs) for f in create_env_fn] if listed
                          else functools.partial(create_env_fn, **kwargs))
     if o.num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
         made = create_env_fn()

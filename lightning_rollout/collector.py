@@ -264,9 +264,8 @@ class ThreadedCollector(BaseCollector):
                     yield batch
                     continue
                 if not self.extend_buffer:
-                    frames = batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch
-                    for i in range(frames.shape[0]):
-                        self.replay_buffer.add(frames[i])
+                    for frame in batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch:
+                        self.replay_buffer.add(frame)
                 else:
                     storage = getattr(self.replay_buffer, "_storage", None)
                     self.replay_buffer.extend(batch.reshape(-1) if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1
@@ -454,8 +453,7 @@ class ThreadedCollector(BaseCollector):
         self.loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
 
     def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
-        """Counters, seed, policy version and, ``with_policy``, the acting weights (``torch.load(weights_only=True)``
-        -safe; ``with_policy=False`` when they are saved elsewhere, e.g. in a LightningModule checkpoint)."""
+        """Counters, seed, policy version and (``with_policy``) the acting weights; loads with ``weights_only=True``."""
         module = isinstance(self._acting_policy, torch.nn.Module)
         weights = self.autobatch_policy.state() if with_policy and module else {}
         return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self.loop.next_traj_id,
