@@ -5,7 +5,6 @@ seed, interruptor, devices and policy read as TorchRL reads them."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import inspect
 import math
@@ -159,10 +158,7 @@ def signature() -> inspect.Signature:
     :class:`Options` and key of :data:`TORCHRL_ONLY`, keyword-only, with its default."""
     positional, kw = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("self", positional), inspect.Parameter("create_env_fn", positional),
-              inspect.Parameter("policy", positional, default=None)]
-    params += [inspect.Parameter(f.name, kw, annotation=f.type,
-                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
-               for f in dataclasses.fields(Options)]
+              inspect.Parameter("policy", positional, default=None), *inspect.signature(Options).parameters.values()]
     params += [inspect.Parameter(name, kw, default=default) for name, (default, _, _) in TORCHRL_ONLY.items()]
     return inspect.Signature(params, return_annotation=None)
 
