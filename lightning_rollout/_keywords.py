@@ -167,8 +167,9 @@ def _check(o: Options) -> None:
     """Refuse options before anything is built (``TypeError``: ``use_buffers=True`` with a ``replay_buffer``, as
     TorchRL raises; else ``ValueError``); ``None`` / ``-1`` frame counts: endless, no random frames, no cap."""
     check_int("frames_per_batch", o.frames_per_batch, 1)
-    total = -1 if o.total_frames is None or (isinstance(o.total_frames, (float, np.floating)) and
-                                             math.isinf(o.total_frames)) else o.total_frames
+    total = o.total_frames
+    if total is None or (isinstance(total, (float, np.floating)) and math.isinf(total)):
+        total = -1
     if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
         raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
     o.total_frames = int(total)
@@ -215,11 +216,9 @@ def frame_budget(o: Options, num_envs: int) -> None:
 
 
 def storing_device(o: Options) -> torch.device | None:
-    """TorchRL ``Collector``'s batch device for these arguments (``docs/torchrl.rst``, "Devices of a batch")."""
-    def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
-        d = None if d is None else torch.device(d)
-        return torch.device("cuda", torch.cuda.current_device()) if d is not None and d.type == "cuda" and (
-            d.index is None) else d
+    """TorchRL ``Collector``'s batch device for ``o``'s checked devices (``docs/torchrl.rst``, "Devices of a batch")."""
+    def as_dev(d: torch.device | None) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current one
+        return torch.device("cuda", torch.cuda.current_device()) if d == torch.device("cuda") else d
 
     policy_, env_, stored = (as_dev(d or o.device) for d in (o.policy_device, o.env_device, o.storing_device))
     return env_ if stored is None and env_ == policy_ else stored
@@ -330,10 +329,10 @@ def acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
     module = isinstance(policy, torch.nn.Module)
     own_device = next((p.device for p in policy.parameters()), torch.device("cpu")) if module else torch.device("cpu")
     policy_device = o.policy_device or o.device
-    needs_copy = (not o.on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
+    needs_copy = (not o.on_policy) or (policy_device is not None and policy_device != own_device)
     acting = copy.deepcopy(policy) if needs_copy and module else policy
     if policy_device is not None and isinstance(acting, torch.nn.Module):
         acting = acting.to(policy_device)
     if o.compile_policy:
         acting = torch.compile(acting, **(o.compile_policy if isinstance(o.compile_policy, dict) else {}))
-    return acting, torch.device(policy_device) if policy_device is not None else own_device
+    return acting, policy_device or own_device

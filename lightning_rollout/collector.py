@@ -426,12 +426,11 @@ class ThreadedCollector(BaseCollector):
         sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(sources) > 1:
             raise ValueError("pass the new weights once: positional, weights= or policy=")
+        unknown = {model_id, *(weights_dict or ())} - {None, "policy"}
+        if unknown:
+            raise ValueError(f"only model_id 'policy' exists here, got {', '.join(sorted(map(repr, unknown)))}")
         if weights_dict is not None:
-            if set(weights_dict) - {"policy"}:
-                raise ValueError(f"only model_id 'policy' exists here, got {sorted(weights_dict)}")
             sources = [weights_dict["policy"]]
-        if model_id not in (None, "policy"):
-            raise ValueError(f"only model_id 'policy' exists here, got {model_id!r}")
         buffers_from = self.policy if isinstance(self.policy, torch.nn.Module) else None
         self.autobatch_policy.update(sources[0] if sources else self.policy, buffers_from=buffers_from)
 
