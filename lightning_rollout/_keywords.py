@@ -1,12 +1,11 @@
 """The TorchRL facade's arguments: every keyword of TorchRL's collectors taken into :class:`Options` or refused by
-:data:`TORCHRL_ONLY` (:func:`options`; :func:`signature` makes the collector's signature from both), and
-``create_env_fn``, ``create_env_kwargs``, ``seed``, ``interruptor`` and the policy's device read as TorchRL reads
-them."""
+:data:`TORCHRL_ONLY` (:func:`options`; :func:`signature` makes the collector's signature from both), and the env,
+seed, interruptor, devices and policy read as TorchRL reads them."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -27,18 +26,13 @@ from ._checks import check_device, check_int, check_seconds, warn_user
 from .envs import EnvFactory, InfoKeys
 from .events import EventProcessor, Interrupter
 
-__all__ = ["TORCHRL_ONLY", "Options", "PolicyTransforms", "acting_policy", "chained_seeds", "check_options",
-           "env_seeds", "env_source", "frame_budget", "interrupter", "options", "signature", "storing_device"]
-
-Layout = Literal["env_time", "flat"]
 Device = torch.device | str | None
 _DEVICES = ("device", "storing_device", "policy_device", "env_device")
 
 
 @dataclass(kw_only=True)
 class Options:
-    """Every keyword :class:`ThreadedCollector` takes with its meaning, with TorchRL's default where TorchRL has
-    it (the collector's signature is these fields, then :data:`TORCHRL_ONLY`)."""
+    """Every keyword :class:`ThreadedCollector` takes but :data:`TORCHRL_ONLY`'s, with TorchRL's default if any."""
 
     policy_factory: Callable[[], Callable[..., Any]] | None = None
     frames_per_batch: int
@@ -82,7 +76,7 @@ class Options:
     parallel_steps: bool | Literal["auto", "free"] = "auto"
     autobatch_size: int | None = None
     max_wait: float | None = None
-    layout: Layout = "env_time"
+    layout: Literal["env_time", "flat"] = "env_time"
     on_policy: bool = True
     seed: int | None = None
     step_timeout: float | None = None
@@ -94,7 +88,6 @@ class Options:
 
 def _is(*accepted: Any) -> Callable[[Any], bool]:
     return lambda value: any(value is a or (type(value) is type(a) and value == a) for a in accepted)
-
 
 
 #: TorchRL keywords whose meaning does not carry over: ``name: (TorchRL's default, the values that change nothing
@@ -137,9 +130,8 @@ TORCHRL_ONLY: dict[str, tuple[Any, Callable[[Any], bool], str]] = {
 
 
 def options(keywords: dict[str, Any]) -> Options:
-    """The keywords given, TorchRL-only ones checked against :data:`TORCHRL_ONLY`, the others taken into
-    :class:`Options`. ``ValueError``: refused values (all named in one error, with what to do instead), or a
-    per-worker list of values that are not one; ``TypeError``: an unknown keyword, or no ``frames_per_batch``."""
+    """The keywords given as checked :class:`Options`. ``ValueError``: refused values (all named in one error, with
+    what to do), a per-worker list of unequal values; ``TypeError``: an unknown keyword, no ``frames_per_batch``."""
     refused = [f"{name}={value!r}: " + instead.replace("{value}", repr(value))
                for name, (_, accepts, instead) in TORCHRL_ONLY.items()
                if name in keywords and not accepts(value := keywords[name])]
@@ -154,9 +146,11 @@ def options(keywords: dict[str, Any]) -> Options:
                                  f"ThreadedCollector takes one {name} for all its envs")
             taken[name] = value[0]
     try:
-        return Options(**taken)
+        o = Options(**taken)
     except TypeError as exc:
         raise TypeError(str(exc).replace("Options.__init__()", "ThreadedCollector()")) from None
+    _check(o)
+    return o
 
 
 def signature() -> inspect.Signature:
@@ -164,24 +158,32 @@ def signature() -> inspect.Signature:
     :class:`Options` and key of :data:`TORCHRL_ONLY`, keyword-only, with its default."""
     positional, kw = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     params = [inspect.Parameter("self", positional), inspect.Parameter("create_env_fn", positional),
-              inspect.Parameter("policy", positional, default=None)]
-    params += [inspect.Parameter(f.name, kw, annotation=f.type,
-                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
-               for f in dataclasses.fields(Options)]
+              inspect.Parameter("policy", positional, default=None), *inspect.signature(Options).parameters.values()]
     params += [inspect.Parameter(name, kw, default=default) for name, (default, _, _) in TORCHRL_ONLY.items()]
     return inspect.Signature(params, return_annotation=None)
 
 
-def check_options(o: Options) -> None:
-    """Refuse (``ValueError``, named, with what to change) the options checked before anything is built;
-    ``TypeError`` for ``use_buffers=True`` with a ``replay_buffer``, as TorchRL's ``Collector`` raises."""
+def _check(o: Options) -> None:
+    """Refuse options before anything is built (``TypeError``: ``use_buffers=True`` with a ``replay_buffer``, as
+    TorchRL raises; else ``ValueError``); ``None`` / ``-1`` frame counts: endless, no random frames, no cap."""
+    check_int("frames_per_batch", o.frames_per_batch, 1)
+    total = o.total_frames
+    if total is None or (isinstance(total, (float, np.floating)) and math.isinf(total)):
+        total = -1
+    if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
+        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
+    o.total_frames = int(total)
+    o.init_random_frames = 0 if o.init_random_frames in (None, -1) else o.init_random_frames
+    check_int("init_random_frames", o.init_random_frames, 0)
+    o.max_frames_per_traj = None if o.max_frames_per_traj in (None, -1) else o.max_frames_per_traj
+    check_int("max_frames_per_traj", o.max_frames_per_traj, 1, optional=True)
     check_int("worker_idx", o.worker_idx, 0, optional=True)
     check_int("num_threads", o.num_threads, 1, optional=True)
     if o.auto_register_policy_transforms not in (None, True, False):
         raise ValueError(f"auto_register_policy_transforms must be True, False or None, got "
                          f"{o.auto_register_policy_transforms!r}")
-    for label in _DEVICES:
-        check_device(label, getattr(o, label))  # "cuda" without CUDA is refused here, not in the first forward
+    for label in _DEVICES:  # "cuda" without CUDA is refused here, not in the first forward
+        setattr(o, label, check_device(label, getattr(o, label)))
     if o.layout not in ("env_time", "flat"):
         raise ValueError(f"layout must be 'env_time' or 'flat', got {o.layout!r}")
     if o.split_trajs and o.replay_buffer is not None:
@@ -193,21 +195,10 @@ def check_options(o: Options) -> None:
     o.step_timeout = check_seconds("step_timeout", o.step_timeout, allow_zero=False)  # before the auto measure
 
 
-def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
-    """``(frames_per_batch, total_frames, init_random_frames, max_frames_per_traj)`` checked and rounded as TorchRL
-    rounds them, with a warning each: whole time steps of every env a batch (``env_time``), whole batches in all
-    (``-1``: endless); ``None`` / ``-1`` mean none (``0`` random frames, no cap)."""
-    frames_per_batch, total, random_frames, max_traj = (o.frames_per_batch, o.total_frames, o.init_random_frames,
-                                                        o.max_frames_per_traj)
-    check_int("frames_per_batch", frames_per_batch, 1)
-    if total is None or (isinstance(total, (float, np.floating)) and math.isinf(total)):
-        total = -1
-    if not isinstance(total, (int, np.integer)) or isinstance(total, bool) or (total < 1 and total != -1):
-        raise ValueError(f"total_frames must be a positive int or -1 (endless), got {total!r}")
-    random_frames = 0 if random_frames in (None, -1) else random_frames
-    check_int("init_random_frames", random_frames, 0)
-    max_traj = None if max_traj in (None, -1) else max_traj
-    check_int("max_frames_per_traj", max_traj, 1, optional=True)
+def frame_budget(o: Options, num_envs: int) -> None:
+    """Round ``o``'s frame counts as TorchRL does, warning: whole time steps of every env a batch (``env_time``),
+    whole batches in all."""
+    frames_per_batch, total, random_frames = o.frames_per_batch, o.total_frames, o.init_random_frames
     steps = -(-frames_per_batch // num_envs)
     if steps * num_envs != frames_per_batch and o.layout == "env_time":
         warn_user(f"frames_per_batch ({frames_per_batch}) is not exactly divisible by the number of envs "
@@ -221,51 +212,34 @@ def frame_budget(o: Options, num_envs: int) -> tuple[int, int, int, int | None]:
         warn_user(f"init_random_frames ({random_frames}) is not exactly a multiple of frames_per_batch "
                   f"({frames_per_batch}); {-(-random_frames // frames_per_batch) * frames_per_batch} "
                   "random frames will be collected")
-    return int(frames_per_batch), int(total), int(random_frames), max_traj
+    o.frames_per_batch, o.total_frames, o.init_random_frames = int(frames_per_batch), int(total), int(random_frames)
 
 
-def storing_device(*, device: Any, storing_device: Any, policy_device: Any, env_device: Any) -> torch.device | None:
-    """The device TorchRL's ``Collector`` stores batches on (and sets as their ``device``): ``storing_device``,
-    else ``device``, else ``env_device`` when it equals ``policy_device`` (each defaulting to ``device``), else
-    ``None`` (no device). Only the arguments count, not where the env or the weights are."""
-    def as_dev(d: Any) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current CUDA device
-        d = None if d is None else torch.device(d)
-        return torch.device("cuda", torch.cuda.current_device()) if d is not None and d.type == "cuda" and (
-            d.index is None) else d
+def storing_device(o: Options) -> torch.device | None:
+    """TorchRL ``Collector``'s batch device for ``o``'s checked devices (``docs/torchrl.rst``, "Devices of a batch")."""
+    def as_dev(d: torch.device | None) -> torch.device | None:  # TorchRL's ordinal form: "cuda" is the current one
+        return torch.device("cuda", torch.cuda.current_device()) if d == torch.device("cuda") else d
 
-    policy_, env_ = as_dev(policy_device or device), as_dev(env_device or device)
-    stored = as_dev(storing_device or device)
+    policy_, env_, stored = (as_dev(d or o.device) for d in (o.policy_device, o.env_device, o.storing_device))
     return env_ if stored is None and env_ == policy_ else stored
 
 
-class _with_kwargs:
-    """A picklable factory calling ``factory(**kwargs)`` (TorchRL's ``create_env_kwargs``)."""
-
-    def __init__(self, factory: Any, kwargs: dict[str, Any]) -> None:
-        self.factory, self.kwargs = factory, dict(kwargs)
-
-    def __call__(self) -> Any:
-        return self.factory(**self.kwargs)
-
-
 def env_source(create_env_fn: Any, o: Options) -> Any:
-    """``create_env_fn`` with TorchRL's ``create_env_kwargs`` applied (one dict, or one per env of a list, else
-    ``ValueError``); a list's env instances as factories (one listed twice: a copy, as each of TorchRL's workers
-    gets one; ``ValueError`` when it cannot be copied); a lone factory without ``num_envs`` called once, its env
-    then taken as an instance (as TorchRL's ``Collector`` does)."""
-    kwargs = o.create_env_kwargs
-    if isinstance(create_env_fn, (list, tuple)):
+    """``create_env_fn`` with ``create_env_kwargs`` applied, a list's env instances as factories (one listed twice:
+    a copy), a lone factory without ``num_envs`` called once, as TorchRL's ``Collector`` does. ``ValueError``:
+    ``create_env_kwargs`` not one per env, an instance listed twice that cannot be copied."""
+    kwargs, listed = o.create_env_kwargs, isinstance(create_env_fn, (list, tuple))
+    if listed:
         seen: set[int] = set()
-        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env
-                         for env in create_env_fn]
+        create_env_fn = [_instance(env, seen) if isinstance(env, (EnvBase, gym.Env)) else env for env in create_env_fn]
     if isinstance(kwargs, (list, tuple)):
-        fns = create_env_fn if isinstance(create_env_fn, (list, tuple)) else [create_env_fn] * len(kwargs)
+        fns = create_env_fn if listed else [create_env_fn] * len(kwargs)
         if len(fns) != len(kwargs):
             raise ValueError(f"create_env_kwargs holds {len(kwargs)} dicts for {len(fns)} envs; pass one per env")
-        return [_with_kwargs(f, k) for f, k in zip(fns, kwargs)]
+        return [functools.partial(f, **k) for f, k in zip(fns, kwargs)]
     if kwargs:
-        create_env_fn = ([_with_kwargs(f, kwargs) for f in create_env_fn] if isinstance(create_env_fn, list)
-                         else _with_kwargs(create_env_fn, kwargs))
+        create_env_fn = ([functools.partial(f, **kwargs) for f in create_env_fn] if listed
+                         else functools.partial(create_env_fn, **kwargs))
     if o.num_envs is None and callable(create_env_fn) and not isinstance(create_env_fn, (EnvBase, gym.Env)):
         made = create_env_fn()
         # (what is no env goes back behind a factory, for the loop to refuse by name as it refuses any factory's)
@@ -274,8 +248,7 @@ def env_source(create_env_fn: Any, o: Options) -> Any:
 
 
 def _instance(env: Any, seen: set[int]) -> EnvFactory:
-    """A factory of the env instance ``env`` of a list: a copy of it when listed before (``ValueError`` when it
-    cannot be copied)."""
+    """A factory of the env instance ``env`` of a list: a copy of it when listed before."""
     if id(env) in seen:
         try:
             env = copy.deepcopy(env)
@@ -288,9 +261,8 @@ def _instance(env: Any, seen: set[int]) -> EnvFactory:
 
 
 class PolicyTransforms:
-    """A picklable env factory adding the ``InitTracker`` / ``TensorDictPrimer`` an ``nn.Module`` policy needs and
-    a TorchRL env lacks, by TorchRL's rule (``append``), or checking for them (TorchRL's ``FutureWarning`` once,
-    naming them). A gymnasium env needs neither: the loop writes its ``is_init`` and carries recurrent state."""
+    """A picklable env factory adding the transforms an ``nn.Module`` policy needs and a TorchRL env lacks, by
+    TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``)."""
 
     def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool) -> None:
         self.factory, self.policy, self.append, self.checked = factory, policy, append, False
@@ -316,8 +288,7 @@ class PolicyTransforms:
 
 
 def chained_seeds(env: Any) -> bool:
-    """Whether ``env`` seeds its single envs by TorchRL's chain (``SerialEnv`` / ``ParallelEnv.set_seed``: env
-    ``i + 1`` gets ``seed_generator`` of env ``i``'s seed), rather than ``seed + i`` (gymnasium's vector envs)."""
+    """Whether ``env`` seeds its envs by TorchRL's ``seed_generator`` chain (``SerialEnv`` / ``ParallelEnv``)."""
     while isinstance(env, TransformedEnv):
         env = env.base_env
     return isinstance(env, BatchedEnvBase)
@@ -343,8 +314,7 @@ class _TorchRLInterruptor(Interrupter):
 
 
 def interrupter(interruptor: Any) -> Interrupter | None:
-    """What the loop polls for ``interruptor``: ours as it is, TorchRL's (``collection_stopped()``) adapted;
-    ``ValueError`` for anything else."""
+    """What the loop polls for ``interruptor`` (ours, or TorchRL's adapted); ``ValueError`` for anything else."""
     if isinstance(interruptor, Interrupter) or interruptor is None:
         return interruptor
     if callable(getattr(interruptor, "collection_stopped", None)):
@@ -354,16 +324,15 @@ def interrupter(interruptor: Any) -> Interrupter | None:
 
 
 def acting_policy(policy: Any, o: Options) -> tuple[Any, torch.device]:
-    """The policy the env threads call, and its device. A module is copied when the learner's must not act
-    (``on_policy=False``: weights change only at ``update_policy_weights_``) or it acts on another device; then
-    moved to ``policy_device`` and compiled as asked."""
+    """The policy the env threads call, and its device: a module copied when the learner's must not act
+    (``on_policy=False``) or it acts on another device, moved to ``policy_device`` and compiled as asked."""
     module = isinstance(policy, torch.nn.Module)
     own_device = next((p.device for p in policy.parameters()), torch.device("cpu")) if module else torch.device("cpu")
     policy_device = o.policy_device or o.device
-    needs_copy = (not o.on_policy) or (policy_device is not None and torch.device(policy_device) != own_device)
+    needs_copy = (not o.on_policy) or (policy_device is not None and policy_device != own_device)
     acting = copy.deepcopy(policy) if needs_copy and module else policy
     if policy_device is not None and isinstance(acting, torch.nn.Module):
         acting = acting.to(policy_device)
     if o.compile_policy:
         acting = torch.compile(acting, **(o.compile_policy if isinstance(o.compile_policy, dict) else {}))
-    return acting, torch.device(policy_device) if policy_device is not None else own_device
+    return acting, policy_device or own_device

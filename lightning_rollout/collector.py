@@ -1,13 +1,7 @@
-"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop`, for
-``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` (keywords: :mod:`lightning_rollout._keywords`).
-
-Policy sharing: with ``on_policy=True`` (default) nothing runs between batches and the policy passed acts as it is,
-as in TorchRL's ``Collector`` on one device; each batch is acted by one ``policy_version``. With ``on_policy=False``
-envs run one step ahead while you train, with a copy of the policy refreshed by ``update_policy_weights_()`` (at
-most one step per env acted by the previous version).
-
-Threading: iterate from one thread. ``start()`` collects into the replay buffer in a background thread
-(``lightning_rollout-<name>-background``); ``shutdown()`` stops and joins it.
+"""ThreadedCollector: a drop-in ``torchrl.collectors.BaseCollector`` over :class:`MultiEnvLoop` for ``Collector``,
+``MultiSyncCollector`` and ``MultiAsyncCollector`` (their keywords: :mod:`lightning_rollout._keywords`; the guide:
+``docs/torchrl.rst``). Iterate from one thread; ``start()`` collects into the replay buffer in a background thread
+(``lightning_rollout-<name>-background``), which ``shutdown()`` stops and joins.
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import contextlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -31,8 +25,8 @@ from torchrl.envs import EnvBase
 
 from ._batched import batched_env, is_batched, takes_apart
 from ._checks import check_int, check_seconds, warn_user
-from ._keywords import (Options, PolicyTransforms, acting_policy, chained_seeds, check_options, env_seeds, env_source,
-                        frame_budget, interrupter, options, signature, storing_device)
+from ._keywords import (Options, PolicyTransforms, acting_policy, chained_seeds, env_seeds, env_source, frame_budget,
+                        interrupter, options, signature, storing_device)
 from ._threads import torch_threads_set
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
@@ -44,15 +38,16 @@ from .specs import key_parts
 __all__ = ["ThreadedCollector"]
 
 _CLAIM_LOCK = threading.Lock()  # guards every collector's claim (owner, depth); held a few instructions a claim
-_COPIED = ("trajs_per_batch", "trajs_per_write", "layout", "reset_at_each_iter", "track_traj_ids", "postproc",
-           "track_policy_version", "set_truncated", "exploration_type", "replay_buffer", "extend_buffer", "on_policy",
-           "processor", "interruptor", "name", "worker_idx", "update_at_each_batch", "compact_obs", "no_cuda_sync")
+_COPIED = ("frames_per_batch", "total_frames", "init_random_frames", "max_frames_per_traj", "trajs_per_batch",
+           "trajs_per_write", "layout", "reset_at_each_iter", "track_traj_ids", "postproc", "track_policy_version",
+           "set_truncated", "exploration_type", "replay_buffer", "extend_buffer", "on_policy", "processor",
+           "interruptor", "name", "worker_idx", "update_at_each_batch", "compact_obs", "no_cuda_sync", "env_device",
+           "device")
 
 
 def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[EnvFactory], torch.Size | None, bool]:
-    """``(factories, env_batch_size, native)``: each env's factory (:class:`PolicyTransforms` added for a module
-    policy), the batch dims of a batched env instance given (else ``None``), whether it is stepped as it is;
-    ``ValueError`` for a ``num_envs`` the envs given do not match, or an empty list."""
+    """``(factories, batch dims of a batched env given or None, whether it is stepped as it is)``; ``ValueError``
+    for a ``num_envs`` the envs given do not match, or an empty list."""
     num_envs, batched = o.num_envs, None
     if is_batched(create_env_fn):
         batched = batched_env(create_env_fn, num_workers=o.num_workers)
@@ -78,13 +73,10 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
     return factories, (None if batched is None else batched.batch_size), batched is not None and batched.native
 
 
-def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, frames_per_batch: int,
-            total_frames: int, max_frames_per_traj: int | None) -> tuple[LayoutChoice | None, int, int, bool | str]:
-    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)``: ``"auto"`` resolved (one thread in this
-    process for a ``native`` batched env, else :mod:`~lightning_rollout.loop.auto`'s measure), a layout likely to
-    run well below ``"auto"`` warned about (``LayoutWarning``); with ``layout="flat"`` on-policy ``envs_per_thread``
-    must divide ``frames_per_batch`` (a chosen one is made to), else ``ValueError``, as for a bad knob or
-    ``num_workers > 1`` with one env."""
+def _layout(factory: EnvFactory, num_envs: int, o: Options,
+            native: bool) -> tuple[LayoutChoice | None, int, int, bool | str]:
+    """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` with ``"auto"`` resolved (one thread for a
+    ``native`` batched env), a slow layout warned about (``LayoutWarning``); ``ValueError`` for a bad knob."""
     envs_per_thread, num_workers, parallel_steps = o.envs_per_thread, o.num_workers, o.parallel_steps
     check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
     if num_envs == 1 and not is_auto(num_workers) and num_workers > 1:
@@ -96,8 +88,8 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, fra
         num_workers = 1 if is_auto(num_workers) else num_workers
     chosen_ept = is_auto(envs_per_thread)
     choice = resolve_layout(factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
-                            max_episode_steps=max_frames_per_traj,
-                            expected_frames=total_frames if total_frames > 0 else None,
+                            max_episode_steps=o.max_frames_per_traj,
+                            expected_frames=o.total_frames if o.total_frames > 0 else None,
                             step_timeout=o.step_timeout, name=o.name)
     num_workers, envs_per_thread, parallel_steps = apply_choice(
         choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
@@ -105,18 +97,13 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options, *, native: bool, fra
         None if chosen_ept or native or int(num_workers) > 1 else one_env_threads_warning(num_envs, envs_per_thread))
     if slow is not None:
         warn_user(LayoutWarning(f"{o.name}: {slow}"))
-    whole_blocks = o.layout == "flat" and o.on_policy
+    whole_blocks, frames_per_batch = o.layout == "flat" and o.on_policy, o.frames_per_batch
     if chosen_ept and whole_blocks and frames_per_batch % envs_per_thread:
         envs_per_thread = math.gcd(envs_per_thread, frames_per_batch)  # a divisor of both: whole blocks
     if whole_blocks and frames_per_batch % envs_per_thread:
         raise ValueError(f"with layout='flat' and on_policy=True, frames_per_batch ({frames_per_batch}) must be a "
                          f"multiple of envs_per_thread ({envs_per_thread}) so no batch mixes policy versions")
     return choice, int(num_workers), int(envs_per_thread), parallel_steps
-
-
-def _loop_seed(seed: int | None, num_envs: int, chained: bool) -> int | list[int] | None:
-    """What the loop is seeded with for ``seed``: the seed, or each env's (TorchRL's chain for a ``SerialEnv``)."""
-    return env_seeds(seed, num_envs, True) if seed is not None and chained else seed
 
 
 class _Claim:
@@ -128,8 +115,7 @@ class _Claim:
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
-        """Hold the collector for this thread; raises ``CollectionError`` at once (nothing waits) while another
-        live thread holds it (an iterator of its own neither exhausted nor closed)."""
+        """Hold the collector for this thread; ``CollectionError`` at once while another live thread holds it."""
         lock, me = _CLAIM_LOCK, threading.current_thread()  # local: at exit the module may be gone before finally
         with lock:
             owner = self.owner
@@ -148,78 +134,37 @@ class _Claim:
                     self.owner = me if self.depth else None
 
 
-class _Background:
-    """The thread of ``start()``: iterates ``batches()`` until they end or :meth:`stop`; ``error`` ended it."""
-
-    def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.stopping, self.interrupter = threading.Event(), None
-
-    def start(self, batches: Callable[[], Iterator[Any]], interrupter: Interrupter, name: str) -> None:
-        def run() -> None:
-            try:
-                for _ in batches():
-                    if self.stopping.is_set():
-                        return
-            except BaseException as exc:  # re-raised by shutdown
-                self.error = exc
-
-        self.stopping.clear()
-        self.interrupter, self.thread = interrupter, threading.Thread(target=run, name=name, daemon=True)
-        self.thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop the loop through the interrupter and join the thread (``timeout``: seconds, default 10)."""
-        if self.thread is not None:
-            self.stopping.set()
-            self.interrupter.stop()
-            self.thread.join(timeout if timeout is not None else 10.0)
-            self.interrupter.reset()
-            self.thread = None
-
-
 class ThreadedCollector(BaseCollector):
-    """TorchRL collector whose envs run in threads behind one autobatched policy.
-
-    Takes every keyword of torchrl 0.14's ``Collector``, ``MultiSyncCollector`` and ``MultiAsyncCollector`` with
-    TorchRL's defaults and rounding rules; values whose meaning does not carry over are refused with what to do
-    instead (``docs/torchrl.rst``, "Keyword arguments of TorchRL's collectors"). Batches have ``Collector``'s
-    layout: ``[num_envs, T]`` named ``[None, "time"]`` (``[T]`` for one env, ``[*batch_size, T]`` for a batched
-    env), TorchRL's keys, dtypes and trajectory ids, ``"_"``-prefixed entries left out.
+    """TorchRL collector whose envs run in threads (or worker processes) behind one autobatched policy: every
+    keyword of torchrl 0.14's ``Collector`` and multi-collectors, with TorchRL's defaults (the values whose meaning
+    does not carry over refused with what to do, ``docs/torchrl.rst``), and ``Collector``'s batches.
 
     Args:
-        create_env_fn: a gymnasium id; a factory of a ``gymnasium.Env`` or torchrl ``EnvBase`` (alone and without
-            ``num_envs``: called once, as TorchRL does); a list of factories or env instances (one listed twice
-            is copied); an env instance; or a batched env (``SerialEnv``, ``ParallelEnv``, ``GymEnv(num_envs=k)``,
-            a gymnasium vector env), taken apart or stepped as it is (``docs/torchrl.rst``, "Batched envs").
-        policy: what TorchRL's collectors accept (``None``: TorchRL's ``RandomPolicy``), or a one-argument tensor
-            function of the only observation; called on a TensorDict of ``k`` envs' rows.
+        create_env_fn: a gymnasium id; a factory of one env (alone and without ``num_envs``: called once, as
+            TorchRL does); a list of factories or env instances; an env instance; or a batched env.
+        policy: what TorchRL's collectors accept (``None``: ``RandomPolicy``), or a one-argument tensor function
+            of the only observation; called on a TensorDict of ``k`` envs' rows.
 
     Keyword Args:
-        update_at_each_batch: pull the weights of the policy passed before each batch (TorchRL's multi-collectors).
-        num_threads: torch threads of the policy's thread (default: the constructing thread's), capped so that
-            the busy threads fit the cores; env-stepping threads run with one.
-        num_envs: number of envs (default: a list's length, else the batch size of the env, 1 if unbatched).
-        envs_per_thread, num_workers, parallel_steps: the layout (:class:`MultiEnvLoop`); ``"auto"`` (default):
-            chosen from a few timed steps of one env (``layout_choice``). ``num_workers``: processes stepping the
-            ``num_envs`` envs, not TorchRL's one env a worker.
+        num_envs: number of envs (default: a list's length, else the env's batch size, 1 if unbatched).
+        envs_per_thread, num_workers, parallel_steps: the layout (:class:`MultiEnvLoop`; ``num_workers``:
+            processes stepping the envs); ``"auto"`` (default): chosen from a few timed steps of one env.
         autobatch_size, max_wait: the policy's flush rule (see :class:`AutobatchPolicy`).
-        layout: ``"env_time"`` (``[num_envs, T]``) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
-        on_policy: see the module docs. step_timeout, policy_timeout: seconds before a hung call raises.
-        seed: seeds the envs as ``env.set_seed(seed)`` seeds the batched env given (its chain for a ``SerialEnv``
-            / ``ParallelEnv``), else env ``i`` with ``seed + i``; and the policy's own stream.
-        info_keys, processor, name: see :class:`MultiEnvLoop`. The others: TorchRL's (``docs/torchrl.rst``).
+        layout: ``"env_time"`` (``[num_envs, T]`` named ``[None, "time"]``; ``[T]`` for one env, ``[*batch_size, T]``
+            for a batched env) or ``"flat"`` (``[frames_per_batch]`` in arrival order).
+        on_policy: ``True``: nothing runs between batches, each acted by one ``policy_version`` of the policy
+            passed; ``False``: envs run one step ahead with a copy refreshed by ``update_policy_weights_()``.
+        seed: seeds the envs as ``env.set_seed(seed)`` seeds the env given, and the policy's own stream.
+        step_timeout, policy_timeout: seconds before a hung call raises. num_threads: the policy's torch threads.
+        info_keys, processor, name: see :class:`MultiEnvLoop`. The others: TorchRL's.
 
     Raises:
-        ValueError: inconsistent options, or TorchRL values this collector cannot honour (each named; a refused
-            env is closed). TypeError: an unknown keyword; a policy TorchRL could not call either;
-            ``use_buffers=True`` with a ``replay_buffer``.
+        ValueError: inconsistent options, or TorchRL values this collector cannot honour (each named).
+        TypeError: an unknown keyword; a policy TorchRL could not call; ``use_buffers=True`` with ``replay_buffer``.
 
     Warns:
-        LayoutWarning: a layout likely to run well below ``"auto"``, with what to pass. UserWarning: at the first
-        batch, a ``SerialEnv`` / ``ParallelEnv`` given started and not seeded since. FutureWarning: TorchRL's, for
-        a TorchRL env lacking transforms the policy needs (unless ``auto_register_policy_transforms`` is given).
+        LayoutWarning: a layout likely to run well below ``"auto"``; UserWarning: a started ``SerialEnv`` not
+        seeded; FutureWarning: TorchRL's, for transforms the policy needs.
     """
 
     def __init__(self, create_env_fn: Any, policy: Any = None, **keywords: Any) -> None:
@@ -229,44 +174,41 @@ class ThreadedCollector(BaseCollector):
             if policy is not None:
                 raise TypeError("policy_factory cannot be used with policy argument.")
             policy = o.policy_factory()
-        check_options(o)
         create_env_fn = env_source(create_env_fn, o)
         self._chained_seeds = chained_seeds(create_env_fn) and takes_apart(create_env_fn)
         # warned at the first batch unless seeded by then: its envs are rebuilt, a seed set on it is lost
         self._started_env = (None if not self._chained_seeds or create_env_fn.is_closed or o.seed is not None
                              else type(create_env_fn).__name__)
         factories, self.env_batch_size, native = _env_factories(create_env_fn, policy, o)
-        # what TorchRL's code reads: the frame budget rounded, the devices by TorchRL's rule
         self.num_envs = num_envs = len(factories)
-        self.frames_per_batch, self.total_frames, self.init_random_frames, self.max_frames_per_traj = (
-            frame_budget(o, num_envs))
+        frame_budget(o, num_envs)
+        for name in _COPIED:  # what TorchRL's code reads, the frame budget as TorchRL rounds it
+            setattr(self, name, getattr(o, name))
         self.requested_frames_per_batch = self.frames_per_batch
         self.traj_format = _validate_traj_format(o.traj_format, o.trajs_per_batch,
                                                  has_replay_buffer=o.replay_buffer is not None)
-        for name in _COPIED:
-            setattr(self, name, getattr(o, name))
         self.split_trajs, self.trust_policy, self.compiled_policy = (
             bool(o.split_trajs), bool(o.trust_policy), bool(o.compile_policy))
         self.reset_when_done, self.return_same_td, self.cudagraphed_policy = True, False, False
         self._ignore_rb = False  # set by BaseCollector while it writes whole trajectories itself
-        self.storing_device = storing_device(device=o.device, storing_device=o.storing_device,
-                                              policy_device=o.policy_device, env_device=o.env_device)
-        self.env_device, self.device = (None if d is None else torch.device(d) for d in (o.env_device, o.device))
+        self.storing_device = storing_device(o)
         self._interrupter = interrupter(o.interruptor)  # what the loop polls (start() makes one if none given)
-        self._frames, self._iter, self._seed, self._shut = 0, -1, o.seed, False
-        self._claim, self._background = _Claim(), _Background()
-        self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(
-            factories[0], num_envs, o, native=native, frames_per_batch=self.frames_per_batch,
-            total_frames=self.total_frames, max_frames_per_traj=self.max_frames_per_traj)
-        self.policy = policy  # None: TorchRL's RandomPolicy over the env's action spec, made by the loop
+        self._frames, self._iter, self._seed, self.is_shut_down = 0, -1, o.seed, False
+        self._claim, self._stopping = _Claim(), threading.Event()
+        self._background: threading.Thread | None = None  # start()'s thread
+        self._background_error: BaseException | None = None  # what ended it, raised by shutdown()
+        self.layout_choice, num_workers, envs_per_thread, parallel_steps = _layout(factories[0], num_envs, o, native)
+        self.policy = policy
         self._acting_policy, self.policy_device = acting_policy(policy, o)
+        seeds = None if o.seed is None else env_seeds(o.seed, num_envs, self._chained_seeds)  # each env's
         try:
             with torch_threads_set(o.num_threads or torch.get_num_threads()):  # what the loop's policy thread asks
-                self._loop = MultiEnvLoop(
+                #: The underlying :class:`MultiEnvLoop` (for events and statistics).
+                self.loop = MultiEnvLoop(
                     factories, self._acting_policy, envs_per_thread=envs_per_thread, num_workers=num_workers,
                     parallel_steps=parallel_steps, autobatch_size=o.autobatch_size, max_wait=o.max_wait,
                     device=self.policy_device, exploration_type=o.exploration_type, lookahead=not o.on_policy,
-                    max_episode_steps=self.max_frames_per_traj, seed=_loop_seed(o.seed, num_envs, self._chained_seeds),
+                    max_episode_steps=self.max_frames_per_traj, seed=seeds,
                     random_steps_per_env=-(-self.init_random_frames // num_envs), step_timeout=o.step_timeout,
                     policy_timeout=o.policy_timeout, info_keys=o.info_keys, processor=o.processor,
                     interrupter=self._interrupter, env_shape=self.env_batch_size, name=o.name, start=False)
@@ -274,11 +216,11 @@ class ThreadedCollector(BaseCollector):
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
             raise
-        self._autobatch = self._loop.policy
-        self._wrapped_policy = self._autobatch.policy  # TorchRL's name for the policy as wrapped
-        if self.policy is None:
-            self.policy = self._acting_policy = self._wrapped_policy
-        keys = self._loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
+        #: The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size``...).
+        self.autobatch_policy = self.loop.policy
+        if self.policy is None:  # TorchRL's RandomPolicy, made by the loop
+            self.policy = self._acting_policy = self.autobatch_policy.policy
+        keys = self.loop.env_keys  # compact_obs: what the env writes under "next" again at the next step's root
         self._compact_next_keys: list[tuple[str, ...]] = (
             [("next", *key_parts(k)) for k in {**keys.observation, **keys.state}] if self.compact_obs else [])
 
@@ -292,22 +234,7 @@ class ThreadedCollector(BaseCollector):
     @property
     def policy_version(self) -> int:
         """Version of the weights the next request will use (+1 per ``update_policy_weights_``)."""
-        return self._autobatch.version
-
-    @property
-    def is_shut_down(self) -> bool:
-        """True once :meth:`shutdown` was called (iterating then raises ``CollectionError``)."""
-        return self._shut
-
-    @property
-    def loop(self) -> MultiEnvLoop:
-        """The underlying :class:`MultiEnvLoop` (for events and statistics)."""
-        return self._loop
-
-    @property
-    def autobatch_policy(self) -> Any:
-        """The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size`` etc.)."""
-        return self._autobatch
+        return self.autobatch_policy.version
 
     def __len__(self) -> int:
         """Number of batches; ``TypeError`` ("no length" to Lightning) for an endless one (``total_frames=-1``)."""
@@ -320,16 +247,14 @@ class ThreadedCollector(BaseCollector):
                 f"total_frames={self.total_frames}, layout={self.layout!r}, on_policy={self.on_policy})")
 
     def __iter__(self) -> Iterator[TensorDictBase | None]:
-        """Iterate batches (TorchRL's ``BaseCollector.__iter__``) from one thread at a time: ``CollectionError`` at
-        the first ``next()`` while another thread iterates (which goes on undisturbed) or once shut down;
-        ``EnvError`` / ``PolicyError`` when a worker failed (the collector is then shut down)."""
+        """Iterate batches from one thread at a time: ``CollectionError`` while another thread iterates or once shut
+        down; ``EnvError`` / ``PolicyError`` when a worker failed (the collector is then shut down)."""
         with self._claim():  # refused before BaseCollector's handler, which would shut down
             yield from super().__iter__()
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
-        """Yield batches until ``total_frames`` (forever when -1); with a replay buffer, write each batch there
-        (``extend``, or ``add`` frame by frame in time order when ``extend_buffer=False``) and yield ``None``.
-        Raises as :meth:`__iter__`."""
+        """Yield batches until ``total_frames`` (forever when -1); with a replay buffer, write each there (``add``
+        frame by frame in time order when ``extend_buffer=False``) and yield ``None``. Raises as :meth:`__iter__`."""
         with self._claim():
             while self.total_frames < 0 or self._frames < self.total_frames:
                 batch = self.collect_batch()
@@ -339,9 +264,8 @@ class ThreadedCollector(BaseCollector):
                     yield batch
                     continue
                 if not self.extend_buffer:
-                    frames = batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch
-                    for i in range(frames.shape[0]):
-                        self.replay_buffer.add(frames[i])
+                    for frame in batch.transpose(0, 1).reshape(-1) if batch.ndim > 1 else batch:
+                        self.replay_buffer.add(frame)
                 else:
                     storage = getattr(self.replay_buffer, "_storage", None)
                     self.replay_buffer.extend(batch.reshape(-1) if batch.ndim > 1 and getattr(storage, "ndim", 1) == 1
@@ -349,11 +273,10 @@ class ThreadedCollector(BaseCollector):
                 yield None
 
     def collect_batch(self) -> TensorDictBase | None:
-        """Collect one batch of ``frames_per_batch`` frames, post-processed (TorchRL's ``rollout`` + ``_postproc``);
-        ``None`` when the interruptor stopped collection before any frame. Raises as :meth:`__iter__` (another
-        thread iterating or collecting is refused at once)."""
+        """One post-processed batch of ``frames_per_batch`` frames (TorchRL's ``rollout`` + ``_postproc``); ``None``
+        when the interruptor stopped collection before any frame. Raises as :meth:`__iter__`."""
         with self._claim():
-            if self._shut:
+            if self.is_shut_down:
                 raise CollectionError("the collector is shut down")
             if self.pre_collect_hook is not None:
                 self.pre_collect_hook()
@@ -366,9 +289,9 @@ class ThreadedCollector(BaseCollector):
                           "collector.set_seed(...) (they seed the envs as env.set_seed(seed) would)")
                 self._started_env = None
             if self.reset_at_each_iter and self._iter >= 0:
-                self._loop.reset_envs()
-            batch = (self._loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
-                     else self._loop.run_steps(self.frames_per_batch))
+                self.loop.reset_envs()
+            batch = (self.loop.run_env_steps(self.frames_per_batch // self.num_envs) if self.layout == "env_time"
+                     else self.loop.run_steps(self.frames_per_batch))
             frames = batch.batch_size.numel()  # not batch.numel(): TensorDict lower-bounds it to 1 when empty
             if frames == 0:
                 return None
@@ -386,11 +309,8 @@ class ThreadedCollector(BaseCollector):
             return batch
 
     def _export(self, batch: TensorDictBase) -> TensorDictBase:
-        """The loop's CPU batch as TorchRL delivers it, ``"_"``-prefixed entries still in: ``[T]`` for one
-        unbatched env, ``[*env_batch_size, T]`` for a batched env (``env_time``); without what TorchRL does not
-        write (``("collector", "env_id")``, ``policy_version`` unless ``track_policy_version``, the observations
-        and state under ``"next"`` with ``compact_obs``); ``set_truncated`` applied; moved to ``storing_device``
-        (else ``env_device``), its ``device`` ``storing_device``."""
+        """The loop's CPU batch as TorchRL delivers it (shape, entries, ``set_truncated``, device), ``"_"``-prefixed
+        entries still in."""
         shape = self.env_batch_size
         if self.layout == "env_time" and shape is None and self.num_envs == 1:
             batch = batch[0]
@@ -400,7 +320,7 @@ class ThreadedCollector(BaseCollector):
         drop: list[Any] = [("collector", "env_id"), *self._compact_next_keys]
         if self.track_policy_version:
             batch.set(("next", "policy_version"), batch.get("policy_version").clone())
-        elif "policy_version" not in self._loop.layout.out_keys:  # the policy's own entry stays, as in TorchRL
+        elif "policy_version" not in self.loop.layout.out_keys:  # the policy's own entry stays, as in TorchRL
             drop.append("policy_version")
         if not self.track_traj_ids:
             drop.append(("collector", "traj_ids"))
@@ -416,9 +336,8 @@ class ThreadedCollector(BaseCollector):
         return batch
 
     def fake_tensordict(self) -> TensorDictBase:
-        """A zero-filled batch with the layout of this collector's batches (shape, dim names, keys, dtypes), built
-        without collecting: TorchRL's ``Collector.fake_tensordict``."""
-        layout, env_time = self._loop.layout, self.layout == "env_time"
+        """A zero-filled batch of this collector's layout, built without collecting (TorchRL's ``fake_tensordict``)."""
+        layout, env_time = self.loop.layout, self.layout == "env_time"
         shape = [self.num_envs, self.frames_per_batch // self.num_envs] if env_time else [self.frames_per_batch]
         names = [None, "time"] if env_time else None
         columns = {k: np.zeros((*shape, *spec.shape), spec.dtype) for k, spec in layout.specs.items()}
@@ -433,42 +352,60 @@ class ThreadedCollector(BaseCollector):
         ``RuntimeError`` without a replay buffer or when already started."""
         if self.replay_buffer is None:
             raise RuntimeError("start() needs a replay_buffer: collected batches are written there")
-        if self._background.thread is not None:
+        if self._background is not None:
             raise RuntimeError("the collector is already running in the background")
         if self._interrupter is None:
-            self._interrupter = self._loop.interrupter = Interrupter()
+            self._interrupter = self.loop.interrupter = Interrupter()
         # BaseCollector.__iter__'s choice, without its shutdown-on-error (that thread cannot join itself): with
         # trajs_per_batch only complete trajectories reach the buffer, as TorchRL's start() writes them
         batches = self.iterator if self.trajs_per_batch is None else self._iter_by_trajectories
-        self._background.start(batches, self._interrupter, name=f"lightning_rollout-{self.name}-background")
+
+        def run() -> None:
+            try:
+                for _ in batches():
+                    if self._stopping.is_set():
+                        return
+            except BaseException as exc:  # re-raised by shutdown
+                self._background_error = exc
+
+        self._stopping.clear()
+        self._background = threading.Thread(target=run, name=f"lightning_rollout-{self.name}-background", daemon=True)
+        self._background.start()
+
+    def _stop_background(self, timeout: float | None = None) -> None:
+        """Stop :meth:`start`'s collection through the interrupter and join its thread (seconds, default 10)."""
+        if self._background is not None:
+            self._stopping.set()
+            self._interrupter.stop()
+            self._background.join(timeout if timeout is not None else 10.0)
+            self._interrupter.reset()
+            self._background = None
 
     def is_running(self) -> bool:
         """Whether background collection (:meth:`start`) is running (TorchRL's ``is_running``)."""
-        thread = self._background.thread
-        return thread is not None and thread.is_alive()
+        return self._background is not None and self._background.is_alive()
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
         """Pause background collection inside the ``with`` block."""
-        running = self._background.thread is not None
-        self._background.stop()
+        running = self._background is not None
+        self._stop_background()
         try:
             yield
         finally:
-            if running and not self._shut:
+            if running and not self.is_shut_down:
                 self.start()
 
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
-        """Stop every thread and close the envs (``async_shutdown`` too); idempotent, safe from ``__del__`` or after
-        an error. Raises the error that ended background collection (if ``raise_on_error``), or ``ValueError``
-        for a ``timeout`` (seconds) that is neither finite nor ``None``."""
+        """Stop every thread and close the envs (``async_shutdown`` too); idempotent. Raises the error that ended
+        background collection (if ``raise_on_error``), ``ValueError`` for a ``timeout`` neither finite nor ``None``."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
-        if self._shut:
+        if self.is_shut_down:
             return
-        self._shut = True
-        self._background.stop(timeout)
-        self._loop.close()
-        error, self._background.error = self._background.error, None
+        self.is_shut_down = True
+        self._stop_background(timeout)
+        self.loop.close()
+        error, self._background_error = self._background_error, None
         if error is not None and raise_on_error:
             raise error
 
@@ -483,62 +420,51 @@ class ThreadedCollector(BaseCollector):
             weights: TensorDictBase | dict | None = None, policy: TensorDictModuleBase | torch.nn.Module | None = None,
             worker_ids: Any = None, model_id: str | None = None, weights_dict: dict[str, Any] | None = None,
             **kwargs: Any) -> None:
-        """Push new weights to the acting policy and bump ``policy_version`` (TorchRL's signature): no argument
-        pulls them from the policy given at construction; else a module, a ``state_dict`` (the non-persistent
-        buffers it lacks from that policy) or a ``TensorDict``. Queued requests get the old weights; on-policy, an
-        update during a batch applies from the next. ``ValueError``: several sources, or an unknown ``model_id``."""
+        """Push new weights to the acting policy and bump ``policy_version``: none given pulls them from the policy
+        passed; else a module, a ``state_dict`` (non-persistent buffers from that policy) or a ``TensorDict``, applied
+        from the next request (on-policy: the next batch). ``ValueError``: several sources, an unknown ``model_id``."""
         sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(sources) > 1:
             raise ValueError("pass the new weights once: positional, weights= or policy=")
+        unknown = {model_id, *(weights_dict or ())} - {None, "policy"}
+        if unknown:
+            raise ValueError(f"only model_id 'policy' exists here, got {', '.join(sorted(map(repr, unknown)))}")
         if weights_dict is not None:
-            if set(weights_dict) - {"policy"}:
-                raise ValueError(f"only model_id 'policy' exists here, got {sorted(weights_dict)}")
             sources = [weights_dict["policy"]]
-        if model_id not in (None, "policy"):
-            raise ValueError(f"only model_id 'policy' exists here, got {model_id!r}")
-        source = sources[0] if sources else self.policy
-        self._autobatch.update(source, buffers_from=self.policy if isinstance(self.policy, torch.nn.Module) else None)
+        buffers_from = self.policy if isinstance(self.policy, torch.nn.Module) else None
+        self.autobatch_policy.update(sources[0] if sources else self.policy, buffers_from=buffers_from)
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed the envs as ``env.set_seed(seed)`` seeds the batched env given (TorchRL's chain for a ``SerialEnv``
-        / ``ParallelEnv``), else env ``i`` with ``seed + i``; returns the next unused seed, as TorchRL does.
-
-        Before iteration it only records them; after, every env is reset with its new seed (a running episode is
-        cut, marked truncated). ``static_seed`` is accepted for TorchRL compatibility."""
+        """Seed the envs as ``env.set_seed(seed)`` seeds the env given (TorchRL's chain for a ``SerialEnv`` /
+        ``ParallelEnv``, else ``seed + i``) and return TorchRL's next seed; once iterating, every env is reset with
+        its new seed (a running episode cut, marked truncated). ``static_seed`` has no effect."""
         check_int("seed", seed, 0)
         self._seed, self._started_env = seed, None
-        seeds = env_seeds(seed, self.num_envs, self._chained_seeds)
-        if self._loop.started:
-            self._loop.reset_envs(seeds=seeds)
+        seeds = env_seeds(seed, self.num_envs, self._chained_seeds)  # what the loop is seeded with: each env's
+        if self.loop.started:
+            self.loop.reset_envs(seeds=seeds)
         else:
-            self._loop.seed = _loop_seed(seed, self.num_envs, self._chained_seeds)
+            self.loop.seed = seeds
         return seed_generator(seeds[-1]) if self._chained_seeds else seed + self.num_envs
 
     def reset(self, index: int | Sequence[int] | None = None, **kwargs: Any) -> None:
         """Start new episodes on the given envs (all by default)."""
-        self._loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
+        self.loop.reset_envs(None if index is None else ([index] if isinstance(index, int) else list(index)))
 
     def state_dict(self, *, with_policy: bool = True) -> OrderedDict:
-        """Counters, seed, policy version and, ``with_policy``, the acting weights (``torch.load(weights_only=True)``
-        -safe; ``with_policy=False`` when they are saved elsewhere, e.g. in a LightningModule checkpoint)."""
-        weights = self._autobatch.state() if with_policy and isinstance(self._acting_policy, torch.nn.Module) else {}
-        return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self._loop.next_traj_id,
-                           policy_version=self._autobatch.version, seed=-1 if self._seed is None else self._seed,
+        """Counters, seed, policy version and (``with_policy``) the acting weights; loads with ``weights_only=True``."""
+        module = isinstance(self._acting_policy, torch.nn.Module)
+        weights = self.autobatch_policy.state() if with_policy and module else {}
+        return OrderedDict(frames=self._frames, batches=self._iter + 1, next_traj_id=self.loop.next_traj_id,
+                           policy_version=self.policy_version, seed=-1 if self._seed is None else self._seed,
                            policy_state_dict=weights,
-                           traj_pool={"traj_id": torch.tensor(self._loop.next_traj_id)})  # TorchRL's, same counter
+                           traj_pool={"traj_id": torch.tensor(self.loop.next_traj_id)})  # TorchRL's, same counter
 
     def load_state_dict(self, state_dict: OrderedDict | dict) -> None:
-        """Restore what :meth:`state_dict` saved, so a resumed run continues the counts; applied whole or not at
-        all, between batches by the iterating thread or while none iterates. ``frames``, ``batches``,
-        ``next_traj_id``, ``policy_version`` are ints ``>= 0``, ``seed`` ``>= -1`` (numpy ints too, not bools),
-        ``policy_state_dict`` a mapping (empty: no weights) with the acting policy's keys and shapes.
-
-        Raises:
-            ValueError: a foreign or truncated state, a field of the wrong type or range, or weights of another
-                architecture, named with what it got.
-            CollectionError: another thread iterates (``pause()`` a background collection first), a collection
-                call of this thread is running, or the collector is shut down.
-        """
+        """Restore what :meth:`state_dict` saved, whole or not at all, so a resumed run continues the counts.
+        ``ValueError``: a foreign or truncated state, a field of the wrong type or range, weights of another
+        architecture. ``CollectionError``: another thread iterates (``pause()`` a background collection first), a
+        collection call of this thread is running, or the collector is shut down."""
         ints = {"frames": 0, "batches": 0, "next_traj_id": 0, "policy_version": 0, "seed": -1}  # name: minimum
         missing = {*ints, "policy_state_dict"} - set(state_dict) if isinstance(state_dict, Mapping) else None
         if missing is None or missing:
@@ -555,29 +481,25 @@ class ThreadedCollector(BaseCollector):
                              f"when no weights were saved), got {type(weights).__name__}")
         frames, seed = int(state_dict["frames"]), int(state_dict["seed"])
         with self._claim():  # refused at once while another thread iterates: nothing changed yet
-            if self._shut:
+            if self.is_shut_down:
                 raise CollectionError("load_state_dict: the collector is shut down; load the state into a new one")
-            if self._loop.collecting:
+            if self.loop.collecting:
                 raise CollectionError("load_state_dict: called while this collector is collecting a batch (from an "
                                       "event processor or policy?); call it between batches")
             if next(iter(weights.keys()), None) is not None:
-                _check_weights(self._autobatch.weights, weights)
-                self._autobatch.update(weights)  # checked: only an env or policy fault can fail it now
-            if self._loop.started and seed >= 0:
-                self._loop.reset_envs(seeds=env_seeds(seed + frames, self.num_envs, self._chained_seeds))
+                _check_weights(self.autobatch_policy.weights, weights)
+                self.autobatch_policy.update(weights)  # checked: only an env or policy fault can fail it now
+            if seed >= 0:  # fresh, reproducible streams on resume
+                self.set_seed(seed + frames)
             self._frames, self._iter = frames, int(state_dict["batches"]) - 1
-            self._autobatch.set_version(int(state_dict["policy_version"]))
-            if not self._loop.started:
-                self._loop.set_traj_id_start(int(state_dict["next_traj_id"]))
-                if seed >= 0:  # fresh, reproducible streams on resume
-                    self._loop.seed = _loop_seed(seed + frames, self.num_envs, self._chained_seeds)
-            if seed >= 0:
-                self._seed = seed + frames
+            self.autobatch_policy.set_version(int(state_dict["policy_version"]))
+            if not self.loop.started:
+                self.loop.set_traj_id_start(int(state_dict["next_traj_id"]))
 
 
 def _check_weights(acting: Any, weights: Mapping[str, Any]) -> None:
-    """Refuse (``ValueError``, naming it) a key or a shape the acting module would take only in part:
-    ``load_state_dict`` copies the entries that fit before it raises about the others."""
+    """Refuse (``ValueError``) a key or shape the acting module would take only in part (its ``load_state_dict``
+    copies the entries that fit before it raises about the others)."""
     if not isinstance(acting, torch.nn.Module):
         return  # a plain callable keeps whatever it is given
     current = acting.state_dict()
