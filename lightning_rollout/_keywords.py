@@ -262,10 +262,11 @@ def _instance(env: Any, seen: set[int]) -> EnvFactory:
 
 class PolicyTransforms:
     """A picklable env factory adding the transforms an ``nn.Module`` policy needs and a TorchRL env lacks, by
-    TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``)."""
+    TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``): ``checked`` is one
+    flag a collector's factories share."""
 
-    def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool) -> None:
-        self.factory, self.policy, self.append, self.checked = factory, policy, append, False
+    def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool, checked: list[bool]) -> None:
+        self.factory, self.policy, self.append, self.checked = factory, policy, append, checked
 
     def __call__(self) -> Any:
         env = self.factory()
@@ -276,8 +277,8 @@ class PolicyTransforms:
 
         if self.append:
             return _maybe_append_env_transforms_from_module(env, self.policy)
-        missing = [] if self.checked else _compute_missing_env_transforms(env, self.policy)
-        self.checked = True
+        missing = [] if self.checked[0] else _compute_missing_env_transforms(env, self.policy)
+        self.checked[0] = True
         if missing:
             warn_user(f"The env passed to ThreadedCollector is missing transforms required by the policy "
                       f"({', '.join(type(t).__name__ for t in missing)}). From torchrl v0.15 the collector will "

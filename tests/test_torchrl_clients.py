@@ -272,9 +272,18 @@ def test_the_thread_rule_keeps_every_busy_thread_within_the_cores():
 @pytest.mark.parametrize("cls", [Collector, ThreadedCollector])
 def test_torchrls_warning_about_transforms_the_policy_needs_reaches_the_user(cls):
     # TorchRL's sota scripts: an nn.Module policy on an env without InitTracker (TorchRL appends one from v0.15)
-    with pytest.warns(FutureWarning, match=r"missing transforms required by the policy \(InitTracker\)"):
+    with pytest.warns(FutureWarning, match=r"missing transforms required by the policy \(InitTracker\)") as seen:
         collector = cls(lambda: GymEnv("CartPole-v1"), actor(), frames_per_batch=4, total_frames=4)
     collector.shutdown()
+    assert len([w for w in seen if "missing transforms" in str(w.message)]) == 1  # once a collector, as TorchRL
+
+
+def test_the_transforms_warning_is_given_once_for_all_the_envs():
+    with pytest.warns(FutureWarning, match="missing transforms") as seen:
+        collector = ThreadedCollector(lambda: GymEnv("CartPole-v1"), actor(), frames_per_batch=8, total_frames=8,
+                                      num_envs=4)
+    collector.shutdown()
+    assert len([w for w in seen if "missing transforms" in str(w.message)]) == 1
 
 
 @pytest.mark.parametrize("register", [True, False])
