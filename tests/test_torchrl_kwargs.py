@@ -102,7 +102,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("name, value, error, message", REFUSED,
-                         ids=[f"{n}={v!r}" for n, v, _, _ in REFUSED])
+                         ids=[f"{n}={v!r}" if "object at" not in repr(v) else n for n, v, _, _ in REFUSED])
 def test_a_torchrl_option_value_that_cannot_be_honoured_is_refused_before_any_env_is_built(name, value, error,
                                                                                             message):
     built = []
