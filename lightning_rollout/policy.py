@@ -1,12 +1,6 @@
-"""The policy: one batched call on numpy rows, versioned weights, and the standalone :class:`AutobatchPolicy`.
-
-* :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict (TorchRL's rule).
-* :class:`PolicyCall` runs it on the rows of some envs in the calling thread and returns numpy outputs; its
-  weights carry a version (:meth:`PolicyCall.update` +1, :meth:`PolicyCall.pinned` holds one for a span). With
-  ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
-* :class:`AutobatchPolicy`, a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s: one
-  inference thread calls it once ``pending >= min(active, autobatch_size)`` rows are queued or after ``max_wait``.
-"""
+"""The policy: :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict;
+:class:`PolicyCall` runs it on numpy rows in the calling thread, with versioned weights; :class:`AutobatchPolicy`,
+a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s, calls it from one inference thread."""
 
 from __future__ import annotations
 

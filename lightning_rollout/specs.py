@@ -168,6 +168,5 @@ def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.
     out = {}
     for k in keys:
         if (value := td.get(k, None)) is not None:
-            out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
-                else value.numpy()
+            out[k] = value.detach().cpu().numpy()
     return out
