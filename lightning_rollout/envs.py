@@ -238,9 +238,7 @@ class GymUnit(Unit):
     Specs are TorchRL's conversion of each leaf space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``,
     ``"1"``...); the loop adds ``is_init``, ``step_count`` and ``episode_reward`` (``loop_keys``). Actions are taken as
     an index or one-hot for discrete spaces and checked against the action space (:class:`ActionError`).
-    ``info_keys`` reads ``info`` entries as observations, at the root (``reset``) and under ``"next"`` (``step``):
-    specs given (``{key: TorchRL spec}``) or inferred from one reset's ``info`` as TorchRL's
-    ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is stored as zeros.
+    ``info_keys`` (:data:`InfoKeys`) reads ``info`` entries as observations (one missing from an ``info``: zeros).
     ``max_episode_steps`` truncates an episode at that length.
 
     Raises:

@@ -53,15 +53,11 @@ class Wrapped:
 def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: Sequence[NestedKey] = ("action",),
                      single_key: NestedKey | None = "observation", action_spec: Any = None,
                      policy_timeout: float | None = None, name: str = "loop") -> Wrapped:
-    """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
-
-    * A ``TensorDictModuleBase``, TorchRL's ``RandomPolicy`` and a function of one TensorDict argument (named
-      ``tensordict`` / ``td`` or annotated) are used as they are; spec-less exploration modules and
-      ``RandomPolicy()`` get ``action_spec``.
-    * An ``nn.Module`` or function whose parameter names are keys of ``observation_spec`` is wrapped in a
-      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule;
-      one of a single other argument reads ``single_key``. It is called once on a spec sample (to count its
-      outputs), with ``policy_timeout`` in a helper thread ``lightning_rollout-<name>-wrap``.
+    """Make ``policy`` callable on a TensorDict by TorchRL's rule (docs: TorchRL page): used as it is, or wrapped in
+    a ``TensorDictModule`` reading the observations its arguments name (``single_key`` for a single other argument)
+    and writing ``action_keys`` (then ``output1``, ...). Spec-less exploration modules and ``RandomPolicy()`` get
+    ``action_spec``. A policy to wrap is called once on a spec sample (to count its outputs), with
+    ``policy_timeout``, in a helper thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
         TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
@@ -218,10 +214,8 @@ def _direct_module(policy: Any) -> Callable[..., Any] | None:
 
 def _to_numpy(value: Any, key: NestedKey) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
-        if isinstance(value, (tuple, list)):
-            raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}; a tensor function must "
-                              "return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
-        raise PolicyError(f"the policy returned {type(value).__name__} for {key!r}, not a tensor")
+        raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}, not a tensor: a tensor function "
+                          "must return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
     return value.detach().cpu().numpy()
 
 
