@@ -110,12 +110,9 @@ class EventProcessor:
 
 
 class Interrupter:
-    """A stop flag shared between a driver and the loops it drives.
-
-    Thread-safe: :meth:`stop` may be called from any thread (a signal handler, a trainer callback, another
-    collector). Loops check it while they wait, so ``run_steps`` / ``run_episodes`` return promptly with what was
-    collected so far.
-    """
+    """A stop flag shared between a driver and the loops it drives; :meth:`stop` may be called from any thread (a
+    signal handler, a trainer callback, another collector). Loops check it while they wait, so ``run_steps`` /
+    ``run_episodes`` return promptly with what was collected so far."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
