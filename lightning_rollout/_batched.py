@@ -6,7 +6,6 @@
 its ``create_env_kwargs``), maybe inside a ``TransformedEnv`` whose transforms are all :data:`ROW_TRANSFORMS` (each
 single env gets its own clone). Anything else is stepped as it is: ``GymEnv(name, num_envs=k)``, transforms with
 state or parameters (``CatFrames``, ``VecNorm``...), a gymnasium vector env, envpool, VMAS, a heterogeneous stack...
-A taken-apart env is closed (it is never stepped).
 """
 
 from __future__ import annotations

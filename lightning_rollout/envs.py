@@ -1,9 +1,8 @@
-"""Env units: the one step API over gymnasium envs, TorchRL envs and envpool, described by TorchRL specs.
+"""Env units: one step API over gymnasium envs (:class:`GymUnit`), TorchRL envs (:class:`TorchRLUnit`) and envpool
+(:class:`EnvpoolUnit`), described by TorchRL specs.
 
 A *unit* steps ``rows`` envs in one call and autoresets the ones a step ended (TorchRL's ``step_and_maybe_reset``),
-writing into a :class:`Slots` view of its executor's arrays: :class:`GymUnit` (gymnasium envs, each ``env.step`` in
-turn), :class:`TorchRLUnit` (TorchRL envs, batched or not, stepped as TorchRL's ``Collector`` steps them) and
-:class:`EnvpoolUnit` (an envpool env, its batch in one call). A unit is owned by one thread. Errors come out as
+writing into a :class:`Slots` view of its executor's arrays. A unit is owned by one thread. Errors come out as
 :class:`EnvFailure`, naming the row and the phase; a bad env fails at construction with a ``ValueError``.
 """
 
@@ -193,10 +192,8 @@ class Unit:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release the envs (errors are the caller's to swallow)."""
-        for env in self.envs:
-            if not getattr(env, "is_closed", False):
-                env.close()
+        """Release the envs (an error while closing one is dropped)."""
+        close_quietly(self.envs)
 
 
 # -- gymnasium --------------------------------------------------------------------------------------
@@ -241,9 +238,7 @@ class GymUnit(Unit):
     Specs are TorchRL's conversion of each leaf space (``Dict`` spaces nested, ``Tuple`` spaces as keys ``"0"``,
     ``"1"``...); the loop adds ``is_init``, ``step_count`` and ``episode_reward`` (``loop_keys``). Actions are taken as
     an index or one-hot for discrete spaces and checked against the action space (:class:`ActionError`).
-    ``info_keys`` reads ``info`` entries as observations, at the root (``reset``) and under ``"next"`` (``step``):
-    specs given (``{key: TorchRL spec}``) or inferred from one reset's ``info`` as TorchRL's
-    ``default_info_dict_reader`` infers them; an entry missing from a later ``info`` is stored as zeros.
+    ``info_keys`` (:data:`InfoKeys`) reads ``info`` entries as observations (one missing from an ``info``: zeros).
     ``max_episode_steps`` truncates an episode at that length.
 
     Raises:

@@ -1,11 +1,6 @@
-"""Collection events and the processor protocol that receives them.
-
-:class:`TimeStep` is emitted once per collected transition, only when the processor asks for it
-(:attr:`EventProcessor.wants_timesteps`); :class:`EpisodeEnd` once per finished episode, terminated or truncated.
-Evaluation loops emit the same types with ``eval=True`` to the ``on_eval_*`` methods. Every event is built and
-delivered in the thread that called ``run_steps`` / ``run_episodes`` (or iterates the collector), never in an env
-thread, so a processor needs no locking of its own.
-"""
+"""Collection events (:class:`TimeStep`, :class:`EpisodeEnd`), the :class:`EventProcessor` that receives them, and
+the :class:`Interrupter` stop flag. Evaluation loops emit the same types with ``eval=True`` to the ``on_eval_*``
+methods."""
 
 from __future__ import annotations
 
@@ -94,8 +89,9 @@ class EventProcessor:
     """Receives collection events; subclass and override what you need (all methods are no-ops by default).
 
     Set :attr:`wants_timesteps` to ``True`` (class or instance attribute) to receive :meth:`on_timestep` calls:
-    without it no :class:`TimeStep` is ever built. Methods are called from the thread that drives collection, never
-    from env threads; an exception raised here propagates to that caller.
+    without it no :class:`TimeStep` is ever built. Methods are called from the thread that called ``run_steps`` /
+    ``run_episodes`` (or iterates the collector), never from env threads, so no locking is needed; an exception
+    raised here propagates to that caller.
     """
 
     wants_timesteps: bool = False
@@ -114,12 +110,9 @@ class EventProcessor:
 
 
 class Interrupter:
-    """A stop flag shared between a driver and the loops it drives.
-
-    Thread-safe: :meth:`stop` may be called from any thread (a signal handler, a trainer callback, another
-    collector). Loops check it while they wait, so ``run_steps`` / ``run_episodes`` return promptly with what was
-    collected so far.
-    """
+    """A stop flag shared between a driver and the loops it drives; :meth:`stop` may be called from any thread (a
+    signal handler, a trainer callback, another collector). Loops check it while they wait, so ``run_steps`` /
+    ``run_episodes`` return promptly with what was collected so far."""
 
     def __init__(self) -> None:
         self._event = threading.Event()

@@ -1,12 +1,6 @@
-"""The policy: one batched call on numpy rows, versioned weights, and the standalone :class:`AutobatchPolicy`.
-
-* :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict (TorchRL's rule).
-* :class:`PolicyCall` runs it on the rows of some envs in the calling thread and returns numpy outputs; its
-  weights carry a version (:meth:`PolicyCall.update` +1, :meth:`PolicyCall.pinned` holds one for a span). With
-  ``policy_timeout`` each call runs in a helper thread that is abandoned when stuck.
-* :class:`AutobatchPolicy`, a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s: one
-  inference thread calls it once ``pending >= min(active, autobatch_size)`` rows are queued or after ``max_wait``.
-"""
+"""The policy: :func:`as_policy_module` makes anything TorchRL's collectors accept callable on a TensorDict;
+:class:`PolicyCall` runs it on numpy rows in the calling thread, with versioned weights; :class:`AutobatchPolicy`,
+a :class:`PolicyCall` whose rows come from many threads' :class:`Agent` s, calls it from one inference thread."""
 
 from __future__ import annotations
 
@@ -59,15 +53,11 @@ class Wrapped:
 def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: Sequence[NestedKey] = ("action",),
                      single_key: NestedKey | None = "observation", action_spec: Any = None,
                      policy_timeout: float | None = None, name: str = "loop") -> Wrapped:
-    """Make ``policy`` callable on a TensorDict, as TorchRL's collectors do.
-
-    * A ``TensorDictModuleBase``, TorchRL's ``RandomPolicy`` and a function of one TensorDict argument (named
-      ``tensordict`` / ``td`` or annotated) are used as they are; spec-less exploration modules and
-      ``RandomPolicy()`` get ``action_spec``.
-    * An ``nn.Module`` or function whose parameter names are keys of ``observation_spec`` is wrapped in a
-      ``TensorDictModule`` reading them and writing ``action_keys`` (then ``output1``, ...), by TorchRL's rule;
-      one of a single other argument reads ``single_key``. It is called once on a spec sample (to count its
-      outputs), with ``policy_timeout`` in a helper thread ``lightning_rollout-<name>-wrap``.
+    """Make ``policy`` callable on a TensorDict by TorchRL's rule (docs: TorchRL page): used as it is, or wrapped in
+    a ``TensorDictModule`` reading the observations its arguments name (``single_key`` for a single other argument)
+    and writing ``action_keys`` (then ``output1``, ...). Spec-less exploration modules and ``RandomPolicy()`` get
+    ``action_spec``. A policy to wrap is called once on a spec sample (to count its outputs), with
+    ``policy_timeout``, in a helper thread ``lightning_rollout-<name>-wrap``.
 
     Raises:
         TypeError: TorchRL cannot wrap it (the message says why). PolicyError: the wrapping call hung.
@@ -89,22 +79,10 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         bounded.close(policy_timeout)
 
 
-_INCOMPATIBLE_SIGNATURE = (  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
-    "This error is raised because TorchRL tried to automatically wrap your policy in\n"
-    "a TensorDictModule. If you're confident the policy can directly process environment outputs, set\n"
-    "the `trust_policy` argument to `True` in the constructor.\n\n"
-    "Arguments to policy.forward are incompatible with entries in\n"
-    "env.observation_spec (got incongruent signatures:\nthe function signature is {names} but the specs have keys "
-    "{spec_keys}).\nIf you want TorchRL to automatically wrap your policy with a TensorDictModule\n"
-    "then the arguments to policy.forward must correspond one-to-one with entries\n"
-    "in env.observation_spec.\nFor more complex behavior and more control you can consider writing your\n"
-    "own TensorDictModule.")
-
-
 def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None,
           call: Callable[[Callable[[], Any]], Any]) -> Wrapped:
-    """TorchRL's auto-wrapping rule (``torchrl.envs.utils._make_compatible_policy``), with its errors; the probe
-    call passes only the matched keys, so envs with more observations than the policy reads work."""
+    """TorchRL's auto-wrapping rule (``torchrl.envs.utils._make_compatible_policy``); the probe call passes only the
+    matched keys, so envs with more observations than the policy reads work."""
     caller = getattr(policy, "forward", policy)
     try:
         params = inspect.signature(caller).parameters
@@ -115,10 +93,8 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
             len(params) == 1 and is_tensor_collection(next(iter(params.values())).annotation)):
         return Wrapped(policy, policy)
     if hasattr(policy, "in_keys") or hasattr(policy, "out_keys"):
-        raise TypeError("Received a policy that defines in_keys or out_keys and also expects multiple arguments to "
-                        "policy.forward. If the policy is compatible with TensorDict, it should take a single "
-                        "argument of type TensorDict to policy.forward and define both in_keys and out_keys "
-                        "(inherit from tensordict.nn.TensorDictModuleBase).")
+        raise TypeError("the policy defines in_keys or out_keys but its forward takes several arguments: a TensorDict "
+                        "policy takes one TensorDict (inherit from tensordict.nn.TensorDictModuleBase)")
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     spec_keys = set(observation_spec.keys()) if observation_spec is not None else set()
@@ -138,7 +114,10 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
             except Exception:  # the real probe, with every error named, comes later
                 pass
     else:
-        raise TypeError(_INCOMPATIBLE_SIGNATURE.format(names=names, spec_keys=spec_keys))
+        raise TypeError(f"TorchRL could not automatically wrap the policy in a TensorDictModule: the arguments of "
+                        f"policy.forward {names} and the observation spec's keys {spec_keys} are incongruent "
+                        "signatures; name every argument after an entry of env.observation_spec, or write a "
+                        "TensorDictModule")
     extra = len(output) - 1 if isinstance(output, tuple) else 0  # outputs beyond the first: output1, output2...
     out_keys = [*action_keys, *(f"output{i + 1}" for i in range(extra))]
     return Wrapped(TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys), policy, batched=batched)
@@ -235,10 +214,8 @@ def _direct_module(policy: Any) -> Callable[..., Any] | None:
 
 def _to_numpy(value: Any, key: NestedKey) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
-        if isinstance(value, (tuple, list)):
-            raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}; a tensor function must "
-                              "return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
-        raise PolicyError(f"the policy returned {type(value).__name__} for {key!r}, not a tensor")
+        raise PolicyError(f"the policy returned a {type(value).__name__} for {key!r}, not a tensor: a tensor function "
+                          "must return one tensor per output key (wrap it in a TensorDictModule with out_keys=[...])")
     return value.detach().cpu().numpy()
 
 
@@ -531,12 +508,10 @@ class PolicyCall:
                     params, buffers = state
                     own = _non_persistent_buffers(weights) if isinstance(weights, torch.nn.Module) else {}
                     for name, value in buffers.items():
-                        if name not in own:
-                            raise ValueError(f"non-persistent buffer {name!r} of the source has no counterpart in "
-                                             f"the acting policy (its non-persistent buffers: {sorted(own)})")
-                        if own[name].shape != value.shape:
+                        if (acting := getattr(own.get(name), "shape", None)) != value.shape:
+                            shown = "no such buffer" if acting is None else tuple(acting)
                             raise ValueError(f"non-persistent buffer {name!r} has shape {tuple(value.shape)} in the "
-                                             f"source and {tuple(own[name].shape)} in the acting policy")
+                                             f"source and {shown} in the acting policy")
                     weights.load_state_dict(params)
                     with torch.no_grad():
                         for name, value in buffers.items():

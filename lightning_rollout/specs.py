@@ -1,11 +1,7 @@
-"""TorchRL specs -> the column layout of a transition (no hand-written key list).
-
-Every env, gymnasium or TorchRL, is described by the leaves of its TorchRL specs (observations, state, rewards, done
-flags, actions): :class:`EnvKeys` lists them with their per-env shape and numpy dtype (:class:`ArraySpec`), plus the
-shapes of nested sub-tensordicts (a multi-agent group's agent dim), so a batch is laid out as TorchRL's collector lays
-it out. Columns hold fixed-shape tensors: dynamic shapes, lazily stacked heterogeneous specs and non-tensor entries
-are refused with a :class:`ValueError` that says what to do.
-"""
+"""TorchRL specs -> the column layout of a transition: :class:`EnvKeys` lists an env's spec leaves (observations,
+state, rewards, done flags, actions) with their per-env shape and numpy dtype (:class:`ArraySpec`), so a batch is laid
+out as TorchRL's collector lays it out. Columns hold fixed-shape tensors: dynamic shapes, lazily stacked heterogeneous
+specs and non-tensor entries are refused with a :class:`ValueError` that says what to do."""
 
 from __future__ import annotations
 
@@ -172,6 +168,5 @@ def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.
     out = {}
     for k in keys:
         if (value := td.get(k, None)) is not None:
-            out[k] = value.detach().cpu().numpy() if value.requires_grad or value.device.type != "cpu" \
-                else value.numpy()
+            out[k] = value.detach().cpu().numpy()
     return out
