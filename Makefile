@@ -6,6 +6,8 @@ PIP := $(VENV)/bin/pip
 CONSTRAINTS ?= .ci/constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test processes of `make test` (pytest-xdist; a file's tests stay in one process, `serial` ones run alone)
+TEST_JOBS ?= auto
 # the end-to-end bench's own venv (MuJoCo, Stable-Baselines3), so .venv keeps matching CI
 E2E_VENV ?= build/venv-e2e
 E2E_PY := $(E2E_VENV)/bin/python
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -p no:cacheprovider $(PYTEST_ARGS)

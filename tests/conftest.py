@@ -11,14 +11,20 @@
   construction, run in the caller's thread, is not counted).
 * ``no_thread_leak`` (autouse): fails a test that leaves a ``lightning_rollout-*``
   thread alive.
+* ``serial`` tests (they time steps to choose a layout) run alone under pytest-xdist
+  (``make test`` runs ``-n auto``): see :func:`pytest_runtest_protocol`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -29,6 +35,36 @@ THREAD_PREFIX = "lightning_rollout-"
 # The first line of a script that a test interrupts with SIGINT: a shell starts background jobs with SIGINT
 # ignored, their children inherit that, and Python then raises no KeyboardInterrupt; this restores it.
 CATCH_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
+@contextlib.contextmanager
+def _turn(item: pytest.Item) -> Iterator[None]:
+    """Under pytest-xdist, a ``serial`` test runs while no other worker runs a test, and the others wait for it: a
+    readers-writer lock of two ``flock`` files shared by the run's workers (the turnstile first, so a waiting
+    ``serial`` test is not starved by the others' back-to-back shared holds)."""
+    run = getattr(item.config, "workerinput", {}).get("testrunuid")
+    if run is None:  # not an xdist worker: tests run one at a time anyway
+        yield
+        return
+    alone = item.get_closest_marker("serial") is not None
+    base = os.path.join(tempfile.gettempdir(), f"lightning_rollout-tests-{run}")
+    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test's setup, call and teardown (a module fixture's included) inside :func:`_turn`."""
+    with _turn(item):
+        yield
 
 
 def _rollout_threads() -> set[threading.Thread]:

@@ -23,7 +23,7 @@ from lightning_rollout import ThreadedCollector
 from lightning_rollout.loop import auto
 from process_helpers import CountEnv, zero_policy
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.serial]  # steps are timed: alone under xdist
 
 REPEATS = 5
 TUNING = Path(__file__).resolve().parent.parent / "docs" / "tuning.rst"

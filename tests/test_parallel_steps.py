@@ -252,6 +252,7 @@ class _AlternatingEnv(gym.Env):
         return np.zeros(1, np.float32), 1.0, False, False, {}
 
 
+@pytest.mark.serial
 def test_measure_env_times_uneven_steps_and_their_share_without_the_gil():
     from lightning_rollout.loop.auto import measure_env
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -63,18 +65,22 @@ def _soak(tmp_path: Path, cycles: int) -> tuple[list[dict[str, int]], list[str]]
     """Run ``cycles`` cycles (one worker process each: the collector's one env thread steps env 0 here and
     env 1 in the worker); the samples before the first cycle and after each, and the temp folders left
     once the process exited."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # short: multiprocessing's fd-sharing socket lives in TMPDIR, and an AF_UNIX path has at most 107 bytes
+    temp = Path(tempfile.mkdtemp(prefix="soak-"))
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TMPDIR=str(temp), PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = tmp_path / "soak.py"
     script.write_text(textwrap.dedent(_SOAK_SCRIPT).format(cycles=cycles))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, env=env,
-                         timeout=60 * cycles)
+    try:
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, env=env,
+                             timeout=60 * cycles)
+        left = [p.name for p in temp.glob("pymp-*")]
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert run.returncode == 0, run.stderr
     samples = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(samples) == cycles + 1
-    return samples, [p.name for p in temp.glob("pymp-*")]
+    return samples, left
 
 
 def _assert_flat(samples: list[dict[str, int]], left: list[str]) -> None:
