@@ -118,12 +118,9 @@ def _check_step(step: str) -> None:
 
 
 class EpisodeStatsLogger(RolloutCallback):
-    """Log collection statistics after every training batch, reduced across ranks (``docs/lightning.rst``,
-    "Logging", lists them): ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length`` and
-    ``rollout/<key>`` of each one-element ``info_keys`` entry, over the episodes finished during the batch (when
-    some did); ``rollout/episodes``, ``rollout/frames``, ``rollout/fps``, ``rollout/collect_fps``,
-    ``rollout/policy_lag``. In ``trainer.callback_metrics`` and written to every logger after every batch,
-    whatever ``log_every_n_steps``.
+    """Log collection statistics (``rollout/episode_reward`` ..., listed in ``docs/lightning.rst``, "Logging", and
+    ``rollout/<key>`` of each one-element ``info_keys`` entry) after every training batch, reduced across ranks: in
+    ``trainer.callback_metrics`` and written to every logger after every batch, whatever ``log_every_n_steps``.
 
     Args:
         prefix: metric name prefix.

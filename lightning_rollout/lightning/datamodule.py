@@ -327,9 +327,7 @@ class RolloutDataModule(pl.LightningDataModule):
         check_int("batches_per_epoch", batches_per_epoch, 1, optional=True)
         _check_eval(eval_episodes, eval_every_n_frames, eval_every_n_steps, eval_num_envs)
         check_int("seed", seed, 0)
-        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
-        if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
-            raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
+        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers, parallel_steps=parallel_steps)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
                                      parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
