@@ -54,14 +54,12 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                     f"{method.__name__}: the loop {self.name!r} is already collecting in thread {owner.name!r} (or "
                     "this is a call from inside its own collection, e.g. an event processor); a loop has one driver: "
                     "call it from one thread at a time")
-            if self.closed:
-                raise CollectionError(f"the loop {self.name!r} is closed")
             self._driver = threading.current_thread()
             self.collecting = True
         delivery = self._delivery  # counts set from outside between calls (a resume) are the ones to continue
         delivery.frames, delivery.episodes = self.frames, self.episodes
         try:
-            self.start()
+            self.start()  # refuses a closed loop
             if self._agent is not None:
                 self._agent.unpark()
             pin = self.policy.pinned() if not self.lookahead and self._agent is None else contextlib.nullcontext()
