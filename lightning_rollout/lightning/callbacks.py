@@ -141,7 +141,7 @@ class EpisodeStatsLogger(RolloutCallback):
         self.step = step
         self.clock = clock
         self._finished: list[EpisodeEnd] = []  # the episodes of this batch
-        self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
+        self._info_keys: list[Any] = []  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
         self._collect_fps: list[float] = []  # this rank's last batch's (none when it took no time)
         self._lag: list[float] = []  # this rank's last batch's mean policy lag (none when no step was acted)
@@ -165,15 +165,13 @@ class EpisodeStatsLogger(RolloutCallback):
                             f"{trainer.datamodule!r}: pass trainer.fit(model, datamodule=RolloutDataModule(...))")
         (self._start_frames,) = _reduce(trainer, [trainer.datamodule.frames])
         self._start_time = self.clock()
+        specs = trainer.datamodule.collector.loop.env_keys.observation  # built by now (Lightning's setup_data)
+        self._info_keys = [k for k in trainer.datamodule.info_keys if k in specs and math.prod(specs[k].shape) == 1]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
         count, metrics = _episode_metrics(trainer, p, self._finished)
-        if self._info_keys is None:
-            dm = trainer.datamodule
-            specs = dm.collector.loop.env_keys.observation
-            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
         info_keys = self._info_keys
         info_sums = [sum(float(np.asarray(e.info[k]).reshape(-1)[0]) for e in self._finished if k in e.info)
                      for k in info_keys]
