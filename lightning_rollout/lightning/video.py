@@ -135,12 +135,11 @@ class VideoRecorder:
             if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
                 self._owner = None
                 return
-            if self._owner is env or (self._armed and self._owner is None):  # a reset before any step: restart
-                self._owner, self._armed, self._frames, self._steps = env, False, [], 0
-                if self.config.fps is None:
-                    self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
-            else:
+            if not (self._owner is env or (self._armed and self._owner is None)):
                 return
+            self._owner, self._armed, self._frames, self._steps = env, False, [], 0  # (re)start: no step yet
+            if self.config.fps is None:
+                self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
         self._add(env, env.render())
 
     def on_step(self, env: _RecordingEnv, done: bool) -> None:

@@ -31,7 +31,7 @@ from ..errors import CollectionError, EnvError, PolicyError
 from ..events import EventProcessor, Interrupter
 from ..policy import AutobatchPolicy, BatchedRandomPolicy, PolicyCall, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey
-from .auto import LayoutChoice, check_knobs, resolve_layout
+from .auto import check_knobs, resolve_layout
 from .delivery import Delivery
 from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
 from .processes import ProcessEnvs
@@ -153,7 +153,6 @@ class MultiEnvLoop:
             device=device, traj_id_start=traj_id_start, env_shape=env_shape, seed=seed,
             exploration_type=exploration_type, processor=processor, interrupter=interrupter, policy=policy,
             autobatch_size=autobatch_size)
-        self.layout_choice: LayoutChoice | None
         self.layout_choice, num_workers, envs_per_thread, parallel_steps = resolve_layout(
             factories[0], n, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps,
             max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
