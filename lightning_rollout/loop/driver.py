@@ -184,16 +184,15 @@ class MultiEnvLoop:
             self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size,
                         max_wait=max_wait, device=device, policy_timeout=policy_timeout, env_shape=env_shape,
                         random_steps=random_steps_per_env, traj_id_start=traj_id_start)
-        except EnvFailure as failure:
+        except BaseException as failure:
             self._shutdown()
+            if not isinstance(failure, EnvFailure):
+                raise
             if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
                 raise failure.cause from None
             phase = "check" if failure.phase == "check" else "reset"
             where = "" if failure.process is None else f" (in worker process {failure.process})"
             raise EnvError(f"{failure}{where}", env_id=failure.row, step=0, phase=phase) from failure.cause
-        except BaseException:
-            self._shutdown()
-            raise
         close_at_exit(self)
         self.started = False
         if start:
@@ -264,7 +263,6 @@ class MultiEnvLoop:
             self.started = True
             if self.seed != self._seeded:
                 self._stepper.reset(np.arange(self.num_envs), _seeds(self.seed, self.num_envs))
-                self._seeded = self.seed
 
     # -- collection calls ---------------------------------------------------------------------------------
     def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool | None:
@@ -277,11 +275,9 @@ class MultiEnvLoop:
         try:
             return self._stepper.run(rule, interrupter)
         except CollectionError as exc:
-            try:
+            with contextlib.suppress(Exception):  # the failure is what the caller needs; the partial is a bonus
                 kept = partial()
                 exc.partial = kept if kept is not None and kept.batch_size.numel() else None
-            except Exception:  # noqa: S110 - the failure is what the caller needs; the partial is a bonus
-                pass
             self.close()
             raise
 
@@ -565,10 +561,9 @@ def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_ste
         raise ValueError(f"processor must be an EventProcessor (subclass it), got {type(processor).__name__}")
     if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
         raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
-    if isinstance(policy, AutobatchPolicy):
-        if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
-            raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
-                             "you passed; set them there, not on the loop")
-    else:
-        check_int("autobatch_size", autobatch_size, 1, optional=True)
+    check_int("autobatch_size", autobatch_size, 1, optional=True)
+    shared = (autobatch_size, max_wait, device, policy_timeout)  # what an AutobatchPolicy owns
+    if isinstance(policy, AutobatchPolicy) and any(x is not None for x in shared):
+        raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy you "
+                         "passed; set them there, not on the loop")
     return checked_join
