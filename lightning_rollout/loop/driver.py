@@ -176,10 +176,16 @@ class MultiEnvLoop:
         self._shutdown_lock = threading.Lock()
         self._agent = None
         self._envs: Envs | None = None
-        try:
-            self._envs = _executor(factories, _seeds(seed, n), num_workers=self.num_workers, group=self.envs_per_thread,
-                                   parallel=bool(parallel_steps), threads=step_timeout is not None, name=name,
-                                   max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
+        try:  # worker processes, else pool threads (several units, parallel_steps, a step_timeout) or none
+            seeds, watched = _seeds(seed, n), step_timeout is not None
+            options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
+            if self.num_workers > 1:
+                self._envs = ProcessEnvs(factories, seeds, num_workers=self.num_workers, group=self.envs_per_thread,
+                                         name=name, threads=watched, **options)
+            else:
+                units = build_units(factories, group=self.envs_per_thread, parallel=bool(parallel_steps), **options)
+                threaded = len(units) > 1 or bool(parallel_steps) or watched
+                self._envs = ThreadEnvs(units, seeds, name=name) if threaded else SerialEnvs(units, seeds)
             self._seeded = seed
             self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size,
                         max_wait=max_wait, device=device, policy_timeout=policy_timeout, env_shape=env_shape,
@@ -483,21 +489,6 @@ def _seeds(seed: int | Sequence[int] | None, num_envs: int) -> list[int | None]:
     if len(seed) != num_envs:
         raise ValueError(f"seed has {len(seed)} entries for {num_envs} envs; pass one seed or one per env")
     return [int(s) for s in seed]
-
-
-def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, parallel: bool,
-              threads: bool, name: str, max_episode_steps: int | None, validate: bool,
-              info_keys: InfoKeys | None) -> Envs:
-    """Worker processes (``num_workers > 1``), pool threads (several units, ``parallel_steps``, a
-    ``step_timeout`` to watch), or the stepping thread."""
-    options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
-    if num_workers > 1:
-        return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, threads=threads,
-                           **options)
-    units = build_units(factories, group=group, parallel=parallel, **options)
-    if len(units) == 1 and not (parallel or threads):
-        return SerialEnvs(units, seeds)
-    return ThreadEnvs(units, seeds, name=name)
 
 
 def _random_actions(spec: Any, columns: dict[NestedKey, ArraySpec]) -> Callable[[int], dict[NestedKey, np.ndarray]]:
