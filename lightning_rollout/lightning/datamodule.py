@@ -78,8 +78,7 @@ class _Loader:
     weights) and an empty ``state_dict`` (the DataModule saves the counters; an empty state means "resumable")."""
 
     def __init__(self, iterate: Callable[[], Iterator[Any]], length: int) -> None:
-        self.iterate = iterate
-        self.length = length
+        self.iterate, self.length = iterate, length
 
     def __len__(self) -> int:
         return self.length

@@ -410,11 +410,6 @@ class MultiEnvLoop:
         """The root entries handed to the policy at each step."""
         return list(self._input_keys)
 
-    @property
-    def action_spec(self) -> ArraySpec:
-        """Shape and dtype of one row of the first action entry."""
-        return self.layout.step_specs[self.layout.action_keys[0]]
-
     def set_traj_id_start(self, value: int) -> None:
         """Number trajectories from ``value`` (before the first call, e.g. on resume)."""
         if self._delivery.frames or self.started:
