@@ -318,13 +318,6 @@ def _summary_writers(trainer: pl.Trainer) -> list[Any]:
     return [e for e in experiments if isinstance(e, SummaryWriter)]
 
 
-def _figure(value: float, whole: bool) -> str:
-    """A figure as the progress bar shows it: ``whole``, or with one decimal (whole units from 10^4 on)."""
-    if whole:
-        return str(int(round(value)))
-    return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.1f}"
-
-
 class _RLFigures:
     """What both RL progress bars show: the figures of :class:`EpisodeStatsLogger` and :class:`RolloutEvaluation`."""
 
@@ -333,8 +326,8 @@ class _RLFigures:
 
     def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
         """What the bar shows for these progress-bar metrics: ``frames`` and ``fps`` whole, ``ret`` and ``eval``
-        with one decimal, as strings (TQDM would write ``1.23e+7``), then every other metric unchanged; missing
-        or non-finite figures left out."""
+        with one decimal below 10^4, as strings (TQDM would write ``1.23e+7``), then every other metric unchanged;
+        missing or non-finite figures left out."""
         items = dict(metrics)
         r, e = self.rollout_prefix, self.eval_prefix
         shown: dict[str, int | str | float] = {}
@@ -344,7 +337,7 @@ class _RLFigures:
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if isinstance(value, (int, float)) and math.isfinite(value):
-                shown[name] = _figure(value, whole)
+                shown[name] = f"{value:.{0 if whole or abs(value) >= 1e4 else 1}f}"
         shown.update(items)
         return shown
 
