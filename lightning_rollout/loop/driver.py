@@ -176,7 +176,7 @@ class MultiEnvLoop:
         self._shutdown_lock = threading.Lock()
         self._agent = None
         self._envs: Envs | None = None
-        try:  # worker processes, else pool threads (several units, parallel_steps, a step_timeout) or none
+        try:  # worker processes; else pool threads (several units, parallel_steps, a step_timeout to watch) or none
             seeds, watched = _seeds(seed, n), step_timeout is not None
             options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
             if self.num_workers > 1:
@@ -220,7 +220,7 @@ class MultiEnvLoop:
                                        single_key=data[0] if len(data) == 1 else None, action_spec=unit.action_spec,
                                        policy_timeout=policy_timeout, name=self.name)
             self.policy = PolicyCall(wrapped, device=device, seed=_seeds(self.seed, self.num_envs)[0],
-                                    policy_timeout=policy_timeout, name=self.name)
+                                     policy_timeout=policy_timeout, name=self.name)
         # torch's intra-op threads (process-wide) for the probe and every call: capped at the cores left by the
         # pool threads or the worker processes stepping meanwhile
         overlap = self.lookahead or autobatch_size is not None
@@ -537,8 +537,11 @@ def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_ste
     check_int("traj_id_start", traj_id_start, 0)
     if env_shape is not None and math.prod(env_shape) != num_envs:
         raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
-    for s in seed if isinstance(seed, (list, tuple)) else [] if seed is None else [seed]:
-        check_int("seed", s, 0)
+    if isinstance(seed, (list, tuple)):
+        for s in seed:
+            check_int("seed", s, 0)
+    else:
+        check_int("seed", seed, 0, optional=True)
     if exploration_type is not None and not isinstance(exploration_type, ExplorationType):
         raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM) or None, "
                          f"got {exploration_type!r}")
