@@ -389,8 +389,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Frames this rank has collected (its collector's count, else the one restored from a checkpoint, or 0)."""
         if self.collector is not None:
             return int(self.collector.frames)
-        state = self._pending_state or {}
-        return int(state.get("collector", {}).get("frames", 0))
+        return int((self._pending_state or {}).get("collector", {}).get("frames", 0))
 
     @property
     def evaluates(self) -> bool:
