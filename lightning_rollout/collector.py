@@ -32,7 +32,7 @@ from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import Interrupter
 from .loop import MultiEnvLoop
-from .loop.auto import LayoutChoice, apply_choice, check_knobs, is_auto, one_env_threads_warning, resolve_layout
+from .loop.auto import LayoutChoice, check_knobs, is_auto, one_env_threads_warning, resolve_layout
 from .specs import key_parts
 
 __all__ = ["ThreadedCollector"]
@@ -80,7 +80,7 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options,
     """``(layout_choice, num_workers, envs_per_thread, parallel_steps)`` with ``"auto"`` resolved (one thread for a
     ``native`` batched env), a slow layout warned about (``LayoutWarning``); ``ValueError`` for a bad knob."""
     envs_per_thread, num_workers, parallel_steps = o.envs_per_thread, o.num_workers, o.parallel_steps
-    check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
+    check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers, parallel_steps=parallel_steps)
     if num_envs == 1 and not is_auto(num_workers) and num_workers > 1:
         raise ValueError(f"num_workers={num_workers} with one env: ThreadedCollector's num_workers are worker "
                          "processes stepping its num_envs envs (in TorchRL's multi-collectors, one env a worker); "
@@ -89,12 +89,10 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options,
         envs_per_thread = num_envs if is_auto(envs_per_thread) else envs_per_thread
         num_workers = 1 if is_auto(num_workers) else num_workers
     chosen_ept = is_auto(envs_per_thread)
-    choice = resolve_layout(factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread,
-                            max_episode_steps=o.max_frames_per_traj,
-                            expected_frames=o.total_frames if o.total_frames > 0 else None,
-                            step_timeout=o.step_timeout, name=o.name)
-    num_workers, envs_per_thread, parallel_steps = apply_choice(
-        choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
+    choice, num_workers, envs_per_thread, parallel_steps = resolve_layout(
+        factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps,
+        max_episode_steps=o.max_frames_per_traj, expected_frames=o.total_frames if o.total_frames > 0 else None,
+        step_timeout=o.step_timeout, name=o.name)
     slow = (choice.warning if choice is not None else None) or (
         None if chosen_ept or native or int(num_workers) > 1 else one_env_threads_warning(num_envs, envs_per_thread))
     if slow is not None:

@@ -76,7 +76,7 @@ def _layout(choice: auto.LayoutChoice) -> tuple[int, int, bool]:
 
 
 def _auto(factory, num_envs: int, **kwargs) -> auto.LayoutChoice:
-    choice = auto.resolve_layout(factory, num_envs, **{"num_workers": "auto", "envs_per_thread": "auto", **kwargs})
+    choice = auto.resolve_layout(factory, num_envs, **{"num_workers": "auto", "envs_per_thread": "auto", **kwargs})[0]
     assert choice is not None
     return choice
 

@@ -46,9 +46,7 @@ class EvalRound:
     __slots__ = ("episodes", "seconds", "frames")
 
     def __init__(self, episodes: list[EpisodeEnd], *, seconds: float, frames: int) -> None:
-        self.episodes = episodes
-        self.seconds = seconds
-        self.frames = frames
+        self.episodes, self.seconds, self.frames = episodes, seconds, frames
 
     @property
     def mean_reward(self) -> float:
@@ -118,12 +116,9 @@ def _check_step(step: str) -> None:
 
 
 class EpisodeStatsLogger(RolloutCallback):
-    """Log collection statistics after every training batch, reduced across ranks (``docs/lightning.rst``,
-    "Logging", lists them): ``rollout/episode_reward`` (mean), ``_max``, ``_min``, ``rollout/episode_length`` and
-    ``rollout/<key>`` of each one-element ``info_keys`` entry, over the episodes finished during the batch (when
-    some did); ``rollout/episodes``, ``rollout/frames``, ``rollout/fps``, ``rollout/collect_fps``,
-    ``rollout/policy_lag``. In ``trainer.callback_metrics`` and written to every logger after every batch,
-    whatever ``log_every_n_steps``.
+    """Log collection statistics (``rollout/episode_reward`` ..., listed in ``docs/lightning.rst``, "Logging", and
+    ``rollout/<key>`` of each one-element ``info_keys`` entry) after every training batch, reduced across ranks: in
+    ``trainer.callback_metrics`` and written to every logger after every batch, whatever ``log_every_n_steps``.
 
     Args:
         prefix: metric name prefix.
@@ -139,17 +134,13 @@ class EpisodeStatsLogger(RolloutCallback):
     def __init__(self, *, prefix: str = "rollout", prog_bar: bool = True, step: StepAxis = "frames",
                  clock: Callable[[], float] = time.perf_counter) -> None:
         _check_step(step)
-        self.prefix = prefix
-        self.prog_bar = prog_bar
-        self.step = step
-        self.clock = clock
+        self.prefix, self.prog_bar, self.step, self.clock = prefix, prog_bar, step, clock
         self._finished: list[EpisodeEnd] = []  # the episodes of this batch
-        self._info_keys: list[Any] | None = None  # the DataModule's one-element info keys (same on every rank)
+        self._info_keys: list[Any] = []  # the DataModule's one-element info keys (same on every rank)
         self._episodes = 0
         self._collect_fps: list[float] = []  # this rank's last batch's (none when it took no time)
         self._lag: list[float] = []  # this rank's last batch's mean policy lag (none when no step was acted)
-        self._start_time = 0.0
-        self._start_frames = 0.0
+        self._start_time = self._start_frames = 0.0
 
     def on_episode_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, episode: EpisodeEnd) -> None:
         self._finished.append(episode)
@@ -168,25 +159,22 @@ class EpisodeStatsLogger(RolloutCallback):
                             f"{trainer.datamodule!r}: pass trainer.fit(model, datamodule=RolloutDataModule(...))")
         (self._start_frames,) = _reduce(trainer, [trainer.datamodule.frames])
         self._start_time = self.clock()
+        specs = trainer.datamodule.collector.loop.env_keys.observation  # built by now (Lightning's setup_data)
+        self._info_keys = [k for k in trainer.datamodule.info_keys if k in specs and math.prod(specs[k].shape) == 1]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         p = self.prefix
         count, metrics = _episode_metrics(trainer, p, self._finished)
-        if self._info_keys is None:
-            dm = trainer.datamodule
-            specs = dm.collector.loop.env_keys.observation
-            self._info_keys = [k for k in dm.info_keys if k in specs and math.prod(specs[k].shape) == 1]
-        info_keys = self._info_keys
         info_sums = [sum(float(np.asarray(e.info[k]).reshape(-1)[0]) for e in self._finished if k in e.info)
-                     for k in info_keys]
+                     for k in self._info_keys]
         frames, collect_sum, collect_ranks, lag_sum, lag_ranks, *info_sums = _reduce(
             trainer, [trainer.datamodule.frames, sum(self._collect_fps), len(self._collect_fps), sum(self._lag),
                       len(self._lag), *info_sums])
         self._episodes += int(count)
         elapsed = self.clock() - self._start_time
         if count:
-            for key, total in zip(info_keys, info_sums):
+            for key, total in zip(self._info_keys, info_sums):
                 metrics[f"{p}/{'/'.join(key) if isinstance(key, tuple) else key}"] = total / count
         metrics[f"{p}/episodes"] = float(self._episodes)
         metrics[f"{p}/frames"] = frames
@@ -216,9 +204,8 @@ class EpisodeStatsLogger(RolloutCallback):
 class RolloutEvaluation(RolloutCallback):
     """Log each evaluation round that the DataModule runs as ``eval/...`` (``test/...``) metrics; record videos.
 
-    Reduced across ranks: ``eval/episode_reward`` (mean), ``_min``, ``_max``, ``eval/episode_length`` and
-    ``eval/seconds`` (mean over ranks), epoch-level validation metrics (``ModelCheckpoint`` / ``EarlyStopping``
-    see them). Videos: ``docs/lightning.rst``, "Video of evaluation episodes".
+    Reduced across ranks, as epoch-level validation metrics (``ModelCheckpoint`` / ``EarlyStopping`` see them):
+    ``eval/episode_reward`` (mean), ``_min``, ``_max``, ``eval/episode_length``, ``eval/seconds`` (mean over ranks).
 
     Args:
         prefix: metric name prefix of validation rounds.
@@ -242,10 +229,7 @@ class RolloutEvaluation(RolloutCallback):
     def __init__(self, *, prefix: str = "eval", test_prefix: str = "test", prog_bar: bool = True,
                  step: StepAxis = "frames", record_video: int | VideoRecording | None = None) -> None:
         _check_step(step)
-        self.prefix = prefix
-        self.test_prefix = test_prefix
-        self.prog_bar = prog_bar
-        self.step = step
+        self.prefix, self.test_prefix, self.prog_bar, self.step = prefix, test_prefix, prog_bar, step
         self.record_video = as_video_recording(record_video)
         self.video_recorder = VideoRecorder(self.record_video) if self.record_video is not None else None
         self.last_round: EvalRound | None = None
@@ -334,13 +318,6 @@ def _summary_writers(trainer: pl.Trainer) -> list[Any]:
     return [e for e in experiments if isinstance(e, SummaryWriter)]
 
 
-def _figure(value: float, whole: bool) -> str:
-    """A figure as the progress bar shows it: ``whole``, or with one decimal (whole units from 10^4 on)."""
-    if whole:
-        return str(int(round(value)))
-    return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.1f}"
-
-
 class _RLFigures:
     """What both RL progress bars show: the figures of :class:`EpisodeStatsLogger` and :class:`RolloutEvaluation`."""
 
@@ -349,8 +326,8 @@ class _RLFigures:
 
     def shown(self, metrics: Mapping[str, Any]) -> dict[str, int | str | float]:
         """What the bar shows for these progress-bar metrics: ``frames`` and ``fps`` whole, ``ret`` and ``eval``
-        with one decimal, as strings (TQDM would write ``1.23e+7``), then every other metric unchanged; missing
-        or non-finite figures left out."""
+        with one decimal below 10^4, as strings (TQDM would write ``1.23e+7``), then every other metric unchanged;
+        missing or non-finite figures left out."""
         items = dict(metrics)
         r, e = self.rollout_prefix, self.eval_prefix
         shown: dict[str, int | str | float] = {}
@@ -360,7 +337,7 @@ class _RLFigures:
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if isinstance(value, (int, float)) and math.isfinite(value):
-                shown[name] = _figure(value, whole)
+                shown[name] = f"{value:.{0 if whole or abs(value) >= 1e4 else 1}f}"
         shown.update(items)
         return shown
 
@@ -385,8 +362,7 @@ class RolloutProgressBar(_RLFigures, TQDMProgressBar):
     def __init__(self, *, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
                  rollout_prefix: str = "rollout", eval_prefix: str = "eval") -> None:
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
-        self.rollout_prefix = rollout_prefix
-        self.eval_prefix = eval_prefix
+        self.rollout_prefix, self.eval_prefix = rollout_prefix, eval_prefix
 
 
 class RolloutRichProgressBar(_RLFigures, RichProgressBar):
@@ -408,8 +384,7 @@ class RolloutRichProgressBar(_RLFigures, RichProgressBar):
                  rollout_prefix: str = "rollout", eval_prefix: str = "eval") -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave, theme=theme or RichProgressBarTheme(),
                          console_kwargs=console_kwargs)
-        self.rollout_prefix = rollout_prefix
-        self.eval_prefix = eval_prefix
+        self.rollout_prefix, self.eval_prefix = rollout_prefix, eval_prefix
 
     _rerouted: list[tuple[logging.StreamHandler, Any]] = []  # (handler, its own stream) while the bar is live
 

@@ -78,8 +78,7 @@ class _Loader:
     weights) and an empty ``state_dict`` (the DataModule saves the counters; an empty state means "resumable")."""
 
     def __init__(self, iterate: Callable[[], Iterator[Any]], length: int) -> None:
-        self.iterate = iterate
-        self.length = length
+        self.iterate, self.length = iterate, length
 
     def __len__(self) -> int:
         return self.length
@@ -327,9 +326,7 @@ class RolloutDataModule(pl.LightningDataModule):
         check_int("batches_per_epoch", batches_per_epoch, 1, optional=True)
         _check_eval(eval_episodes, eval_every_n_frames, eval_every_n_steps, eval_num_envs)
         check_int("seed", seed, 0)
-        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
-        if not (parallel_steps in ("auto", "free") or isinstance(parallel_steps, bool)):
-            raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
+        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers, parallel_steps=parallel_steps)
         self.collector_kwargs = dict(envs_per_thread=envs_per_thread, num_workers=num_workers,
                                      parallel_steps=parallel_steps, autobatch_size=autobatch_size,
                                      max_wait=max_wait, max_frames_per_traj=max_episode_steps,
@@ -392,8 +389,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Frames this rank has collected (its collector's count, else the one restored from a checkpoint, or 0)."""
         if self.collector is not None:
             return int(self.collector.frames)
-        state = self._pending_state or {}
-        return int(state.get("collector", {}).get("frames", 0))
+        return int((self._pending_state or {}).get("collector", {}).get("frames", 0))
 
     @property
     def evaluates(self) -> bool:

@@ -107,18 +107,12 @@ class VideoRecorder:
 
         def make() -> gym.Env:
             env = factory()
-            if not isinstance(env, gym.Env):
+            if not isinstance(env, gym.Env) or env.render_mode != "rgb_array":
                 close_quietly([env])
-                raise ValueError(
-                    f"RolloutEvaluation(record_video=...) renders gymnasium envs, but the env factory returned "
-                    f"{type(env).__name__}: pass a gymnasium id or a factory of gymnasium.Env made with "
-                    "render_mode='rgb_array'")
-            if env.render_mode != "rgb_array":
-                close_quietly([env])
-                raise ValueError(
-                    f"RolloutEvaluation(record_video=...) needs evaluation envs made with render_mode='rgb_array'; "
-                    f"the env factory returned one with render_mode={env.render_mode!r}: build it with "
-                    "gym.make(..., render_mode='rgb_array') (or pass a gymnasium id)")
+                got = f"render_mode={env.render_mode!r}" if isinstance(env, gym.Env) else type(env).__name__
+                raise ValueError(f"RolloutEvaluation(record_video=...) renders gymnasium envs made with "
+                                 f"render_mode='rgb_array', and the env factory returned {got}: pass a gymnasium id, "
+                                 "or a factory of gym.make(..., render_mode='rgb_array')")
             return _RecordingEnv(env, self)
 
         return make
@@ -141,12 +135,11 @@ class VideoRecorder:
             if self._owner is env and self._steps > 0:  # a new episode: the recorded one is over
                 self._owner = None
                 return
-            if self._owner is env or (self._armed and self._owner is None):  # a reset before any step: restart
-                self._owner, self._armed, self._frames, self._steps = env, False, [], 0
-                if self.config.fps is None:
-                    self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
-            else:
+            if not (self._owner is env or (self._armed and self._owner is None)):
                 return
+            self._owner, self._armed, self._frames, self._steps = env, False, [], 0  # (re)start: no step yet
+            if self.config.fps is None:
+                self.fps = int(env.metadata.get("render_fps") or _DEFAULT_FPS)
         self._add(env, env.render())
 
     def on_step(self, env: _RecordingEnv, done: bool) -> None:

@@ -29,8 +29,8 @@ from ..envs import EnvFactory, close_quietly
 from ..policy import BatchedRandomPolicy
 from .executors import SerialEnvs, batch_rows, build_units
 
-__all__ = ["EnvTiming", "LayoutChoice", "apply_choice", "cgroup_cpu_limit", "choose_layout", "measure_env",
-           "resolve_layout", "usable_cores"]
+__all__ = ["EnvTiming", "LayoutChoice", "cgroup_cpu_limit", "choose_layout", "measure_env", "resolve_layout",
+           "usable_cores"]
 
 log = logging.getLogger("lightning_rollout")
 
@@ -240,14 +240,16 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
 
 
 def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
-                   max_episode_steps: int | None = None, expected_frames: int | None = None,
-                   step_timeout: float | None = None, name: str = "loop") -> LayoutChoice | None:
-    """The ``"auto"`` choice (``None`` when neither knob is ``"auto"``); the measure runs in a helper thread for
-    at most ``min(step_timeout, 10)`` seconds. A kept ``num_workers=1`` that processes would beat is warned of."""
+                   parallel_steps: bool | str = "auto", max_episode_steps: int | None = None,
+                   expected_frames: int | None = None, step_timeout: float | None = None, name: str = "loop"
+                   ) -> tuple[LayoutChoice | None, Any, Any, Any]:
+    """``(choice, num_workers, envs_per_thread, parallel_steps)`` a loop runs with, ``"auto"`` resolved (``choice``
+    is ``None`` when neither layout knob is ``"auto"``); the measure runs in a helper thread for at most
+    ``min(step_timeout, 10)`` seconds. A kept ``num_workers=1`` that processes would beat is warned of."""
     if not (is_auto(num_workers) or is_auto(envs_per_thread)):
-        return None
+        return None, num_workers, envs_per_thread, False if is_auto(parallel_steps) else parallel_steps
     if num_envs == 1:
-        return LayoutChoice(1, 1, "one env")
+        return LayoutChoice(1, 1, "one env"), 1, 1, False if is_auto(parallel_steps) else parallel_steps
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -282,17 +284,8 @@ def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str
                               f"{envs_per_thread} as given", False, choice.warning)
     log.info("%s: num_workers=%d, envs_per_thread=%d, parallel_steps=%s (%s)", name, choice.num_workers,
              choice.envs_per_thread, choice.parallel_steps, choice.reason)
-    return choice
-
-
-def apply_choice(choice: LayoutChoice | None, *, num_workers: int | str, envs_per_thread: int | str,
-                 parallel_steps: bool | str) -> tuple[Any, Any, Any]:
-    """``(num_workers, envs_per_thread, parallel_steps)`` a loop runs with, given ``choice``."""
-    if is_auto(parallel_steps):
-        parallel_steps = choice is not None and choice.parallel_steps
-    if choice is not None:
-        num_workers, envs_per_thread = choice.num_workers, choice.envs_per_thread
-    return num_workers, envs_per_thread, parallel_steps
+    return (choice, choice.num_workers, choice.envs_per_thread,
+            choice.parallel_steps if is_auto(parallel_steps) else parallel_steps)
 
 
 def one_env_threads_warning(num_envs: int, envs_per_thread: int) -> str | None:
@@ -309,9 +302,23 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def check_knobs(*, envs_per_thread: Any, num_workers: Any) -> None:
-    """Each of ``envs_per_thread`` / ``num_workers`` is ``"auto"`` or an int ``>= 1`` (else ``ValueError``)."""
+def check_knobs(*, envs_per_thread: Any, num_workers: Any, parallel_steps: Any = "auto",
+                num_envs: int | None = None) -> None:
+    """Each of ``envs_per_thread`` / ``num_workers`` is ``"auto"`` or an int ``>= 1`` (whole groups of
+    ``envs_per_thread`` among ``num_envs``, at least one a process), ``parallel_steps`` a bool, ``"free"`` or
+    ``"auto"``; else ``ValueError``."""
     for knob, value in (("envs_per_thread", envs_per_thread), ("num_workers", num_workers)):
         if not is_auto(value):
             check_int(knob, value, 1)
+    if not (isinstance(parallel_steps, bool) or parallel_steps in ("auto", "free")):
+        raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
+    if num_envs is None:
+        return
+    if not is_auto(envs_per_thread) and num_envs % envs_per_thread:
+        raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
+    groups = num_envs if is_auto(envs_per_thread) else num_envs // envs_per_thread
+    if not is_auto(num_workers) and num_workers > groups:
+        raise ValueError(f"num_workers ({num_workers}) must be at most num_envs / envs_per_thread ({groups}): each "
+                         "process steps at least one whole group of envs_per_thread envs; pass fewer num_workers "
+                         "(or a smaller envs_per_thread)")
 

@@ -31,7 +31,7 @@ from ..errors import CollectionError, EnvError, PolicyError
 from ..events import EventProcessor, Interrupter
 from ..policy import AutobatchPolicy, BatchedRandomPolicy, PolicyCall, as_policy_module
 from ..specs import ArraySpec, EnvKeys, NestedKey
-from .auto import LayoutChoice, apply_choice, check_knobs, is_auto, resolve_layout
+from .auto import check_knobs, resolve_layout
 from .delivery import Delivery
 from .executors import Envs, SerialEnvs, ThreadEnvs, build_units
 from .processes import ProcessEnvs
@@ -54,17 +54,15 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
                     f"{method.__name__}: the loop {self.name!r} is already collecting in thread {owner.name!r} (or "
                     "this is a call from inside its own collection, e.g. an event processor); a loop has one driver: "
                     "call it from one thread at a time")
-            if self.closed:
-                raise CollectionError(f"the loop {self.name!r} is closed")
             self._driver = threading.current_thread()
             self.collecting = True
         delivery = self._delivery  # counts set from outside between calls (a resume) are the ones to continue
         delivery.frames, delivery.episodes = self.frames, self.episodes
         try:
-            self.start()
+            self.start()  # refuses a closed loop
             if self._agent is not None:
                 self._agent.unpark()
-            pin = self._call.pinned() if not self.lookahead and self._agent is None else contextlib.nullcontext()
+            pin = self.policy.pinned() if not self.lookahead and self._agent is None else contextlib.nullcontext()
             with pin, torch_threads_set(self._torch_threads):
                 return method(self, *args, **kwargs)
         except CollectionError:
@@ -126,6 +124,10 @@ class MultiEnvLoop:
         name: used in thread names. join_timeout: seconds :meth:`close` waits for each thread or process.
         start: ``False`` defers resetting with a changed ``seed`` to :meth:`start` or the first call.
 
+    Attributes:
+        policy: what acts: the loop's :class:`~lightning_rollout.policy.PolicyCall`, or the shared ``AutobatchPolicy``.
+        layout: the columns of a transition (what a batch holds: ``layout.specs``, ``layout.to_tensordict``).
+
     Raises:
         ValueError: bad configuration, with what to change.
     """
@@ -144,19 +146,16 @@ class MultiEnvLoop:
                  join_timeout: float = 5.0, start: bool = True) -> None:
         factories = _factories(env, num_envs)
         n = len(factories)
+        check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers, parallel_steps=parallel_steps, num_envs=n)
         self.join_timeout = _check_arguments(
-            num_envs=n, envs_per_thread=envs_per_thread, num_workers=num_workers, max_episode_steps=max_episode_steps,
-            random_steps_per_env=random_steps_per_env, step_timeout=step_timeout, join_timeout=join_timeout,
-            max_wait=max_wait, policy_timeout=policy_timeout, device=device, traj_id_start=traj_id_start,
-            env_shape=env_shape, seed=seed, exploration_type=exploration_type, processor=processor,
-            interrupter=interrupter, policy=policy, autobatch_size=autobatch_size)
-        self.layout_choice: LayoutChoice | None = resolve_layout(
-            factories[0], n, num_workers=num_workers, envs_per_thread=envs_per_thread,
+            num_envs=n, max_episode_steps=max_episode_steps, random_steps_per_env=random_steps_per_env,
+            step_timeout=step_timeout, join_timeout=join_timeout, max_wait=max_wait, policy_timeout=policy_timeout,
+            device=device, traj_id_start=traj_id_start, env_shape=env_shape, seed=seed,
+            exploration_type=exploration_type, processor=processor, interrupter=interrupter, policy=policy,
+            autobatch_size=autobatch_size)
+        self.layout_choice, num_workers, envs_per_thread, parallel_steps = resolve_layout(
+            factories[0], n, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps,
             max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
-        num_workers, envs_per_thread, parallel_steps = apply_choice(
-            self.layout_choice, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps)
-        if not (isinstance(parallel_steps, bool) or parallel_steps == "free"):
-            raise ValueError(f"parallel_steps must be True, False, 'free' or 'auto', got {parallel_steps!r}")
         if parallel_steps and num_workers > 1:
             raise ValueError(f"parallel_steps={parallel_steps!r} steps envs in pool threads of this process; worker "
                              "processes (num_workers > 1) step theirs one after the other: pass one or the other")
@@ -177,24 +176,29 @@ class MultiEnvLoop:
         self._shutdown_lock = threading.Lock()
         self._agent = None
         self._envs: Envs | None = None
-        try:
-            self._envs = _executor(factories, _seeds(seed, n), num_workers=self.num_workers, group=self.envs_per_thread,
-                                   parallel=bool(parallel_steps), threads=step_timeout is not None, name=name,
-                                   max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys)
+        try:  # worker processes; else pool threads (several units, parallel_steps, a step_timeout to watch) or none
+            seeds, watched = _seeds(seed, n), step_timeout is not None
+            options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
+            if self.num_workers > 1:
+                self._envs = ProcessEnvs(factories, seeds, num_workers=self.num_workers, group=self.envs_per_thread,
+                                         name=name, threads=watched, **options)
+            else:
+                units = build_units(factories, group=self.envs_per_thread, parallel=bool(parallel_steps), **options)
+                threaded = len(units) > 1 or bool(parallel_steps) or watched
+                self._envs = ThreadEnvs(units, seeds, name=name) if threaded else SerialEnvs(units, seeds)
             self._seeded = seed
             self._setup(self._envs, policy, autobatch_size=1 if parallel_steps == "free" else autobatch_size,
                         max_wait=max_wait, device=device, policy_timeout=policy_timeout, env_shape=env_shape,
                         random_steps=random_steps_per_env, traj_id_start=traj_id_start)
-        except EnvFailure as failure:
+        except BaseException as failure:
             self._shutdown()
+            if not isinstance(failure, EnvFailure):
+                raise
             if isinstance(failure.cause, KeyboardInterrupt) and failure.process is None:
                 raise failure.cause from None
             phase = "check" if failure.phase == "check" else "reset"
             where = "" if failure.process is None else f" (in worker process {failure.process})"
             raise EnvError(f"{failure}{where}", env_id=failure.row, step=0, phase=phase) from failure.cause
-        except BaseException:
-            self._shutdown()
-            raise
         close_at_exit(self)
         self.started = False
         if start:
@@ -206,7 +210,7 @@ class MultiEnvLoop:
         """The policy probed on every env's first root entries, the columns laid out from what it writes."""
         unit, keys = envs.unit, envs.unit.keys
         if isinstance(policy, AutobatchPolicy):
-            self._call = policy
+            self.policy = policy
             self._agent = policy.register(self.num_envs)
             self._agent.park()
         else:
@@ -215,8 +219,8 @@ class MultiEnvLoop:
                                        observation_spec=unit.observation_spec, action_keys=list(keys.action),
                                        single_key=data[0] if len(data) == 1 else None, action_spec=unit.action_spec,
                                        policy_timeout=policy_timeout, name=self.name)
-            self._call = PolicyCall(wrapped, device=device, seed=_seeds(self.seed, self.num_envs)[0],
-                                    policy_timeout=policy_timeout, name=self.name)
+            self.policy = PolicyCall(wrapped, device=device, seed=_seeds(self.seed, self.num_envs)[0],
+                                     policy_timeout=policy_timeout, name=self.name)
         # torch's intra-op threads (process-wide) for the probe and every call: capped at the cores left by the
         # pool threads or the worker processes stepping meanwhile
         overlap = self.lookahead or autobatch_size is not None
@@ -225,17 +229,17 @@ class MultiEnvLoop:
         shape = tuple(env_shape) if env_shape is not None else (() if self.num_envs == 1 else None)
         probe = {k: envs.roots[k] for k in keys.root}
         probe.update({k: np.zeros((self.num_envs, *s.shape), s.dtype) for k, s in keys.done.items()})
-        self._call.bind(probe, sub_batch=keys.sub_batch, env_shape=shape)
+        self.policy.bind(probe, sub_batch=keys.sub_batch, env_shape=shape)
         with torch_threads_set(self._torch_threads):
-            probed = self._call.probe(probe, self.num_envs)
+            probed = self.policy.probe(probe, self.num_envs)
         outputs = {k: ArraySpec(s, np.dtype(d)) for k, (s, d) in probed.items()}
         missing = [k for k in keys.action if k not in outputs]
         if missing:
             raise PolicyError(f"the policy wrote no {missing[0]!r} (the env's action key"
                               f"{'s' if len(keys.action) > 1 else ''}: {list(keys.action)}); it wrote {list(outputs)}")
-        layout = self._layout = Layout(keys, outputs, loop_keys=unit.loop_keys)
+        layout = self.layout = Layout(keys, outputs, loop_keys=unit.loop_keys)
         available = {**layout.carried, **{k: keys.done[k] for k in layout.done_keys}}
-        self._input_keys = self._call.bind(available, sub_batch=keys.sub_batch, env_shape=shape)
+        self._input_keys = self.policy.bind(available, sub_batch=keys.sub_batch, env_shape=shape)
         env_inputs = layout.action_keys if unit.loop_keys else list(dict.fromkeys([*layout.root_inputs,
                                                                                    *layout.out_keys]))
         envs.attach({k: layout.specs.get(k) or keys.done[k] for k in env_inputs})
@@ -252,7 +256,7 @@ class MultiEnvLoop:
     def _act(self, inputs: dict[NestedKey, np.ndarray], rows: int, mode: ExplorationType
              ) -> tuple[dict[NestedKey, np.ndarray], int]:
         if self._agent is None:
-            return self._call(inputs, rows, mode)
+            return self.policy(inputs, rows, mode)
         self._agent.set_rows(rows)
         answer = self._agent.act(inputs, exploration_type=mode, stop=self._stop)
         return {k: v[answer.start:answer.stop] for k, v in answer.outputs.items()}, answer.version
@@ -265,7 +269,6 @@ class MultiEnvLoop:
             self.started = True
             if self.seed != self._seeded:
                 self._stepper.reset(np.arange(self.num_envs), _seeds(self.seed, self.num_envs))
-                self._seeded = self.seed
 
     # -- collection calls ---------------------------------------------------------------------------------
     def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool | None:
@@ -278,11 +281,9 @@ class MultiEnvLoop:
         try:
             return self._stepper.run(rule, interrupter)
         except CollectionError as exc:
-            try:
+            with contextlib.suppress(Exception):  # the failure is what the caller needs; the partial is a bonus
                 kept = partial()
                 exc.partial = kept if kept is not None and kept.batch_size.numel() else None
-            except Exception:  # noqa: S110 - the failure is what the caller needs; the partial is a bonus
-                pass
             self.close()
             raise
 
@@ -385,44 +386,29 @@ class MultiEnvLoop:
         self._stepper.reset(np.asarray(ids, dtype=np.int64), list(seeds) if seeds is not None else [None] * len(ids))
 
     # -- the policy ------------------------------------------------------------------------------------------
-    @property
-    def policy(self) -> Any:
-        """What acts: the loop's :class:`~lightning_rollout.policy.PolicyCall`, or the shared ``AutobatchPolicy``."""
-        return self._call
-
     def update_policy(self, state: Any) -> int:
         """Load new weights (a state_dict, a module or a TensorDict); returns the new policy version."""
-        return self._call.update(state)
+        return self.policy.update(state)
 
     def policy_state(self) -> Any:
         """A copy of the current weights."""
-        return self._call.state()
+        return self.policy.state()
 
     @property
     def policy_version(self) -> int:
         """Version of the weights the next policy call will use."""
-        return self._call.version
+        return self.policy.version
 
     # -- what the loop is -----------------------------------------------------------------------------------
     @property
     def env_keys(self) -> EnvKeys:
         """Every leaf the envs read and write, from their TorchRL specs."""
-        return self._layout.keys
-
-    @property
-    def layout(self) -> Layout:
-        """The columns of a transition (what a batch holds: ``layout.specs``, ``layout.to_tensordict``)."""
-        return self._layout
+        return self.layout.keys
 
     @property
     def input_keys(self) -> list[NestedKey]:
         """The root entries handed to the policy at each step."""
         return list(self._input_keys)
-
-    @property
-    def action_spec(self) -> ArraySpec:
-        """Shape and dtype of one row of the first action entry."""
-        return self._layout.step_specs[self._layout.action_keys[0]]
 
     def set_traj_id_start(self, value: int) -> None:
         """Number trajectories from ``value`` (before the first call, e.g. on resume)."""
@@ -459,8 +445,8 @@ class MultiEnvLoop:
             stuck = self._envs.close(self.join_timeout) if self._envs is not None else []
             if self._agent is not None:
                 self._agent.close()
-            elif getattr(self, "_call", None) is not None:
-                self._call.close(self.join_timeout)
+            elif getattr(self, "policy", None) is not None:
+                self.policy.close(self.join_timeout)
             delivery = getattr(self, "_delivery", None)
             if delivery is not None:
                 delivery.pool.clear()
@@ -486,9 +472,8 @@ class EnvLoop(MultiEnvLoop):
     """One env: the seed's ``AgentEnvAsyncLoop``, a :class:`MultiEnvLoop` with ``num_envs=1``."""
 
     def __init__(self, env: str | EnvFactory, policy: AutobatchPolicy | Callable[..., Any], **kwargs: Any) -> None:
-        if kwargs.get("num_envs", 1) != 1:
+        if kwargs.setdefault("num_envs", 1) != 1:
             raise ValueError("EnvLoop runs exactly one env; use MultiEnvLoop for num_envs > 1")
-        kwargs["num_envs"] = 1
         super().__init__(env, policy, **kwargs)
 
 
@@ -499,21 +484,6 @@ def _seeds(seed: int | Sequence[int] | None, num_envs: int) -> list[int | None]:
     if len(seed) != num_envs:
         raise ValueError(f"seed has {len(seed)} entries for {num_envs} envs; pass one seed or one per env")
     return [int(s) for s in seed]
-
-
-def _executor(factories: list[EnvFactory], seeds: list[int | None], *, num_workers: int, group: int, parallel: bool,
-              threads: bool, name: str, max_episode_steps: int | None, validate: bool,
-              info_keys: InfoKeys | None) -> Envs:
-    """Worker processes (``num_workers > 1``), pool threads (several units, ``parallel_steps``, a
-    ``step_timeout`` to watch), or the stepping thread."""
-    options = {"max_episode_steps": max_episode_steps, "validate": validate, "info_keys": info_keys}
-    if num_workers > 1:
-        return ProcessEnvs(factories, seeds, num_workers=num_workers, group=group, name=name, threads=threads,
-                           **options)
-    units = build_units(factories, group=group, parallel=parallel, **options)
-    if len(units) == 1 and not (parallel or threads):
-        return SerialEnvs(units, seeds)
-    return ThreadEnvs(units, seeds, name=name)
 
 
 def _random_actions(spec: Any, columns: dict[NestedKey, ArraySpec]) -> Callable[[int], dict[NestedKey, np.ndarray]]:
@@ -548,23 +518,13 @@ def _factories(env: Any, num_envs: int | None) -> list[EnvFactory]:
     return [resolve_env_factory(env)] * n
 
 
-def _check_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: int | str,
-                     max_episode_steps: int | None, random_steps_per_env: int, step_timeout: float | None,
-                     join_timeout: float, max_wait: float | None, policy_timeout: float | None, device: Any,
-                     traj_id_start: int, env_shape: Sequence[int] | None, seed: Any, exploration_type: Any,
-                     processor: Any, interrupter: Any, policy: Any, autobatch_size: int | None) -> float:
+def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_steps_per_env: int,
+                     step_timeout: float | None, join_timeout: float, max_wait: float | None,
+                     policy_timeout: float | None, device: Any, traj_id_start: int, env_shape: Sequence[int] | None,
+                     seed: Any, exploration_type: Any, processor: Any, interrupter: Any, policy: Any,
+                     autobatch_size: int | None) -> float:
     """Raise ValueError for the first bad argument, with what to change, before any env is built; returns
     ``join_timeout``."""
-    check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers)
-    if not is_auto(envs_per_thread) and num_envs % envs_per_thread:
-        raise ValueError(f"num_envs ({num_envs}) must be a multiple of envs_per_thread ({envs_per_thread})")
-    if not is_auto(num_workers) and num_workers > num_envs:
-        raise ValueError(f"num_workers ({num_workers}) must be at most num_envs ({num_envs}): each process "
-                         "runs at least one env")
-    if not (is_auto(num_workers) or is_auto(envs_per_thread)) and num_workers > num_envs // envs_per_thread:
-        raise ValueError(f"num_workers ({num_workers}) must be at most num_envs / envs_per_thread "
-                         f"({num_envs // envs_per_thread}): each process steps whole groups of envs_per_thread envs; "
-                         f"pass envs_per_thread={num_envs // num_workers} or fewer num_workers")
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     check_seconds("step_timeout", step_timeout, allow_zero=False)
@@ -590,10 +550,9 @@ def _check_arguments(*, num_envs: int, envs_per_thread: int | str, num_workers: 
         raise ValueError(f"processor must be an EventProcessor (subclass it), got {type(processor).__name__}")
     if interrupter is not None and not callable(getattr(interrupter, "should_stop", None)):
         raise ValueError(f"interrupter must be a lightning_rollout.Interrupter, got {type(interrupter).__name__}")
-    if isinstance(policy, AutobatchPolicy):
-        if any(x is not None for x in (autobatch_size, max_wait, device, policy_timeout)):
-            raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy "
-                             "you passed; set them there, not on the loop")
-    else:
-        check_int("autobatch_size", autobatch_size, 1, optional=True)
+    check_int("autobatch_size", autobatch_size, 1, optional=True)
+    shared = (autobatch_size, max_wait, device, policy_timeout)  # what an AutobatchPolicy owns
+    if isinstance(policy, AutobatchPolicy) and any(x is not None for x in shared):
+        raise ValueError("autobatch_size, max_wait, device and policy_timeout belong to the AutobatchPolicy you "
+                         "passed; set them there, not on the loop")
     return checked_join
