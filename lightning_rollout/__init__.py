@@ -26,35 +26,11 @@ def __getattr__(name: str) -> object:
         return getattr(lightning, name)
     raise AttributeError(f"module 'lightning_rollout' has no attribute {name!r}")
 
+
 __version__ = "0.1.0"
 
-__all__ = [
-    "Agent",
-    "ArraySpec",
-    "AutobatchPolicy",
-    "CollectionError",
-    "EnvError",
-    "EnvLoop",
-    "EpisodeEnd",
-    "EpisodeStatsLogger",
-    "EvalRound",
-    "EventProcessor",
-    "GymUnit",
-    "Interrupter",
-    "LayoutWarning",
-    "MultiEnvLoop",
-    "PolicyAnswer",
-    "PolicyError",
-    "Progress",
-    "RolloutCallback",
-    "RolloutDataModule",
-    "RolloutEvaluation",
-    "RolloutProgressBar",
-    "RolloutRichProgressBar",
-    "StepTimeoutError",
-    "TimeStep",
-    "ThreadedCollector",
-    "TorchRLUnit",
-    "Unit",
-    "VideoRecording",
-]
+__all__ = ["Agent", "ArraySpec", "AutobatchPolicy", "CollectionError", "EnvError", "EnvLoop", "EpisodeEnd",
+           "EpisodeStatsLogger", "EvalRound", "EventProcessor", "GymUnit", "Interrupter", "LayoutWarning",
+           "MultiEnvLoop", "PolicyAnswer", "PolicyError", "Progress", "RolloutCallback", "RolloutDataModule",
+           "RolloutEvaluation", "RolloutProgressBar", "RolloutRichProgressBar", "StepTimeoutError", "ThreadedCollector",
+           "TimeStep", "TorchRLUnit", "Unit", "VideoRecording"]

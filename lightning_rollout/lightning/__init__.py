@@ -3,14 +3,8 @@
 collection events (:class:`RolloutCallback`) and the built-in ones. ``docs/lightning.rst`` is the guide.
 """
 
-from .callbacks import (
-    EpisodeStatsLogger,
-    EvalRound,
-    RolloutCallback,
-    RolloutEvaluation,
-    RolloutProgressBar,
-    RolloutRichProgressBar,
-)
+from .callbacks import (EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar,
+                        RolloutRichProgressBar)
 from .datamodule import RolloutDataModule
 from .video import VideoRecording
 
