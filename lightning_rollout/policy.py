@@ -79,6 +79,18 @@ def as_policy_module(policy: Any, *, observation_spec: Any = None, action_keys: 
         bounded.close(policy_timeout)
 
 
+_INCOMPATIBLE_SIGNATURE = (  # TorchRL's own message (torchrl.envs.utils._make_compatible_policy)
+    "This error is raised because TorchRL tried to automatically wrap your policy in\n"
+    "a TensorDictModule. If you're confident the policy can directly process environment outputs, set\n"
+    "the `trust_policy` argument to `True` in the constructor.\n\n"
+    "Arguments to policy.forward are incompatible with entries in\n"
+    "env.observation_spec (got incongruent signatures:\nthe function signature is {names} but the specs have keys "
+    "{spec_keys}).\nIf you want TorchRL to automatically wrap your policy with a TensorDictModule\n"
+    "then the arguments to policy.forward must correspond one-to-one with entries\n"
+    "in env.observation_spec.\nFor more complex behavior and more control you can consider writing your\n"
+    "own TensorDictModule.")
+
+
 def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], single_key: NestedKey | None,
           call: Callable[[Callable[[], Any]], Any]) -> Wrapped:
     """TorchRL's auto-wrapping rule (``torchrl.envs.utils._make_compatible_policy``); the probe call passes only the
@@ -93,8 +105,10 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
             len(params) == 1 and is_tensor_collection(next(iter(params.values())).annotation)):
         return Wrapped(policy, policy)
     if hasattr(policy, "in_keys") or hasattr(policy, "out_keys"):
-        raise TypeError("the policy defines in_keys or out_keys but its forward takes several arguments: a TensorDict "
-                        "policy takes one TensorDict (inherit from tensordict.nn.TensorDictModuleBase)")
+        raise TypeError("Received a policy that defines in_keys or out_keys and also expects multiple arguments to "
+                        "policy.forward. If the policy is compatible with TensorDict, it should take a single "
+                        "argument of type TensorDict to policy.forward and define both in_keys and out_keys "
+                        "(inherit from tensordict.nn.TensorDictModuleBase).")  # TorchRL's own message
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     spec_keys = set(observation_spec.keys()) if observation_spec is not None else set()
@@ -114,10 +128,7 @@ def _wrap(policy: Any, observation_spec: Any, action_keys: Sequence[NestedKey], 
             except Exception:  # the real probe, with every error named, comes later
                 pass
     else:
-        raise TypeError(f"TorchRL could not automatically wrap the policy in a TensorDictModule: the arguments of "
-                        f"policy.forward {names} and the observation spec's keys {spec_keys} are incongruent "
-                        "signatures; name every argument after an entry of env.observation_spec, or write a "
-                        "TensorDictModule")
+        raise TypeError(_INCOMPATIBLE_SIGNATURE.format(names=names, spec_keys=spec_keys))
     extra = len(output) - 1 if isinstance(output, tuple) else 0  # outputs beyond the first: output1, output2...
     out_keys = [*action_keys, *(f"output{i + 1}" for i in range(extra))]
     return Wrapped(TensorDictModule(policy, in_keys=in_keys, out_keys=out_keys), policy, batched=batched)
