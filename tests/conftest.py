@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -42,13 +41,12 @@ def _turn(item: pytest.Item) -> Iterator[None]:
     """Under pytest-xdist, a ``serial`` test runs while no other worker runs a test, and the others wait for it: a
     readers-writer lock of two ``flock`` files shared by the run's workers (the turnstile first, so a waiting
     ``serial`` test is not starved by the others' back-to-back shared holds)."""
-    run = getattr(item.config, "workerinput", {}).get("testrunuid")
-    if run is None:  # not an xdist worker: tests run one at a time anyway
+    if not hasattr(item.config, "workerinput"):  # not an xdist worker: tests run one at a time anyway
         yield
         return
     alone = item.get_closest_marker("serial") is not None
-    base = os.path.join(tempfile.gettempdir(), f"lightning_rollout-tests-{run}")
-    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
+    run = Path(item.config.option.basetemp).parent  # the run's temp folder, the workers' basetemps inside it
+    with open(run / "serial.turnstile", "a") as turnstile, open(run / "serial.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
