@@ -249,6 +249,7 @@ class ThreadEnvs(_Local):
         self.pool = [_PoolThread(i, u, self._answers, self._stop, f"lightning_rollout-{name}-env{int(a)}")
                      for i, (u, a) in enumerate(zip(self.units, self.bounds))]
         self._ready: list[np.ndarray] = []  # rows of the steps answered, for recv
+        self._count = 0  # rows in _ready
         self._abandoned: set[threading.Thread] = set()
 
     def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
@@ -271,10 +272,11 @@ class ThreadEnvs(_Local):
         if isinstance(result, EnvFailure):
             failure = result.shifted(a)
             failure.completed = np.concatenate([*self._ready, failure.completed])  # answers before it stay
-            self._ready = []
+            self._ready, self._count = [], 0
             raise failure from result.cause
         if kind == "step":
             self._ready.append((np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a)
+            self._count += len(self._ready[-1])
         return kind
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
@@ -290,10 +292,10 @@ class ThreadEnvs(_Local):
         deadline = time.perf_counter() + wait
         while True:
             remaining = deadline - time.perf_counter()
-            enough = remaining <= 0 or sum(len(r) for r in self._ready) >= min_rows
+            enough = remaining <= 0 or self._count >= min_rows
             if self._answer(0.0 if enough else min(remaining, POLL_S)) is None and enough:
                 break
-        ready, self._ready = self._ready, []
+        ready, self._ready, self._count = self._ready, [], 0
         if not ready:
             return np.empty(0, dtype=np.int64)
         return ready[0] if len(ready) == 1 else np.sort(np.concatenate(ready))
