@@ -420,7 +420,7 @@ class MultiEnvLoop:
 
     def threads(self) -> Iterator[threading.Thread]:
         """The loop's pool threads (for monitoring)."""
-        return (p.thread for p in getattr(self._envs, "pool", ()))
+        return iter(getattr(self._envs, "pool", ()))
 
     # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self) -> None:

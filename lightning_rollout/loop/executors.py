@@ -23,7 +23,7 @@ from .._exit import abandon, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
 from ..specs import ArraySpec, NestedKey
 
-__all__ = ["Envs", "SerialEnvs", "ThreadEnvs"]
+__all__ = ["Envs", "SerialEnvs", "ThreadEnvs", "merged_rows"]
 
 POLL_S = 0.05
 
@@ -67,6 +67,11 @@ class Envs:
     def close(self, timeout: float) -> list[str]:
         """Close every env; returns the names of threads left running (abandoned)."""
         raise NotImplementedError
+
+
+def merged_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``parts`` (rows answered) as one ascending array."""
+    return np.sort(np.concatenate(parts)) if len(parts) > 1 else parts[0] if parts else np.empty(0, dtype=np.int64)
 
 
 def batch_rows(env: Any) -> int | None:
@@ -146,8 +151,8 @@ class _Local(Envs):
 
     def _parts(self, rows: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
         """``(unit, its rows or None for all of them)`` for ``rows``."""
-        if len(self.units) == 1:
-            return [(0, rows if len(rows) < self.num_envs else None)]
+        if len(rows) == self.num_envs:
+            return [(u, None) for u in range(len(self.units))]
         unit = np.searchsorted(self.bounds, rows, side="right") - 1
         parts = []
         for u in np.unique(unit).tolist():
@@ -197,8 +202,7 @@ class SerialEnvs(_Local):
         if not self._sent:
             time.sleep(min(wait, POLL_S))
             return np.empty(0, dtype=np.int64)
-        rows = self._sent[0] if len(self._sent) == 1 else np.sort(np.concatenate(self._sent))
-        self._sent = []
+        rows, self._sent = merged_rows(self._sent), []
         for u, local in self._parts(rows):
             try:
                 self.units[u].step(local)
@@ -211,115 +215,128 @@ class SerialEnvs(_Local):
         return rows
 
 
-class _PoolThread:
-    """One unit stepped by its own thread: calls arrive on ``calls``, answers go to the executor's queue."""
-
-    def __init__(self, index: int, unit: Unit, answers: queue.SimpleQueue[Any], stop: threading.Event,
-                 name: str) -> None:
-        self.index, self.unit, self.answers, self.stop = index, unit, answers, stop
-        self.calls: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
-        self.since = 0.0  # perf_counter() when the call in flight was handed over, 0.0 when idle
-        self.phase = "step"
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
-        while (call := self.calls.get()) is not None and not self.stop.is_set():  # close() sends None
-            kind, rows, seeds = call
-            try:
-                if kind == "step":
-                    self.unit.step(rows)
-                else:
-                    self.unit.reset(rows, seeds)
-                answer: Any = (self.index, kind, rows)
-            except BaseException as exc:  # noqa: BLE001 - every failure is answered, never lost
-                answer = (self.index, kind, exc if isinstance(exc, EnvFailure) else EnvFailure(0, kind, "env", exc))
-            self.since = 0.0
-            self.answers.put(answer)
-
-
 class ThreadEnvs(_Local):
-    """One pool thread a unit (see the module docstring); the thread that drives it only waits."""
+    """One pool thread a unit (see the module docstring); the driving thread only waits, woken once a wait: by the
+    answer that completes the rows it waits for (``_want``), a failure, or a reset's answer. ``_lock`` guards
+    ``_done``, ``_rows`` and ``_want``; ``_wake`` is a lock, not an ``Event``: a Ctrl-C landing in an ``Event``'s
+    Python-level lock entry would leave it held, and every pool thread blocked on it."""
 
     def __init__(self, units: Sequence[Unit], seeds: Sequence[int | None], *, name: str) -> None:
         super().__init__(units, seeds)
-        self._stop = threading.Event()
-        self._answers: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self.pool = [_PoolThread(i, u, self._answers, self._stop, f"lightning_rollout-{name}-env{int(a)}")
-                     for i, (u, a) in enumerate(zip(self.units, self.bounds))]
-        self._ready: list[np.ndarray] = []  # rows of the steps answered, for recv
-        self._count = 0  # rows in _ready
+        self._stop, self._lock, self._wake = threading.Event(), threading.Lock(), threading.Lock()
+        self._wake.acquire()
+        self._done: list[tuple[int, str, Any]] = []
+        self._rows = self._want = 0
+        self._calls: list[queue.SimpleQueue[tuple[str, Any, Any] | None]] = [queue.SimpleQueue() for _ in units]
+        self.since = [0.0] * len(units)  # perf_counter() when unit i's call in flight was handed over, 0.0 if idle
+        self.phase = ["step"] * len(units)
+        self.pool = [threading.Thread(target=self._serve, args=(i,), name=f"lightning_rollout-{name}-env{int(a)}",
+                                      daemon=True) for i, a in enumerate(self.bounds[:-1])]
+        for thread in self.pool:
+            thread.start()
         self._abandoned: set[threading.Thread] = set()
+
+    def _serve(self, i: int) -> None:
+        """Pool thread ``i``: step or reset ``units[i]`` as asked, answer each call (its failure too)."""
+        torch.set_grad_enabled(False)  # (torch's thread count is process-wide: the loop sets it for each call)
+        unit = self.units[i]
+        while (call := self._calls[i].get()) is not None and not self._stop.is_set():  # close() sends None
+            kind, rows, seeds = call
+            try:
+                unit.step(rows) if kind == "step" else unit.reset(rows, seeds)
+                answer: Any = rows
+            except BaseException as exc:  # noqa: BLE001 - every failure is answered, never lost
+                answer = exc if isinstance(exc, EnvFailure) else EnvFailure(0, kind, "env", exc)
+            self.since[i] = 0.0
+            with self._lock:
+                self._done.append((i, kind, answer))
+                if kind == "step" and not isinstance(answer, EnvFailure):
+                    self._rows += unit.rows if answer is None else len(answer)
+                    if self._rows < self._want:
+                        continue
+                if self._want:
+                    self._want = 0
+                    self._wake.release()
 
     def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
         """Hand each unit its part of ``rows``; returns how many units were asked."""
         now = time.perf_counter()
         parts = self._parts(rows) if kind == "step" else self._seeded(rows, seeds)
         for part in parts:
-            thread = self.pool[part[0]]
-            thread.since, thread.phase = now, kind
-            thread.calls.put((kind, part[1], part[2] if kind == "reset" else None))
+            self.since[part[0]], self.phase[part[0]] = now, kind
+            self._calls[part[0]].put((kind, part[1], part[2] if kind == "reset" else None))
         return len(parts)
 
-    def _answer(self, timeout: float) -> str | None:
-        """The next answer's kind (a step's rows kept for :meth:`recv`), ``None`` when none came within ``timeout``."""
-        try:
-            u, kind, result = self._answers.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        a = int(self.bounds[u])
-        if isinstance(result, EnvFailure):
-            failure = result.shifted(a)
-            failure.completed = np.concatenate([*self._ready, failure.completed])  # answers before it stay
-            self._ready, self._count = [], 0
-            raise failure from result.cause
-        if kind == "step":
-            self._ready.append((np.arange(self.units[u].rows) if result is None else np.asarray(result)) + a)
-            self._count += len(self._ready[-1])
-        return kind
+    def _take(self, min_rows: int, timeout: float) -> tuple[list[np.ndarray], int]:
+        """The step rows answered (ascending within a unit) and the resets, once the answers hold ``min_rows`` step
+        rows, a failure or a reset, or after ``timeout`` s. Raises the first failure, the steps answered with it
+        completed; a later one waits for the next call."""
+        with self._lock:
+            urgent = any(kind != "step" or isinstance(r, EnvFailure) for _, kind, r in self._done)
+            self._want = min_rows if self._rows < min_rows and not urgent else 0
+            waits = self._want > 0
+        if waits and not self._wake.acquire(timeout=timeout):
+            with self._lock:
+                if self._want:  # not woken
+                    self._want = 0
+                else:  # woken since the timeout: held again
+                    self._wake.acquire()
+        with self._lock:
+            done, self._done, self._rows = self._done, [], 0
+        failures = [a for a in done if isinstance(a[2], EnvFailure)]
+        steps = [(np.arange(self.units[u].rows) if r is None else np.asarray(r)) + int(self.bounds[u])
+                 for u, kind, r in done if kind == "step" and not isinstance(r, EnvFailure)]
+        if failures:
+            with self._lock:
+                self._done[:0] = failures[1:]
+            u, _, cause = failures[0]
+            failure = cause.shifted(int(self.bounds[u]))
+            failure.completed = np.concatenate([*steps, failure.completed])
+            raise failure from cause.cause
+        return steps, sum(kind != "step" for _, kind, _ in done)
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
         waiting = self._call("reset", rows, seeds)
         while waiting and not self._stop.is_set():
-            if self._answer(POLL_S) == "reset":
-                waiting -= 1
+            steps, resets = self._take(self.num_envs + 1, POLL_S)  # woken by a reset or a failure
+            waiting -= resets
+            with self._lock:  # steps answered meanwhile: the next recv returns them (unit 0: offset 0)
+                self._done[:0] = [(0, "step", rows) for rows in steps]
+                self._rows += sum(map(len, steps))
 
     def send(self, rows: np.ndarray) -> None:
         self._call("step", rows)
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
-        deadline = time.perf_counter() + wait
+        deadline, ready, count = time.perf_counter() + wait, [], 0
         while True:
             remaining = deadline - time.perf_counter()
-            enough = remaining <= 0 or self._count >= min_rows
-            if self._answer(0.0 if enough else min(remaining, POLL_S)) is None and enough:
+            steps, _ = self._take(min_rows - count if remaining > 0 else 0, max(0.0, min(remaining, POLL_S)))
+            ready += steps
+            count += sum(map(len, steps))
+            if count >= min_rows or remaining <= 0 or self._stop.is_set():
                 break
-        ready, self._ready, self._count = self._ready, [], 0
-        if not ready:
-            return np.empty(0, dtype=np.int64)
-        return ready[0] if len(ready) == 1 else np.sort(np.concatenate(ready))
+        return merged_rows(ready)
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
         now = time.perf_counter()
-        for thread, a in zip(self.pool, self.bounds):
-            since = thread.since
+        for i, (thread, since) in enumerate(zip(self.pool, list(self.since))):
             if since and now - since > timeout:
-                self._abandoned.add(thread.thread)  # close() will not wait for it
-                return int(a), thread.phase, thread.thread.name
+                self._abandoned.add(thread)  # close() will not wait for it
+                return int(self.bounds[i]), self.phase[i], thread.name
         return None
 
     def close(self, timeout: float) -> list[str]:
         self._stop.set()
-        for thread in self.pool:
-            thread.calls.put(None)
+        for calls in self._calls:
+            calls.put(None)
         left = []
-        for thread in self.pool:
-            if thread.thread not in self._abandoned:
-                thread.thread.join(timeout)
-            if thread.thread.is_alive():
-                abandon(thread.thread)
-                left.append(thread.thread.name)
+        for thread, unit in zip(self.pool, self.units):
+            if thread not in self._abandoned:
+                thread.join(timeout)
+            if thread.is_alive():
+                abandon(thread)
+                left.append(thread.name)
             else:
-                close_quietly([thread.unit])
+                close_quietly([unit])
         return left

@@ -29,7 +29,7 @@ from .._exit import exempt_at_exit, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, Explained, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
-from .executors import POLL_S, Envs, SerialEnvs, ThreadEnvs, build_units
+from .executors import Envs, POLL_S, SerialEnvs, ThreadEnvs, build_units, merged_rows
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
@@ -352,9 +352,7 @@ class ProcessEnvs(Envs):
                 self._local_left -= len(failure.completed) + len(failure.lost)
             failure.completed = np.concatenate([*ready, failure.completed])  # answers before it stay
             raise
-        if not ready:
-            return np.empty(0, dtype=np.int64)
-        return np.sort(np.concatenate(ready)) if len(ready) > 1 else ready[0]
+        return merged_rows(ready)
 
     def stuck(self, timeout: float) -> tuple[int, str, str] | None:
         now = time.perf_counter()
