@@ -44,7 +44,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.nn import functional as F
 from torchrl.envs.utils import ExplorationType, exploration_type
@@ -181,28 +181,25 @@ class GaussianPolicy(nn.Module):
         return self.mean(self.obs_norm(obs))
 
 
-class Actor(TensorDictModuleBase):
-    """What the collector acts with: ``"observation"`` -> ``"action"`` (a squashed Gaussian sample; ``tanh`` of
-    the mean under TorchRL's deterministic exploration type, which evaluation sets) and ``"action_log_prob"``.
-    A few tensor operations a step, where TorchRL's ``ProbabilisticActor`` builds a distribution."""
-
-    in_keys = ["observation"]
-    out_keys = ["action", "action_log_prob"]
+class Actor(nn.Module):
+    """What the collector acts with, wrapped as ``TensorDictModule(Actor(policy), in_keys=["observation"],
+    out_keys=["action", "action_log_prob"])``: a squashed Gaussian sample (``tanh`` of the mean under TorchRL's
+    deterministic exploration type, which evaluation sets) and its log-density. A few tensor operations a step,
+    where TorchRL's ``ProbabilisticActor`` builds a distribution; a plain ``TensorDictModule`` over a tensor
+    function is called on the stacked observations directly, with no TensorDict a step."""
 
     def __init__(self, policy: GaussianPolicy) -> None:
         super().__init__()
         self.policy = policy
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        loc = self.policy(td["observation"])
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc = self.policy(observation)
         if exploration_type() in (ExplorationType.DETERMINISTIC, ExplorationType.MODE, ExplorationType.MEAN):
             action = loc.tanh()
         else:
             action = (loc + self.policy.log_std.exp() * torch.randn_like(loc)).tanh()
         action = action.clamp(-_TANH_LIMIT, _TANH_LIMIT)
-        td.set("action", action)
-        td.set("action_log_prob", squashed_log_prob(loc, self.policy.log_std, action))
-        return td
+        return action, squashed_log_prob(loc, self.policy.log_std, action)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,7 +330,8 @@ class PPO(pl.LightningModule):
         self.policy = GaussianPolicy(obs_dim, act_dim, cfg)
         self.obs_norm = self.policy.obs_norm  # the critic reads the observations through the same normaliser
         self.value = mlp(obs_dim, 1, cfg.hidden)
-        self.actor = Actor(self.policy)
+        self.actor = TensorDictModule(Actor(self.policy), in_keys=["observation"],
+                                      out_keys=["action", "action_log_prob"])
         self.learner = LEARNERS[cfg.learner](self.policy, self.value, cfg)
         self.reward_scale = ReturnScaler(cfg.num_envs, gamma=cfg.gamma)
         self.updates_done = 0  # optimiser steps taken

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
+from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.nn import functional as F
 from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -121,24 +121,20 @@ class GaussianPolicy(nn.Module):
         return u.tanh(), (gaussian - log_det_jacobian).sum(-1)
 
 
-class Actor(TensorDictModuleBase):
-    """What the collector acts with: ``"observation"`` -> ``"action"``, a squashed Gaussian sample, or ``tanh`` of
-    the mean under TorchRL's deterministic exploration type (which evaluation sets), as SB3's."""
-
-    in_keys = ["observation"]
-    out_keys = ["action"]
+class Actor(nn.Module):
+    """What the collector acts with, wrapped as ``TensorDictModule(Actor(policy), in_keys=["observation"],
+    out_keys=["action"])``: a squashed Gaussian sample, or ``tanh`` of the mean under TorchRL's deterministic
+    exploration type (which evaluation sets), as SB3's. A plain ``TensorDictModule`` over a tensor function is
+    called on the stacked observations directly, with no TensorDict a step."""
 
     def __init__(self, policy: GaussianPolicy) -> None:
         super().__init__()
         self.policy = policy
 
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
         if exploration_type() in (ExplorationType.DETERMINISTIC, ExplorationType.MODE, ExplorationType.MEAN):
-            action = self.policy(td["observation"])[0].tanh()
-        else:
-            action = self.policy.sample(td["observation"])[0]
-        td.set("action", action)
-        return td
+            return self.policy(observation)[0].tanh()
+        return self.policy.sample(observation)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,7 +273,7 @@ class SAC(pl.LightningModule):
         self.cfg = cfg
         self.automatic_optimization = False  # many gradient steps per collected batch
         self.policy = GaussianPolicy(obs_dim, act_dim, cfg.hidden)
-        self.actor = Actor(self.policy)
+        self.actor = TensorDictModule(Actor(self.policy), in_keys=["observation"], out_keys=["action"])
         self.learner = LEARNERS[cfg.learner](self.policy, obs_dim, act_dim, cfg)
         # a buffer never holds more than the run's frames (no eviction below buffer_size)
         self.buffer = ReplayBuffer(storage=LazyTensorStorage(min(cfg.buffer_size, cfg.frames)),

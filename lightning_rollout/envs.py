@@ -370,10 +370,9 @@ class GymUnit(Unit):
             raise EnvFailure(i, "step", "env", exc).within(rows) from exc
         if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
             rows = np.asarray(list(rows))
-            values = nxt["observation"][rows]
-            total = values.sum()
-            if total != total:
-                bad = np.isnan(values.reshape(len(rows), -1)).any(1)
+            values = nxt["observation"][rows].reshape(len(rows), -1)
+            if np.isnan(values.sum()):
+                bad = np.isnan(values).any(1)
                 failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
                                      Explained("entry 'observation' contains NaN"))
                 failure.completed, failure.lost = rows[~bad], rows[bad]
@@ -472,7 +471,7 @@ class TorchRLUnit(Unit):
         self.envs, self.validate = list(envs), validate
         self.keys = _torchrl_keys(self.envs[0])
         for i, env in enumerate(self.envs[1:], 1):
-            if not _torchrl_keys(env).same_layout(self.keys) or env.batch_size != self.envs[0].batch_size:
+            if _torchrl_keys(env) != self.keys or env.batch_size != self.envs[0].batch_size:
                 raise ValueError(f"env {i} has specs {_torchrl_keys(env)}, env 0 has {self.keys}; all envs of a loop "
                                  "must share their keys, shapes, dtypes and batch size")
         row = (0,) * len(self.envs[0].batch_size)

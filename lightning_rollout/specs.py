@@ -76,9 +76,12 @@ class EnvKeys:
         """Entries the env writes under ``"next"`` (keys without the ``"next"`` prefix)."""
         return {**self.observation, **self.reward, **self.done}
 
-    def same_layout(self, other: EnvKeys) -> bool:
-        """True when two envs can share columns (same keys, shapes and dtypes)."""
-        return self == other  # the dataclass equality: every field
+    def check_same(self, first: EnvKeys, row: int) -> None:
+        """``ValueError`` unless env ``row`` (these keys) can share columns with env 0 (``first``): the same keys,
+        shapes and dtypes (the dataclass equality)."""
+        if self != first:
+            raise ValueError(f"env {row} has specs {self}, env 0 has {first}; all envs of a loop must share their "
+                             "keys, shapes and dtypes")
 
     @classmethod
     def from_specs(cls, *, observation: Composite, state: Composite, reward: Composite, done: Composite,

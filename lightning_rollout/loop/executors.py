@@ -23,7 +23,7 @@ from .._exit import abandon, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, InfoKeys, Slots, Unit, close_quietly, make_unit
 from ..specs import ArraySpec, NestedKey
 
-__all__ = ["Envs", "SerialEnvs", "ThreadEnvs", "merged_rows"]
+__all__ = ["Envs", "SerialEnvs", "ThreadEnvs", "merged_rows", "split_rows"]
 
 POLL_S = 0.05
 
@@ -72,6 +72,13 @@ class Envs:
 def merged_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
     """``parts`` (rows answered) as one ascending array."""
     return np.sort(np.concatenate(parts)) if len(parts) > 1 else parts[0] if parts else np.empty(0, dtype=np.int64)
+
+
+def split_rows(bounds: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(part, its rows counted from its first)`` for ``rows`` (ascending), parts ``i`` being rows ``bounds[i]``
+    to ``bounds[i + 1] - 1``."""
+    part = np.searchsorted(bounds, rows, side="right") - 1
+    return [(p, rows[part == p] - bounds[p]) for p in np.unique(part).tolist()]
 
 
 def batch_rows(env: Any) -> int | None:
@@ -128,9 +135,7 @@ class _Local(Envs):
 
     def __init__(self, units: Sequence[Unit], seeds: Sequence[int | None]) -> None:
         for i, u in enumerate(units[1:], 1):
-            if not u.keys.same_layout(units[0].keys):
-                raise ValueError(f"env {sum(x.rows for x in units[:i])} has specs {u.keys}, env 0 has "
-                                 f"{units[0].keys}; all envs of a loop must share their keys, shapes and dtypes")
+            u.keys.check_same(units[0].keys, sum(x.rows for x in units[:i]))
         self.units, self.unit = list(units), units[0]
         self.bounds = np.cumsum([0, *(u.rows for u in units)])
         self.num_envs = int(self.bounds[-1])
@@ -153,12 +158,7 @@ class _Local(Envs):
         """``(unit, its rows or None for all of them)`` for ``rows``."""
         if len(rows) == self.num_envs:
             return [(u, None) for u in range(len(self.units))]
-        unit = np.searchsorted(self.bounds, rows, side="right") - 1
-        parts = []
-        for u in np.unique(unit).tolist():
-            mine = rows[unit == u] - self.bounds[u]
-            parts.append((u, mine if len(mine) < self.units[u].rows else None))
-        return parts
+        return [(u, mine if len(mine) < self.units[u].rows else None) for u, mine in split_rows(self.bounds, rows)]
 
     def _seeded(self, rows: np.ndarray, seeds: Sequence[int | None]) -> list[tuple[int, list[int], list[int | None]]]:
         """``(unit, its rows, their seeds)`` for a reset of ``rows``."""
@@ -207,8 +207,7 @@ class SerialEnvs(_Local):
             try:
                 self.units[u].step(local)
             except EnvFailure as failure:
-                failed = failure.shifted(int(self.bounds[u]))
-                a = self.bounds[u]
+                failed, a = failure.shifted(int(self.bounds[u])), self.bounds[u]
                 failed.completed = np.concatenate([rows[rows < a], failed.completed])
                 failed.lost = np.concatenate([failed.lost, rows[rows >= self.bounds[u + 1]]])
                 raise failed from failure.cause
@@ -258,8 +257,9 @@ class ThreadEnvs(_Local):
                     self._want = 0
                     self._wake.release()
 
-    def _call(self, kind: str, rows: np.ndarray, seeds: Sequence[int | None] = ()) -> int:
-        """Hand each unit its part of ``rows``; returns how many units were asked."""
+    def send(self, rows: np.ndarray, kind: str = "step", seeds: Sequence[int | None] = ()) -> int:
+        """Hand each unit its part of ``rows`` (a step, or a reset with ``seeds``); returns how many units were
+        asked."""
         now = time.perf_counter()
         parts = self._parts(rows) if kind == "step" else self._seeded(rows, seeds)
         for part in parts:
@@ -268,9 +268,8 @@ class ThreadEnvs(_Local):
         return len(parts)
 
     def _take(self, min_rows: int, timeout: float) -> tuple[list[np.ndarray], int]:
-        """The step rows answered (ascending within a unit) and the resets, once the answers hold ``min_rows`` step
-        rows, a failure or a reset, or after ``timeout`` s. Raises the first failure, the steps answered with it
-        completed; a later one waits for the next call."""
+        """The step rows answered and the resets, once the answers hold ``min_rows`` step rows, a failure or a reset,
+        or after ``timeout`` s. Raises the first failure (the steps with it completed; a later one waits)."""
         with self._lock:
             urgent = any(kind != "step" or isinstance(r, EnvFailure) for _, kind, r in self._done)
             self._want = min_rows if self._rows < min_rows and not urgent else 0
@@ -296,16 +295,13 @@ class ThreadEnvs(_Local):
         return steps, sum(kind != "step" for _, kind, _ in done)
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
-        waiting = self._call("reset", rows, seeds)
+        waiting = self.send(rows, "reset", seeds)
         while waiting and not self._stop.is_set():
             steps, resets = self._take(self.num_envs + 1, POLL_S)  # woken by a reset or a failure
             waiting -= resets
             with self._lock:  # steps answered meanwhile: the next recv returns them (unit 0: offset 0)
                 self._done[:0] = [(0, "step", rows) for rows in steps]
                 self._rows += sum(map(len, steps))
-
-    def send(self, rows: np.ndarray) -> None:
-        self._call("step", rows)
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
         deadline, ready, count = time.perf_counter() + wait, [], 0

@@ -29,7 +29,7 @@ from .._exit import exempt_at_exit, sigint_blocked
 from ..envs import EnvFactory, EnvFailure, Explained, InfoKeys, RemoteTraceback, Slots
 from ..errors import CollectionError
 from ..specs import ArraySpec, NestedKey
-from .executors import Envs, POLL_S, SerialEnvs, ThreadEnvs, build_units, merged_rows
+from .executors import Envs, POLL_S, SerialEnvs, ThreadEnvs, build_units, merged_rows, split_rows
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
@@ -265,9 +265,7 @@ class ProcessEnvs(Envs):
             message = child.receive()
             child.started = True
             if message[0] == "ready":
-                if not message[1].same_layout(self.unit.keys):
-                    raise ValueError(f"env {child.a} has specs {message[1]}, env 0 has {self.unit.keys}; all envs of "
-                                     "a loop must share their keys, shapes and dtypes")
+                message[1].check_same(self.unit.keys, child.a)
                 child.roots, child.ready = message[2], True
 
     def attach(self, inputs: dict[NestedKey, ArraySpec]) -> None:
@@ -285,9 +283,7 @@ class ProcessEnvs(Envs):
             child.receive()
 
     def _split(self, rows: np.ndarray) -> list[tuple[_Child | None, np.ndarray]]:
-        shard = np.searchsorted(self.bounds, rows, side="right") - 1
-        return [(None if s == 0 else self.children[s - 1], rows[shard == s] - self.bounds[s])
-                for s in np.unique(shard).tolist()]
+        return [(self.children[s - 1] if s else None, local) for s, local in split_rows(self.bounds, rows)]
 
     def _call(self, child: _Child, message: tuple[Any, ...]) -> None:
         child.calls += 1
