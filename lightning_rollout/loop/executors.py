@@ -75,8 +75,7 @@ def merged_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def split_rows(bounds: np.ndarray, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """``(part, its rows counted from its first)`` for ``rows`` (ascending), parts ``i`` being rows ``bounds[i]``
-    to ``bounds[i + 1] - 1``."""
+    """``(part i, its rows less bounds[i])`` for ascending ``rows``, part ``i`` holding ``bounds[i]:bounds[i + 1]``."""
     part = np.searchsorted(bounds, rows, side="right") - 1
     return [(p, rows[part == p] - bounds[p]) for p in np.unique(part).tolist()]
 
@@ -163,12 +162,9 @@ class _Local(Envs):
     def _seeded(self, rows: np.ndarray, seeds: Sequence[int | None]) -> list[tuple[int, list[int], list[int | None]]]:
         """``(unit, its rows, their seeds)`` for a reset of ``rows``."""
         seed_of = dict(zip(np.asarray(rows).tolist(), seeds))
-        out = []
-        for u, local in self._parts(np.asarray(rows)):
-            a = int(self.bounds[u])
-            local = list(range(self.units[u].rows)) if local is None else local.tolist()
-            out.append((u, local, [seed_of.get(r + a) for r in local]))
-        return out
+        parts = [(u, list(range(self.units[u].rows)) if local is None else local.tolist())
+                 for u, local in self._parts(np.asarray(rows))]
+        return [(u, local, [seed_of.get(r + int(self.bounds[u])) for r in local]) for u, local in parts]
 
     def reset(self, rows: np.ndarray, seeds: Sequence[int | None]) -> None:
         for u, local, mine in self._seeded(rows, seeds):
@@ -275,11 +271,10 @@ class ThreadEnvs(_Local):
             self._want = min_rows if self._rows < min_rows and not urgent else 0
             waits = self._want > 0
         if waits and not self._wake.acquire(timeout=timeout):
-            with self._lock:
-                if self._want:  # not woken
-                    self._want = 0
-                else:  # woken since the timeout: held again
+            with self._lock:  # not woken: stop waiting; woken since the timeout: hold _wake again
+                if not self._want:
                     self._wake.acquire()
+                self._want = 0
         with self._lock:
             done, self._done, self._rows = self._done, [], 0
         failures = [a for a in done if isinstance(a[2], EnvFailure)]
