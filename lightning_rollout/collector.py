@@ -216,7 +216,7 @@ class ThreadedCollector(BaseCollector):
             if isinstance(exc.__cause__, TypeError):  # TorchRL raises TypeError for a policy it cannot call
                 raise exc.__cause__ from exc
             raise
-        #: The :class:`~lightning_rollout.AutobatchPolicy` answering the env threads (``mean_batch_size``...).
+        #: What acts: the loop's :class:`~lightning_rollout.policy.PolicyCall` (``mean_batch_size``, ``calls``...).
         self.autobatch_policy = self.loop.policy
         if self.policy is None:  # TorchRL's RandomPolicy, made by the loop
             self.policy = self._acting_policy = self.autobatch_policy.policy

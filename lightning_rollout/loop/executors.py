@@ -222,6 +222,7 @@ class ThreadEnvs(_Local):
         self._wake.acquire()
         self._done: list[tuple[int, str, Any]] = []
         self._rows = self._want = 0
+        self._stash: list[np.ndarray] = []  # rows of steps answered while a reset waited, for recv
         self._calls: list[queue.SimpleQueue[tuple[str, Any, Any] | None]] = [queue.SimpleQueue() for _ in units]
         self.since = [0.0] * len(units)  # perf_counter() when unit i's call in flight was handed over, 0.0 if idle
         self.phase = ["step"] * len(units)
@@ -293,16 +294,19 @@ class ThreadEnvs(_Local):
         waiting = self.send(rows, "reset", seeds)
         while waiting and not self._stop.is_set():
             steps, resets = self._take(self.num_envs + 1, POLL_S)  # woken by a reset or a failure
+            self._stash += steps
             waiting -= resets
-            with self._lock:  # steps answered meanwhile: the next recv returns them (unit 0: offset 0)
-                self._done[:0] = [(0, "step", rows) for rows in steps]
-                self._rows += sum(map(len, steps))
 
     def recv(self, min_rows: int, wait: float) -> np.ndarray:
-        deadline, ready, count = time.perf_counter() + wait, [], 0
+        deadline, ready, self._stash = time.perf_counter() + wait, self._stash, []
+        count = sum(map(len, ready))
         while True:
             remaining = deadline - time.perf_counter()
-            steps, _ = self._take(min_rows - count if remaining > 0 else 0, max(0.0, min(remaining, POLL_S)))
+            try:
+                steps, _ = self._take(min_rows - count if remaining > 0 else 0, max(0.0, min(remaining, POLL_S)))
+            except EnvFailure as failure:
+                failure.completed = np.concatenate([*ready, failure.completed])  # answers taken before it stay
+                raise
             ready += steps
             count += sum(map(len, steps))
             if count >= min_rows or remaining <= 0 or self._stop.is_set():
