@@ -267,6 +267,9 @@ RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
     (16, RELEASING_FAST, {"cores": 1}, (1, 16, False)),
     (16, GIL_BOUND, {"cores": 3, "num_workers": 1}, (1, 16, False)),  # a given num_workers is kept
     (16, GIL_BOUND, {"cores": 3, "num_workers": 2}, (2, 8, False)),
+    (16, GIL_BOUND, {"cores": 16, "envs_per_thread": 4}, (4, 4, False)),  # processes of whole given groups
+    (16, GIL_BOUND, {"envs_per_thread": 16}, (1, 16, False)),  # one group: no second process to give it to
+    (16, RELEASING_SLOW, {"envs_per_thread": 4}, (1, 4, False)),  # pool threads of the given groups
     (16, auto.EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=8), {}, (1, 8, False)),  # native
 ])
 def test_auto_layout_rule(num_envs, timing, kwargs, expected):
@@ -285,6 +288,20 @@ def test_auto_layout_measures_one_env_and_logs_the_choice(caplog):
         assert choice is not None and _layout(choice) == (1, 4, False)  # cheap: the stepping thread
         assert not list(collector.loop.threads())
         assert "num_workers=1, envs_per_thread=4" in caplog.text
+    finally:
+        collector.shutdown()
+
+
+def test_a_given_envs_per_thread_with_num_workers_auto_gets_processes_of_whole_groups(monkeypatch):
+    """``envs_per_thread=8`` over 8 envs of an env that processes would speed up: one process of the 8 (it raised,
+    ``num_workers (2) must be at most num_envs / envs_per_thread (1)``)."""
+    monkeypatch.setattr(auto, "measure_env", lambda *a, **k: GIL_BOUND)
+    monkeypatch.setattr(auto, "usable_cores", lambda: 2)
+    collector = ThreadedCollector(functools.partial(CountEnv), zero_policy, frames_per_batch=16, num_envs=8,
+                                  envs_per_thread=8)
+    try:
+        assert (collector.loop.num_workers, collector.loop.envs_per_thread) == (1, 8)
+        assert next(iter(collector)).numel() == 16
     finally:
         collector.shutdown()
 

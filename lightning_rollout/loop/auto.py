@@ -208,9 +208,10 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int 
 def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
                   startup_s: float = 10.0, round_trip_s: float = 300e-6, helper_s: float = 500e-6,
                   share_s: float = 200e-6, releases: float = 0.5, expected_frames: int | None = None,
-                  num_workers: int | str = "auto", picklable: bool = True) -> LayoutChoice:
+                  num_workers: int | str = "auto", envs_per_thread: int | str = "auto", picklable: bool = True
+                  ) -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (the rule of ``docs/tuning.rst``). A given
-    ``num_workers`` is kept."""
+    ``num_workers`` or ``envs_per_thread`` is kept (processes then hold whole groups of ``envs_per_thread``)."""
     if timing.batch is not None:
         return LayoutChoice(1, timing.batch, f"a natively batched env of {timing.batch} envs, stepped as it is")
     cores = usable_cores() if cores is None else cores
@@ -218,25 +219,27 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     holds = not timing.gil_release >= releases  # NaN (a cheap step, not measured) counts as holding it
     gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
            else f"{timing.gil_release:.0%} of it without the GIL")
+    group = 1 if envs_per_thread == "auto" else int(envs_per_thread)
     if not holds and timing.step_s >= helper_s:
-        return LayoutChoice(1, 1, f"the env step takes {step_us:.0f} us ({gil}): a pool thread an env", True)
+        return LayoutChoice(1, group, f"the env step takes {step_us:.0f} us ({gil}): a pool thread "
+                            + ("an env" if group == 1 else f"each {group} envs as given"), group == 1)
     if num_workers == "auto":
-        processes = min(cores, num_envs, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
-        while num_envs % processes:
+        processes = min(cores, num_envs // group, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
+        while num_envs // group % processes:
             processes -= 1
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / processes)
         if cores >= 2 and processes >= 2 and spread_s >= round_trip_s and (saved_s is None or saved_s >= startup_s):
             if picklable:
-                return LayoutChoice(processes, num_envs // processes,
+                return LayoutChoice(processes, num_envs // processes if group == 1 else group,
                                     f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each "
                                     f"step for other processes: {processes} processes on {cores} cores")
             log.info("worker processes would pay, but the env factory cannot be pickled")
         num_workers = 1
-    return LayoutChoice(int(num_workers), num_envs // int(num_workers),
+    return LayoutChoice(int(num_workers), num_envs // int(num_workers) if group == 1 else group,
                         f"the env step takes {step_us:.0f} us ({gil}): "
-                        + ("every env in the stepping thread" if int(num_workers) == 1 else
-                           f"num_workers={num_workers} as given"))
+                        + (f"envs_per_thread={group} as given" if group > 1 else "every env in the stepping thread"
+                           if int(num_workers) == 1 else f"num_workers={num_workers} as given"))
 
 
 def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
@@ -266,22 +269,21 @@ def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str
         if thread.is_alive():
             abandon(thread)
         workers = 1 if is_auto(num_workers) else int(num_workers)
-        choice = LayoutChoice(workers, num_envs // workers, f"measuring one env failed ({box.get('error')!r})")
+        choice = LayoutChoice(workers, num_envs // workers if is_auto(envs_per_thread) else int(envs_per_thread),
+                              f"measuring one env failed ({box.get('error')!r})")
     else:
         try:  # a daemonic process (a DataLoader worker) may not start processes
             picklable = not mp.current_process().daemon and bool(pickle.dumps(factory))
         except Exception:
             picklable = False
-        choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, expected_frames=expected_frames,
-                               picklable=picklable)
-        best = choose_layout(num_envs, box["timing"], expected_frames=expected_frames, picklable=picklable)
+        choice = choose_layout(num_envs, box["timing"], num_workers=num_workers, envs_per_thread=envs_per_thread,
+                               expected_frames=expected_frames, picklable=picklable)
+        best = choose_layout(num_envs, box["timing"], envs_per_thread=envs_per_thread,
+                             expected_frames=expected_frames, picklable=picklable)
         if choice.num_workers == 1 and best.num_workers > 1:
             choice = LayoutChoice(1, choice.envs_per_thread, choice.reason, choice.parallel_steps, warning=(
                 f"num_workers=1 keeps every env in this process, but num_workers='auto' would step them in "
                 f"{best.num_workers} processes ({best.reason}); pass num_workers='auto' (or {best.num_workers})"))
-    if not is_auto(envs_per_thread):
-        choice = LayoutChoice(choice.num_workers, int(envs_per_thread), choice.reason + f", envs_per_thread="
-                              f"{envs_per_thread} as given", False, choice.warning)
     log.info("%s: num_workers=%d, envs_per_thread=%d, parallel_steps=%s (%s)", name, choice.num_workers,
              choice.envs_per_thread, choice.parallel_steps, choice.reason)
     return (choice, choice.num_workers, choice.envs_per_thread,
