@@ -91,8 +91,7 @@ def _layout(factory: EnvFactory, num_envs: int, o: Options,
     chosen_ept = is_auto(envs_per_thread)
     choice, num_workers, envs_per_thread, parallel_steps = resolve_layout(
         factory, num_envs, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps,
-        max_episode_steps=o.max_frames_per_traj, expected_frames=o.total_frames if o.total_frames > 0 else None,
-        step_timeout=o.step_timeout, name=o.name)
+        expected_frames=o.total_frames if o.total_frames > 0 else None, step_timeout=o.step_timeout, name=o.name)
     slow = (choice.warning if choice is not None else None) or (
         None if chosen_ept or native or int(num_workers) > 1 else one_env_threads_warning(num_envs, envs_per_thread))
     if slow is not None:

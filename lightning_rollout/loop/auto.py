@@ -165,39 +165,43 @@ def _held_share(step: Any, window: float, period: float = 100e-6) -> float | Non
     return share[0] if share else None
 
 
-def measure_env(factory: EnvFactory, *, steps: int = 30, max_episode_steps: int | None = None,
-                cheap_s: float = 100e-6, rounds: int = 5, probe_s: float = 0.1) -> EnvTiming:
-    """Time one env built by ``factory`` (3 warm-up steps, ``steps`` timed, random actions) and, for a step of
-    ``cheap_s`` or more, read its GIL share ``rounds`` times (the median kept). Raises what the env raised."""
+def measure_env(factory: EnvFactory, *, steps: int = 30, rows: int = 4, cheap_s: float = 100e-6, rounds: int = 5,
+                probe_s: float = 0.1) -> EnvTiming:
+    """Time one env built by ``factory``, stepped as ``rows`` rows of one unit (so the time a row leaves the
+    executor's cost of a call out): 2 warm-up calls, ``steps`` timed (or those within 1 s), random actions; for a
+    step of ``cheap_s`` or more, read its GIL share ``rounds`` times (the median kept). Raises what the env raised."""
     env = factory()
     batch = batch_rows(env)
     if batch is not None:
         close_quietly([env])
         return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=batch)
-    envs = SerialEnvs(build_units([lambda: env], group=1, max_episode_steps=max_episode_steps, validate=False,
-                                  info_keys=None), [None])
+    envs = SerialEnvs(build_units([lambda: env] * rows, group=rows, max_episode_steps=None, validate=False,
+                                  info_keys=None), [None] * rows)
     delay = RunDelay()
     try:
-        keys, slots, row = envs.unit.keys, envs.slots, np.zeros(1, dtype=np.int64)
+        keys, slots, every = envs.unit.keys, envs.slots, np.arange(rows)
         envs.attach({**keys.root, **keys.action, **keys.done})
         random_policy = BatchedRandomPolicy(envs.unit.action_spec)
 
         def step() -> float:
-            for k, v in random_policy(TensorDict({}, batch_size=[1])).items(True, True):
+            for k, v in random_policy(TensorDict({}, batch_size=[rows])).items(True, True):
                 slots.inputs[k][...] = v.numpy()
             for k in keys.root:  # a TorchRL env reads its root entries: the last step's, or its reset's
-                slots.inputs[k][...] = slots.root[k] if slots.reset[0] else slots.next.get(k, slots.inputs[k])
+                for i in range(rows):
+                    slots.inputs[k][i] = slots.root[k][i] if slots.reset[i] else slots.next.get(k, slots.inputs[k])[i]
             d0, t0 = delay(), time.perf_counter()
-            envs.send(row)
-            envs.recv(1, 0.0)
+            envs.send(every)
+            envs.recv(rows, 0.0)
             return max(0.0, time.perf_counter() - t0 - (delay() - d0))
 
-        for _ in range(3):
-            step()
-        step_s = statistics.fmean(step() for _ in range(steps))
+        step(), step()
+        end, times = time.perf_counter() + 1.0, [step(), step()]
+        while len(times) < steps and time.perf_counter() < end:
+            times.append(step())
+        step_s = statistics.fmean(times) / rows
         if step_s < cheap_s:
             return EnvTiming(step_s=step_s, gil_release=float("nan"))
-        readings = [h for h in (_held_share(step, max(probe_s / rounds, 2 * step_s)) for _ in range(rounds))
+        readings = [h for h in (_held_share(step, max(probe_s / rounds, 2 * rows * step_s)) for _ in range(rounds))
                     if h is not None]
         return EnvTiming(step_s=step_s, gil_release=1.0 - statistics.median(readings) if readings else float("nan"))
     finally:
@@ -243,8 +247,8 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
 
 
 def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
-                   parallel_steps: bool | str = "auto", max_episode_steps: int | None = None,
-                   expected_frames: int | None = None, step_timeout: float | None = None, name: str = "loop"
+                   parallel_steps: bool | str = "auto", expected_frames: int | None = None,
+                   step_timeout: float | None = None, name: str = "loop"
                    ) -> tuple[LayoutChoice | None, Any, Any, Any]:
     """``(choice, num_workers, envs_per_thread, parallel_steps)`` a loop runs with, ``"auto"`` resolved (``choice``
     is ``None`` when neither layout knob is ``"auto"``); the measure runs in a helper thread for at most
@@ -258,7 +262,7 @@ def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str
     def target() -> None:
         try:
             with torch.random.fork_rng(devices=[]):
-                box["timing"] = measure_env(factory, max_episode_steps=max_episode_steps)
+                box["timing"] = measure_env(factory)
         except Exception as exc:  # the loop reports it when it builds the envs
             box["error"] = exc
 

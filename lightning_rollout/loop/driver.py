@@ -155,7 +155,7 @@ class MultiEnvLoop:
             autobatch_size=autobatch_size)
         self.layout_choice, num_workers, envs_per_thread, parallel_steps = resolve_layout(
             factories[0], n, num_workers=num_workers, envs_per_thread=envs_per_thread, parallel_steps=parallel_steps,
-            max_episode_steps=max_episode_steps, step_timeout=step_timeout, name=name)
+            step_timeout=step_timeout, name=name)
         if parallel_steps and num_workers > 1:
             raise ValueError(f"parallel_steps={parallel_steps!r} steps envs in pool threads of this process; worker "
                              "processes (num_workers > 1) step theirs one after the other: pass one or the other")
