@@ -254,7 +254,7 @@ class GymUnit(Unit):
         self.envs = list(envs)
         env = self.envs[0]
         self.rows, self.validate, self.cap = len(self.envs), validate, max_episode_steps
-        self.count = np.zeros(self.rows, dtype=np.int64)
+        self.count = [0] * self.rows
         obs_space = env.observation_space
         root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
         spaces = _space_leaves(obs_space, root)
@@ -350,29 +350,35 @@ class GymUnit(Unit):
             self.slots.reset[i] = True
 
     def step(self, rows: np.ndarray | None) -> None:
-        s = self.slots
+        s, every = self.slots, rows is None
         rows = range(self.rows) if rows is None else rows
         actions = self._actions(s.inputs["action"], rows)
-        nxt, reward, terminated, truncated = s.next, s.reward, s.terminated, s.truncated
+        nxt, reward, terminated, truncated, count, cap = s.next, s.reward, s.terminated, s.truncated, self.count, self.cap
+        out = nxt["observation"] if self._plain else None  # a plain observation: written as it is when it fits
         try:
             for i, action in zip(rows, actions):
-                obs, reward[i], terminated[i], truncated[i], info = self.envs[i].step(action)
-                self._write(nxt, i, obs, info)
-                self.count[i] += 1
-                if self.cap is not None and self.count[i] >= self.cap:
-                    truncated[i] = True
-                s.reset[i] = False
-                if terminated[i] or truncated[i]:
+                obs, reward[i], term, trunc, info = self.envs[i].step(action)
+                if out is not None and (not self.validate or type(obs) is np.ndarray and obs.shape == out.shape[1:]
+                                        and obs.dtype == out.dtype):
+                    out[i] = obs
+                else:
+                    self._write(nxt, i, obs, info)
+                count[i] += 1
+                if cap is not None and count[i] >= cap:
+                    trunc = True
+                terminated[i], truncated[i], s.reset[i] = term, trunc, False
+                if term or trunc:
                     self.reset([i], [None])
         except EnvFailure as failure:  # a check or a reset failed
             raise failure.within(rows) from failure.cause
         except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
             raise EnvFailure(i, "step", "env", exc).within(rows) from exc
         if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
-            rows = np.asarray(list(rows))
-            values = nxt["observation"][rows].reshape(len(rows), -1)
+            values = nxt["observation"].reshape(self.rows, -1)
+            values = values if every else values[rows]
             if np.isnan(values.sum()):
                 bad = np.isnan(values).any(1)
+                rows = np.asarray(list(rows))
                 failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
                                      Explained("entry 'observation' contains NaN"))
                 failure.completed, failure.lost = rows[~bad], rows[bad]

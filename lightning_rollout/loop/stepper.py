@@ -233,13 +233,13 @@ class Stepper:
             rule.settled(self, ready)
         return True
 
-    def _where(self, c: Cursor, ids: np.ndarray, ahead: int = 0) -> tuple[Any, Any]:
-        """``(rows, envs)`` indexing the ring at each env's step ``t + ahead``: a row and a slice when ``ids`` is every
-        env at one step (lock-step: views, no gathers), else index arrays."""
+    def _where(self, c: Cursor, ids: np.ndarray) -> tuple[Any, Any]:
+        """``(rows, envs)`` indexing the ring at each env's step ``t``: a row and a slice when ``ids`` is every env at
+        one step (lock-step: views, no gathers), else index arrays."""
         t = c.t[ids]
         if len(ids) == self.num_envs and (t == t[0]).all():
-            return int(t[0] + ahead) % c.ring.capacity, slice(None)
-        return (t + ahead) % c.ring.capacity, ids
+            return int(t[0]) % c.ring.capacity, slice(None)
+        return t % c.ring.capacity, ids
 
     def send(self, ids: np.ndarray) -> None:
         """Act for envs ``ids`` (one policy call a cursor; random actions for those with random steps left)."""
@@ -355,7 +355,7 @@ class Stepper:
     def _settle(self, c: Cursor, ids: np.ndarray) -> None:
         s, cols = self.envs.slots, c.ring.cols
         rows, envs = self._where(c, ids)
-        nxt = self._where(c, ids, 1)[0]
+        nxt = (rows + 1) % c.ring.capacity
         for k, dst, shared in self.writes:
             cols[dst][nxt if shared else rows, envs] = s.next[k][envs]
         reward, terminated, truncated = s.reward[envs], s.terminated[envs], s.truncated[envs]
