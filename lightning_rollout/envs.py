@@ -353,7 +353,7 @@ class GymUnit(Unit):
         s, every = self.slots, rows is None
         rows = range(self.rows) if rows is None else rows
         actions = self._actions(s.inputs["action"], rows)
-        nxt, reward, terminated, truncated, count, cap = s.next, s.reward, s.terminated, s.truncated, self.count, self.cap
+        nxt, reward, terminated, truncated, count = s.next, s.reward, s.terminated, s.truncated, self.count
         out = nxt["observation"] if self._plain else None  # a plain observation: written as it is when it fits
         try:
             for i, action in zip(rows, actions):
@@ -364,7 +364,7 @@ class GymUnit(Unit):
                 else:
                     self._write(nxt, i, obs, info)
                 count[i] += 1
-                if cap is not None and count[i] >= cap:
+                if self.cap is not None and count[i] >= self.cap:
                     trunc = True
                 terminated[i], truncated[i], s.reset[i] = term, trunc, False
                 if term or trunc:
@@ -374,11 +374,9 @@ class GymUnit(Unit):
         except BaseException as exc:  # KeyboardInterrupt too: the loop re-raises a Ctrl-C as it is
             raise EnvFailure(i, "step", "env", exc).within(rows) from exc
         if self.validate and self._plain and nxt["observation"].dtype.kind == "f":  # NaN: one sum for all rows
-            values = nxt["observation"].reshape(self.rows, -1)
-            values = values if every else values[rows]
+            values = nxt["observation"].reshape(self.rows, -1)[slice(None) if every else rows]
             if np.isnan(values.sum()):
-                bad = np.isnan(values).any(1)
-                rows = np.asarray(list(rows))
+                bad, rows = np.isnan(values).any(1), np.asarray(list(rows))
                 failure = EnvFailure(int(rows[bad.argmax()]), "check", "env",
                                      Explained("entry 'observation' contains NaN"))
                 failure.completed, failure.lost = rows[~bad], rows[bad]

@@ -528,8 +528,7 @@ def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_ste
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     check_seconds("step_timeout", step_timeout, allow_zero=False)
-    checked_join = check_seconds("join_timeout", join_timeout, allow_zero=True)
-    if checked_join is None:
+    if (checked_join := check_seconds("join_timeout", join_timeout, allow_zero=True)) is None:
         raise ValueError("join_timeout must be a finite number of seconds >= 0, got None")
     check_seconds("max_wait", max_wait, allow_zero=True)
     check_seconds("policy_timeout", policy_timeout, allow_zero=False)
@@ -537,11 +536,8 @@ def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_ste
     check_int("traj_id_start", traj_id_start, 0)
     if env_shape is not None and math.prod(env_shape) != num_envs:
         raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
-    if isinstance(seed, (list, tuple)):
-        for s in seed:
-            check_int("seed", s, 0)
-    else:
-        check_int("seed", seed, 0, optional=True)
+    for s in seed if isinstance(seed, (list, tuple)) else [seed]:
+        check_int("seed", s, 0, optional=not isinstance(seed, (list, tuple)))
     if exploration_type is not None and not isinstance(exploration_type, ExplorationType):
         raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM) or None, "
                          f"got {exploration_type!r}")
