@@ -180,7 +180,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         "gil_bound", "GIL-bound env: each step runs 100 us of pure Python, 16 envs", GIL_BOUND, 16, 16_000, 32,
         {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
          "threaded ept=16": _threaded(envs_per_thread=16),
-         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread=16),
+         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread="auto"),
          "threaded num_workers=2 ept=8": _threaded(num_workers=2, envs_per_thread=8),
          **{k: PEERS[k] for k in ("gym SyncVectorEnv loop", "gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
         [Target(">= 1.6x one process (best threads config)", ("threaded num_workers=2", "threaded num_workers=2 ept=8"),
@@ -193,7 +193,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
          "threaded ept=16": _threaded(envs_per_thread=16),
          "threaded ept=1": _threaded(envs_per_thread=1),
-         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread=16),
+         "threaded num_workers=2": _threaded(num_workers=2, envs_per_thread="auto"),
          "threaded num_workers=2 ept=8": _threaded(num_workers=2, envs_per_thread=8),
          "threaded envpool 2x8": c.threaded_envpool,
          "envpool sync": c.envpool_sync,
@@ -206,10 +206,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
       for name, env_id, frames, a, b in (("halfcheetah", "HalfCheetah-v5", 32_000, 0.8, 1.2),
                                          ("pong", "ALE/Pong-v5", 16_000, 1.0, 1.3))],
     *[Scenario(
-        name, f"Scaling: GIL-bound env (100 us of pure Python a step), {n} envs, one block over 1-16 processes",
+        name, f"Scaling: GIL-bound env (100 us of pure Python a step), {n} envs, over 1-16 processes",
         GIL_BOUND, n, frames, per_env,
         {AUTO: _threaded(envs_per_thread="auto", num_workers="auto"),
-         **{f"threaded num_workers={w}": _threaded(num_workers=w, envs_per_thread=n) for w in (1, 2, 4, 8, 16)},
+         **{f"threaded num_workers={w}": _threaded(num_workers=w, envs_per_thread=n // w)
+            for w in (1, 2, 4, 8, 16)},
          **{k: PEERS[k] for k in ("gym AsyncVectorEnv loop", "torchrl MultiSyncCollector")}},
         group="scaling",
         note="Checks the projection in docs/performance.rst (a step costs about env / w + the main process's "

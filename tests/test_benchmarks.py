@@ -238,3 +238,21 @@ def test_ab_reads_the_scenarios_a_tree_defines_and_none_for_a_tree_without_the_s
 
     assert scenario_names(Path(ROOT)) == set(SCENARIOS)
     assert scenario_names(tmp_path) is None  # e.g. a revision older than benchmarks/scenarios.py
+
+
+def test_every_layout_of_ours_in_a_scenario_is_one_the_knobs_allow():
+    """The quick run leaves worker processes out (``--no-processes``); a process contender asking for what the
+    knobs refuse (``num_workers=2, envs_per_thread=16`` over 16 envs) only failed in the recorded run."""
+    from benchmarks import contenders
+    from benchmarks.scenarios import SCENARIOS
+    from lightning_rollout.loop.auto import check_knobs
+
+    checked = 0
+    for scenario in SCENARIOS.values():
+        for build in scenario.contenders.values():
+            if getattr(build, "func", None) is contenders.threaded:
+                knobs = {"envs_per_thread": 1, "num_workers": 1, "parallel_steps": "auto", **build.keywords}
+                check_knobs(envs_per_thread=knobs["envs_per_thread"], num_workers=knobs["num_workers"],
+                            parallel_steps=knobs["parallel_steps"], num_envs=scenario.num_envs)
+                checked += 1
+    assert checked >= 20
