@@ -364,8 +364,7 @@ class GymUnit(Unit):
                 else:
                     self._write(nxt, i, obs, info)
                 count[i] += 1
-                if self.cap is not None and count[i] >= self.cap:
-                    trunc = True
+                trunc = trunc or (self.cap is not None and count[i] >= self.cap)
                 terminated[i], truncated[i], s.reset[i] = term, trunc, False
                 if term or trunc:
                     self.reset([i], [None])
@@ -463,8 +462,7 @@ class TorchRLUnit(Unit):
 
     loop_keys = False
 
-    def __init__(self, envs: Sequence[EnvBase], *, max_episode_steps: int | None = None,
-                 validate: bool = True) -> None:
+    def __init__(self, envs: Sequence[EnvBase], *, max_episode_steps: int | None = None, validate: bool = True) -> None:
         if max_episode_steps is not None:
             if any("step_count" in key_parts(k) for k in envs[0].output_spec.keys(True, True)):
                 raise ValueError("A 'step_count' key is already present in the environment and the "

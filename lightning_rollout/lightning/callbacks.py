@@ -186,8 +186,7 @@ class EpisodeStatsLogger(RolloutCallback):
             metrics[f"{p}/policy_lag"] = lag_sum / lag_ranks
         shown = {f"{p}/episode_reward", f"{p}/frames", f"{p}/fps"} if self.prog_bar else set()
         for name, value in metrics.items():
-            pl_module.log(name, value, prog_bar=name in shown, on_step=True, on_epoch=False, batch_size=1,
-                          logger=False)
+            pl_module.log(name, value, prog_bar=name in shown, on_step=True, on_epoch=False, batch_size=1, logger=False)
         if trainer.is_global_zero:  # to every logger now, whatever log_every_n_steps, flushed as Lightning does
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=int(frames) if self.step == "frames" else _logger_step(trainer))
@@ -284,8 +283,7 @@ class RolloutEvaluation(RolloutCallback):
         mp4_path = (os.path.join(self._video_dir, f"{prefix}-{self.step}-{step:010d}.mp4")
                     if self.record_video.mp4 else None)
         writers = _summary_writers(trainer) if self.record_video.tensorboard else []
-        self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video",
-                                  step=step)
+        self.video_recorder.write(frames, mp4_path=mp4_path, summary_writers=writers, tag=f"{prefix}/video", step=step)
         self.last_video = mp4_path
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -28,16 +28,8 @@ from ..envs import EnvFactory, InfoKeys, close_quietly, info_key_list, resolve_e
 from ..events import EpisodeEnd, EventProcessor, TimeStep
 from ..loop import MultiEnvLoop
 from ..loop.auto import check_knobs
-from .callbacks import (
-    EpisodeStatsLogger,
-    EvalRound,
-    RolloutCallback,
-    RolloutEvaluation,
-    RolloutProgressBar,
-    RolloutRichProgressBar,
-    StepAxis,
-    _FitEnd,
-)
+from .callbacks import (EpisodeStatsLogger, EvalRound, RolloutCallback, RolloutEvaluation, RolloutProgressBar,
+                        RolloutRichProgressBar, StepAxis, _FitEnd)
 
 __all__ = ["RolloutDataModule"]
 

@@ -166,14 +166,12 @@ class MultiEnvLoop:
         self.max_episode_steps, self.validate, self.step_timeout = max_episode_steps, validate, step_timeout
         self.info_keys = info_key_list(info_keys)
         self.processor, self.interrupter, self.seed = processor, interrupter, seed
-        self._claim = threading.Lock()
+        self._claim, self._stop, self._shutdown_lock = threading.Lock(), threading.Event(), threading.Lock()
         self._driver: threading.Thread | None = None
         self.collecting = False  # a collection call runs, in some thread
         self.frames = self.episodes = 0  # transitions and episodes delivered by training calls
         self.next_traj_id = traj_id_start  # the id the next new trajectory will get
-        self._stop = threading.Event()
         self.closed = self._shut = self._closed_by_other = False
-        self._shutdown_lock = threading.Lock()
         self._agent = None
         self._envs: Envs | None = None
         try:  # worker processes; else pool threads (several units, parallel_steps, a step_timeout to watch) or none
