@@ -270,6 +270,8 @@ RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
     (16, GIL_BOUND, {"cores": 16, "envs_per_thread": 4}, (4, 4, False)),  # processes of whole given groups
     (16, GIL_BOUND, {"envs_per_thread": 16}, (1, 16, False)),  # one group: no second process to give it to
     (16, RELEASING_SLOW, {"envs_per_thread": 4}, (1, 4, False)),  # pool threads of the given groups
+    (16, GIL_BOUND, {"envs_per_thread": 1, "cores": 1}, (1, 1, False)),  # a given one env a thread stays one
+    (4, CHEAP, {"envs_per_thread": 1}, (1, 1, False)),
     (16, auto.EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=8), {}, (1, 8, False)),  # native
 ])
 def test_auto_layout_rule(num_envs, timing, kwargs, expected):

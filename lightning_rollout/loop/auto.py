@@ -222,10 +222,11 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
     holds = not timing.gil_release >= releases  # NaN (a cheap step, not measured) counts as holding it
     gil = ("not measured for the GIL" if timing.gil_release != timing.gil_release
            else f"{timing.gil_release:.0%} of it without the GIL")
-    group = 1 if envs_per_thread == "auto" else int(envs_per_thread)
+    given = None if envs_per_thread == "auto" else int(envs_per_thread)
+    group = given or 1
     if not holds and timing.step_s >= helper_s:
         return LayoutChoice(1, group, f"the env step takes {step_us:.0f} us ({gil}): a pool thread "
-                            + ("an env" if group == 1 else f"each {group} envs as given"), group == 1)
+                            + ("an env" if given is None else f"each {group} envs, as given"), given is None)
     if num_workers == "auto":
         processes = min(cores, num_envs // group, max(2, int(num_envs * timing.step_s / share_s + 1e-9)))
         while num_envs // group % processes:
@@ -234,15 +235,15 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / processes)
         if cores >= 2 and processes >= 2 and spread_s >= round_trip_s and (saved_s is None or saved_s >= startup_s):
             if picklable:
-                return LayoutChoice(processes, num_envs // processes if group == 1 else group,
+                return LayoutChoice(processes, num_envs // processes if given is None else given,
                                     f"the env step takes {step_us:.0f} us ({gil}), {spread_s * 1e6:.0f} us of each "
                                     f"step for other processes: {processes} processes on {cores} cores")
             log.info("worker processes would pay, but the env factory cannot be pickled")
         num_workers = 1
-    return LayoutChoice(int(num_workers), num_envs // int(num_workers) if group == 1 else group,
+    return LayoutChoice(int(num_workers), num_envs // int(num_workers) if given is None else given,
                         f"the env step takes {step_us:.0f} us ({gil}): "
-                        + (f"envs_per_thread={group} as given" if group > 1 else "every env in the stepping thread"
-                           if int(num_workers) == 1 else f"num_workers={num_workers} as given"))
+                        + (f"envs_per_thread={given} as given" if given is not None else "every env in the stepping "
+                           "thread" if int(num_workers) == 1 else f"num_workers={num_workers} as given"))
 
 
 def resolve_layout(factory: EnvFactory, num_envs: int, *, num_workers: int | str, envs_per_thread: int | str,
