@@ -534,8 +534,9 @@ def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_ste
     check_int("traj_id_start", traj_id_start, 0)
     if env_shape is not None and math.prod(env_shape) != num_envs:
         raise ValueError(f"env_shape {tuple(env_shape)} does not hold num_envs={num_envs} envs")
-    for s in seed if isinstance(seed, (list, tuple)) else [seed]:
-        check_int("seed", s, 0, optional=not isinstance(seed, (list, tuple)))
+    many = isinstance(seed, (list, tuple))  # one seed an env: each must be given
+    for s in seed if many else [seed]:
+        check_int("seed", s, 0, optional=not many)
     if exploration_type is not None and not isinstance(exploration_type, ExplorationType):
         raise ValueError(f"exploration_type must be a torchrl ExplorationType (e.g. ExplorationType.RANDOM) or None, "
                          f"got {exploration_type!r}")
