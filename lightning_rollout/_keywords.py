@@ -260,13 +260,28 @@ def _instance(env: Any, seen: set[int]) -> EnvFactory:
     return lambda: env
 
 
+class PolicyPrimers(torch.nn.Module):
+    """What TorchRL's rule for a policy's env transforms reads of the policy: its primers (found once, here),
+    not its weights, which a worker process need not be sent."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        from torchrl.modules.utils.utils import get_primers_from_module
+
+        self.primer = get_primers_from_module(policy, warn=False, strict=False)
+
+    def make_tensordict_primer(self) -> Any:
+        """A fresh copy of the policy's primers (a transform belongs to one env), or ``None``."""
+        return copy.deepcopy(self.primer)
+
+
 class PolicyTransforms:
-    """A picklable env factory adding the transforms an ``nn.Module`` policy needs and a TorchRL env lacks, by
+    """A picklable env factory adding the transforms a policy's ``primers`` need and a TorchRL env lacks, by
     TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``): ``checked`` is one
     flag a collector's factories share."""
 
-    def __init__(self, factory: Any, policy: torch.nn.Module, *, append: bool, checked: list[bool]) -> None:
-        self.factory, self.policy, self.append, self.checked = factory, policy, append, checked
+    def __init__(self, factory: Any, primers: PolicyPrimers, *, append: bool, checked: list[bool]) -> None:
+        self.factory, self.primers, self.append, self.checked = factory, primers, append, checked
 
     def __call__(self) -> Any:
         env = self.factory()
@@ -276,8 +291,8 @@ class PolicyTransforms:
                                                  _maybe_append_env_transforms_from_module)
 
         if self.append:
-            return _maybe_append_env_transforms_from_module(env, self.policy)
-        missing = [] if self.checked[0] else _compute_missing_env_transforms(env, self.policy)
+            return _maybe_append_env_transforms_from_module(env, self.primers)
+        missing = [] if self.checked[0] else _compute_missing_env_transforms(env, self.primers)
         self.checked[0] = True
         if missing:
             warn_user(f"The env passed to ThreadedCollector is missing transforms required by the policy "

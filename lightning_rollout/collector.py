@@ -25,8 +25,8 @@ from torchrl.envs import EnvBase
 
 from ._batched import batched_env, is_batched, takes_apart
 from ._checks import check_int, check_seconds, warn_user
-from ._keywords import (Options, PolicyTransforms, acting_policy, chained_seeds, env_seeds, env_source, frame_budget,
-                        interrupter, options, signature, storing_device)
+from ._keywords import (Options, PolicyPrimers, PolicyTransforms, acting_policy, chained_seeds, env_seeds, env_source,
+                        frame_budget, interrupter, options, signature, storing_device)
 from ._threads import torch_threads_set
 from .envs import EnvFactory, resolve_env_factory
 from .errors import CollectionError, LayoutWarning, PolicyError
@@ -69,8 +69,8 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
         check_int("num_envs", 1 if num_envs is None else num_envs, 1)
         factories = [resolve_env_factory(create_env_fn)] * (1 if num_envs is None else num_envs)
     if isinstance(policy, torch.nn.Module) and o.auto_register_policy_transforms is not False:
-        checked = [False]
-        factories = [PolicyTransforms(f, policy, append=bool(o.auto_register_policy_transforms), checked=checked)
+        primers, checked = PolicyPrimers(policy), [False]
+        factories = [PolicyTransforms(f, primers, append=bool(o.auto_register_policy_transforms), checked=checked)
                      for f in factories]
     return factories, (None if batched is None else batched.batch_size), batched is not None and batched.native
 

@@ -239,7 +239,8 @@ def test_a_loop_given_one_env_a_unit_over_worker_processes_runs_it_as_given():
 # -- the rule (loop/auto.py's module docstring, docs/tuning.rst) -------------------------------------------
 CHEAP = auto.EnvTiming(step_s=10e-6, gil_release=0.0)  # CartPole
 GIL_BOUND = auto.EnvTiming(step_s=100e-6, gil_release=0.05)  # a pure-Python simulator
-MUJOCO = auto.EnvTiming(step_s=60e-6, gil_release=float("nan"))  # HalfCheetah: under cheap_s, not measured
+MUJOCO = auto.EnvTiming(step_s=60e-6, gil_release=float("nan"))  # a cheap MuJoCo step: not measured for the GIL
+HALF_CHEETAH = auto.EnvTiming(step_s=120e-6, gil_release=0.0)  # as "auto" measures it (four rows of one unit)
 RELEASING_SLOW = auto.EnvTiming(step_s=2e-3, gil_release=0.98)
 RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
 
@@ -253,7 +254,9 @@ RELEASING_FAST = auto.EnvTiming(step_s=200e-6, gil_release=0.9)
     (16, MUJOCO, {}, (2, 8, False)),  # 480 us a step for the other process: worth it
     (4, MUJOCO, {}, (1, 4, False)),  # 120 us: less than a round trip
     (16, MUJOCO, {"round_trip_s": 1e-3}, (1, 16, False)),
-    (16, GIL_BOUND, {"expected_frames": 20_000}, (1, 16, False)),  # 1 s saved: under the start-up cost
+    (16, GIL_BOUND, {"expected_frames": 20_000}, (1, 16, False)),  # 0.6 s saved: under the start-up cost
+    (8, HALF_CHEETAH, {"expected_frames": 163_840}, (1, 8, False)),  # 20,480 steps x (480 - 300) us: 3.7 s
+    (8, HALF_CHEETAH, {"expected_frames": 1_000_000}, (2, 4, False)),  # 22.5 s
     (4, GIL_BOUND, {"cores": 16, "share_s": 50e-6}, (4, 1, False)),  # at most one process an env
     (8, GIL_BOUND, {"cores": 16}, (4, 2, False)),  # at most a process a share of 200 us of env time
     (16, GIL_BOUND, {"cores": 16}, (8, 2, False)),

@@ -166,6 +166,22 @@ def test_auto_register_policy_transforms_appends_what_a_recurrent_policy_needs_a
     assert leaf_keys(batch) == expected
 
 
+def test_worker_processes_append_a_recurrent_policys_transforms_without_being_sent_the_policy():
+    """The same over a worker process: it appends the transforms from the policy's primers, the one thing of the
+    policy it is sent (this policy holds a lock, so it cannot be pickled; nor need its weights travel)."""
+    policy = _recurrent_policy()
+    policy.lock = threading.Lock()
+    collector = ThreadedCollector(_bare_cartpole, policy, num_envs=4, frames_per_batch=16,
+                                  total_frames=16, auto_register_policy_transforms=True, num_workers=2,
+                                  envs_per_thread=2)
+    try:
+        batch = bounded(lambda: next(iter(collector)), BOUND)
+    finally:
+        collector.shutdown()
+    assert {"is_init", "recurrent_state_h", ("next", "recurrent_state_h")} <= leaf_keys(batch)
+    assert batch["is_init"][:, 0].all() and not batch["is_init"][:, 1].any()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # A refused batched env leaves nothing running
 

@@ -99,6 +99,34 @@ def test_a_factory_that_cannot_be_unpickled_in_the_worker_names_the_real_cause()
     assert not (_children() - before)
 
 
+_UNGUARDED_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from lightning_rollout import MultiEnvLoop
+from process_helpers import CountEnv
+
+
+class BigFactory:  # pickles to 1 MiB, as a factory holding a map or a policy's weights does
+    def __init__(self):
+        self.payload = bytes(1 << 20)
+
+    def __call__(self):
+        return CountEnv()
+
+
+MultiEnvLoop([BigFactory() for _ in range(4)], None, num_workers=2, envs_per_thread=2)  # no main guard
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one_whatever_its_factories_pickle_to(tmp_path):
+    """A script builds a loop of worker processes at its top level, with env factories of 1 MiB pickled: the
+    worker dies re-running the script, and the constructor says to guard it (not a hang in ``spawn``, which
+    blocks for good writing a large start-up payload to a child that died reading it)."""
+    run = _run_script(tmp_path, _UNGUARDED_SCRIPT.format(tests=str(TESTS)), timeout=60.0)
+    assert run.returncode == 1
+    assert 'guard it with `if __name__ == "__main__":`' in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+
+
 def test_a_worker_that_cannot_attach_its_shared_buffers_reports_why_at_construction():
     """Env 3 lowers its worker process's file-descriptor limit to the descriptors already open, so the
     worker cannot receive its shared buffers: the constructor says so, with the worker's error."""

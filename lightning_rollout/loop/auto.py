@@ -234,7 +234,7 @@ def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None,
         while num_envs // group % processes:
             processes -= 1
         spread_s = num_envs * timing.step_s * (1 - 1 / processes)
-        saved_s = None if expected_frames is None else expected_frames * timing.step_s * (1 - 1 / processes)
+        saved_s = None if expected_frames is None else expected_frames / num_envs * (spread_s - round_trip_s)
         if cores >= 2 and processes >= 2 and spread_s >= round_trip_s and (saved_s is None or saved_s >= startup_s):
             if picklable:
                 return LayoutChoice(processes, num_envs // processes if given is None else given,

@@ -1,9 +1,9 @@
 """Worker processes: ``num_workers`` contiguous shards of whole units; the stepping thread steps shard 0 itself,
 child processes the others (a :class:`SerialEnvs` each), one message a shard a step, over
 :class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
-The parent sends ``("attach", slots)``, ``("step", rows)``, ``("reset", rows, seeds)``, ``("close",)``; a child
-answers ``("started",)``, ``("ready", keys, roots)``, ``("ok", kind, rows)`` or
-``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``, not daemonic (an env may
+The parent sends ``("build", pickled_factories)``, ``("attach", slots)``, ``("step", rows)``,
+``("reset", rows, seeds)``, ``("close",)``; a child answers ``("started",)``, ``("ready", keys, roots)``,
+``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``, not daemonic (an env may
 start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
 """
 
@@ -97,9 +97,9 @@ def _factory(i: int, blob: bytes) -> EnvFactory:
             "it must be importable in a fresh process (a module's function or class)", exc)) from exc
 
 
-def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, group: int,
-                options: dict[str, Any]) -> None:
-    """A worker process: build its shard, serve its steps, then end (``os._exit``) with every env closed."""
+def _child_main(conn: Any, seeds: list[int | None], a: int, group: int, options: dict[str, Any]) -> None:
+    """A worker process: build its shard (its pickled env factories arrive after ``("started",)``), serve its
+    steps, then end (``os._exit``) with every env closed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes us
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -111,6 +111,7 @@ def _child_main(conn: Any, blobs: list[bytes], seeds: list[int | None], a: int, 
     envs: SerialEnvs | None = None
     try:
         _send(conn, ("started",))
+        blobs = conn.recv()[1]
         envs = SerialEnvs(build_units([_factory(i, b) for i, b in enumerate(blobs)], group=group, **options), seeds)
         _send(conn, ("ready", envs.unit.keys, envs.roots))
         try:
@@ -230,7 +231,7 @@ class ProcessEnvs(Envs):
                 a, b = cuts[i], cuts[i + 1]
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 process = ctx.Process(target=_child_main, name=f"lightning_rollout-{name}-worker{i}", daemon=False,
-                                      args=(child_end, blobs[a:b], list(seeds[a:b]), a, group, options))
+                                      args=(child_end, list(seeds[a:b]), a, group, options))
                 try:
                     with sigint_blocked():  # the child starts with it blocked: Ctrl-C is ours
                         process.start()
@@ -239,12 +240,18 @@ class ProcessEnvs(Envs):
                                           ) from exc
                 child_end.close()
                 self.children.append(_Child(i, process, parent_end, a, b))
+            for child in self.children:  # its env factories go once it runs our code, not as spawn's arguments:
+                self._wait(child, "started")  # spawn's write of those blocks for good if the child dies reading them
+                try:
+                    _send(child.conn, ("build", blobs[child.a:child.b]))
+                except OSError as exc:
+                    raise child.death() from exc
             units = build_units(list(factories[:cuts[1]]), group=group, **options)
             self.local: Envs = (ThreadEnvs(units, seeds[:cuts[1]], name=name) if threads
                                 else SerialEnvs(units, seeds[:cuts[1]]))
             self.unit = self.local.unit
             for child in self.children:
-                self._wait_ready(child)
+                self._wait(child, "ready")
             self.roots = {k: np.concatenate([v, *(c.roots[k] for c in self.children)])
                           for k, v in self.local.roots.items()}
             self.bounds = np.array(cuts)
@@ -252,15 +259,16 @@ class ProcessEnvs(Envs):
             self.close(1.0)
             raise
 
-    def _wait_ready(self, child: _Child) -> None:
+    def _wait(self, child: _Child, until: str) -> None:
+        """Handle ``child``'s messages until it has ``"started"`` or is ``"ready"`` (its envs built)."""
         deadline = time.monotonic() + _BUILD_TIMEOUT_S
-        while not child.ready:
+        while not getattr(child, until):
             while not child.conn.poll(POLL_S):
                 if not child.process.is_alive() and not child.conn.poll(0):
                     raise child.death()
                 if time.monotonic() > deadline:
                     raise EnvFailure(child.a, "reset", "env", TimeoutError(
-                        f"worker process {child.process.name!r} did not build its envs within {_BUILD_TIMEOUT_S} s"),
+                        f"worker process {child.process.name!r} was not {until} within {_BUILD_TIMEOUT_S} s"),
                         child.index)
             message = child.receive()
             child.started = True
