@@ -3,8 +3,8 @@ child processes the others (a :class:`SerialEnvs` each), one message a shard a s
 :class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
 The parent sends ``("build", pickled_factories)``, ``("attach", slots)``, ``("step", rows)``,
 ``("reset", rows, seeds)``, ``("close",)``; a child answers ``("started",)``, ``("ready", keys, roots)``,
-``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``, not daemonic (an env may
-start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
+``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``,
+not daemonic (an env may start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
 """
 
 from __future__ import annotations
