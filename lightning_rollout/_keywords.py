@@ -278,10 +278,14 @@ class PolicyPrimers(torch.nn.Module):
 class PolicyTransforms:
     """A picklable env factory adding the transforms a policy's ``primers`` need and a TorchRL env lacks, by
     TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``): ``checked`` is one
-    flag a collector's factories share."""
+    flag a collector's factories share. A pickled copy (a worker process's) never warns: the collector's process
+    does, where the user's warning filters apply (it builds envs of the same factory)."""
 
     def __init__(self, factory: Any, primers: PolicyPrimers, *, append: bool, checked: list[bool]) -> None:
         self.factory, self.primers, self.append, self.checked = factory, primers, append, checked
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "checked": [True]}
 
     def __call__(self) -> Any:
         env = self.factory()

@@ -182,6 +182,23 @@ def test_worker_processes_append_a_recurrent_policys_transforms_without_being_se
     assert batch["is_init"][:, 0].all() and not batch["is_init"][:, 1].any()
 
 
+def test_torchrls_transforms_warning_is_given_once_with_worker_processes_and_by_none_of_them(capfd):
+    """Without ``auto_register_policy_transforms``, TorchRL's ``FutureWarning`` reaches the user once, from this
+    process (whose filters apply), not again on a worker process's stderr for each of its envs."""
+    policy = TensorDictSequential(  # an nn.Module: TorchRL's rule asks for an InitTracker
+        TensorDictModule(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["logits"]),
+        TensorDictModule(lambda logits: logits.argmax(-1), in_keys=["logits"], out_keys=["action"]))
+    with pytest.warns(FutureWarning, match=r"missing transforms required by the policy \(InitTracker\)") as seen:
+        collector = ThreadedCollector(_bare_cartpole, policy, num_envs=4, frames_per_batch=16, total_frames=16,
+                                      num_workers=2, envs_per_thread=2)
+    try:
+        bounded(lambda: next(iter(collector)), BOUND)
+    finally:
+        collector.shutdown()
+    assert len([w for w in seen if "missing transforms" in str(w.message)]) == 1
+    assert "missing transforms" not in capfd.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------------------
 # A refused batched env leaves nothing running
 
