@@ -261,43 +261,36 @@ def _instance(env: Any, seen: set[int]) -> EnvFactory:
 
 
 class PolicyPrimers(torch.nn.Module):
-    """What TorchRL's rule for a policy's env transforms reads of the policy: its primers (found once, here),
-    not its weights, which a worker process need not be sent."""
+    """TorchRL's rule for the env transforms a policy needs, over what the rule reads of the policy: its primers
+    (found once, here; a worker process is sent these, not the weights). :meth:`transform` appends to a TorchRL env
+    those it lacks (``append``), or warns of them once (TorchRL's ``FutureWarning``). A pickled copy (a worker
+    process's) never warns: the collector's process does, where the user's warning filters apply."""
 
-    def __init__(self, policy: torch.nn.Module) -> None:
+    def __init__(self, policy: torch.nn.Module, *, append: bool) -> None:
         super().__init__()
         from torchrl.modules.utils.utils import get_primers_from_module
 
         self.primer = get_primers_from_module(policy, warn=False, strict=False)
+        self.append, self.checked = append, False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "checked": True}
 
     def make_tensordict_primer(self) -> Any:
         """A fresh copy of the policy's primers (a transform belongs to one env), or ``None``."""
         return copy.deepcopy(self.primer)
 
-
-class PolicyTransforms:
-    """A picklable env factory adding the transforms a policy's ``primers`` need and a TorchRL env lacks, by
-    TorchRL's rule (``append``), or warning about them once (TorchRL's ``FutureWarning``): ``checked`` is one
-    flag a collector's factories share. A pickled copy (a worker process's) never warns: the collector's process
-    does, where the user's warning filters apply (it builds envs of the same factory)."""
-
-    def __init__(self, factory: Any, primers: PolicyPrimers, *, append: bool, checked: list[bool]) -> None:
-        self.factory, self.primers, self.append, self.checked = factory, primers, append, checked
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "checked": [True]}
-
-    def __call__(self) -> Any:
-        env = self.factory()
+    def transform(self, env: Any) -> Any:
+        """``env`` with the transforms appended (``append``), else as it is (warned of once)."""
         if not isinstance(env, EnvBase):
             return env
         from torchrl.modules.utils.utils import (_compute_missing_env_transforms,
                                                  _maybe_append_env_transforms_from_module)
 
         if self.append:
-            return _maybe_append_env_transforms_from_module(env, self.primers)
-        missing = [] if self.checked[0] else _compute_missing_env_transforms(env, self.primers)
-        self.checked[0] = True
+            return _maybe_append_env_transforms_from_module(env, self)
+        missing = [] if self.checked else _compute_missing_env_transforms(env, self)
+        self.checked = True
         if missing:
             warn_user(f"The env passed to ThreadedCollector is missing transforms required by the policy "
                       f"({', '.join(type(t).__name__ for t in missing)}). From torchrl v0.15 the collector will "
@@ -305,6 +298,17 @@ class PolicyTransforms:
                       "`auto_register_policy_transforms=True`. To opt out permanently, pass "
                       "`auto_register_policy_transforms=False`.", FutureWarning)
         return env
+
+
+class PolicyTransforms:
+    """A picklable env factory: ``factory``'s env through :meth:`PolicyPrimers.transform` (one ``primers`` a
+    collector's factories share)."""
+
+    def __init__(self, factory: Any, primers: PolicyPrimers) -> None:
+        self.factory, self.primers = factory, primers
+
+    def __call__(self) -> Any:
+        return self.primers.transform(self.factory())
 
 
 def chained_seeds(env: Any) -> bool:

@@ -69,9 +69,8 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
         check_int("num_envs", 1 if num_envs is None else num_envs, 1)
         factories = [resolve_env_factory(create_env_fn)] * (1 if num_envs is None else num_envs)
     if isinstance(policy, torch.nn.Module) and o.auto_register_policy_transforms is not False:
-        primers, checked = PolicyPrimers(policy), [False]
-        factories = [PolicyTransforms(f, primers, append=bool(o.auto_register_policy_transforms), checked=checked)
-                     for f in factories]
+        primers = PolicyPrimers(policy, append=bool(o.auto_register_policy_transforms))
+        factories = [PolicyTransforms(f, primers) for f in factories]
     return factories, (None if batched is None else batched.batch_size), batched is not None and batched.native
 
 
