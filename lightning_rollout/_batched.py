@@ -119,12 +119,11 @@ def batched_env(env: Any, *, num_workers: int | str) -> BatchedEnv:
         mode = (getattr(env, "autoreset_mode", None) or env.metadata.get("autoreset_mode")) if isinstance(
             env, gym.vector.VectorEnv) else None
         if mode is not None and mode not in _GYM_WRAPPER_MODES:
-            raise ValueError(
-                f"a gymnasium {type(env).__name__} with autoreset_mode={getattr(mode, 'name', mode)}: it is stepped "
-                "as TorchRL's GymWrapper steps a vector env, which takes SAME_STEP or DISABLED only; pass "
-                "gym.make_vec(..., vectorization_mode='sync', vector_kwargs={'autoreset_mode': "
-                "gym.vector.AutoresetMode.SAME_STEP}) (or SyncVectorEnv(..., autoreset_mode=...)), or a factory "
-                "of one env and num_envs")
+            raise ValueError(f"a gymnasium {type(env).__name__} with autoreset_mode={getattr(mode, 'name', mode)}: it "
+                             "is stepped as TorchRL's GymWrapper steps a vector env, which takes SAME_STEP or "
+                             "DISABLED only; pass gym.make_vec(..., vectorization_mode='sync', "
+                             "vector_kwargs={'autoreset_mode': gym.vector.AutoresetMode.SAME_STEP}) (or "
+                             "SyncVectorEnv(..., autoreset_mode=...)), or a factory of one env and num_envs")
         return BatchedEnv([lambda: env] * batch.numel(), batch, native=True)
     except BaseException:
         close_quietly([env])

@@ -28,7 +28,7 @@ from ._checks import check_int, check_seconds, warn_user
 from ._keywords import (Options, PolicyPrimers, PolicyTransforms, acting_policy, chained_seeds, env_seeds, env_source,
                         frame_budget, interrupter, options, signature, storing_device)
 from ._threads import torch_threads_set
-from .envs import EnvFactory, resolve_env_factory
+from .envs import EnvFactory, env_factories
 from .errors import CollectionError, LayoutWarning, PolicyError
 from .events import Interrupter
 from .loop import MultiEnvLoop
@@ -59,15 +59,8 @@ def _env_factories(create_env_fn: Any, policy: Any, o: Options) -> tuple[list[En
         if num_envs not in (None, 1):
             raise ValueError("an env instance can only serve num_envs=1; pass a factory for more envs")
         factories = [lambda: create_env_fn]
-    elif isinstance(create_env_fn, (list, tuple)):
-        if not create_env_fn:
-            raise ValueError("create_env_fn is an empty list; pass at least one factory")
-        if num_envs is not None and num_envs != len(create_env_fn):
-            raise ValueError(f"num_envs={num_envs} but {len(create_env_fn)} env factories were given")
-        factories = [resolve_env_factory(f) for f in create_env_fn]
     else:
-        check_int("num_envs", 1 if num_envs is None else num_envs, 1)
-        factories = [resolve_env_factory(create_env_fn)] * (1 if num_envs is None else num_envs)
+        factories = env_factories(create_env_fn, num_envs)
     if isinstance(policy, torch.nn.Module) and o.auto_register_policy_transforms is not False:
         primers = PolicyPrimers(policy, append=bool(o.auto_register_policy_transforms))
         factories = [PolicyTransforms(f, primers) for f in factories]
@@ -118,10 +111,9 @@ class _Claim:
         with lock:
             owner = self.owner
             if owner is not None and owner is not me and owner.is_alive():
-                raise CollectionError(
-                    f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a collector has "
-                    f"one driver: iterate it from one thread at a time (exhaust or close() that iterator first), "
-                    f"or give each thread its own collector")
+                raise CollectionError(f"this ThreadedCollector is already being iterated in thread {owner.name!r}; a "
+                                      "collector has one driver: iterate it from one thread at a time (exhaust or "
+                                      "close() that iterator first), or give each thread its own collector")
             self.owner, self.depth = me, (self.depth if owner is me else 0) + 1  # else free, or its owner ended
         try:
             yield
@@ -255,8 +247,7 @@ class ThreadedCollector(BaseCollector):
         frame by frame in time order when ``extend_buffer=False``) and yield ``None``. Raises as :meth:`__iter__`."""
         with self._claim():
             while self.total_frames < 0 or self._frames < self.total_frames:
-                batch = self.collect_batch()
-                if batch is None:
+                if (batch := self.collect_batch()) is None:
                     return
                 if self.replay_buffer is None or self._ignore_rb:
                     yield batch
@@ -307,8 +298,7 @@ class ThreadedCollector(BaseCollector):
             return batch
 
     def _export(self, batch: TensorDictBase) -> TensorDictBase:
-        """The loop's CPU batch as TorchRL delivers it (shape, entries, ``set_truncated``, device), ``"_"``-prefixed
-        entries still in."""
+        """The loop's CPU batch as TorchRL delivers it (shape, entries, ``set_truncated``, device), private keys in."""
         shape = self.env_batch_size
         if self.layout == "env_time" and shape is None and self.num_envs == 1:
             batch = batch[0]
@@ -424,8 +414,7 @@ class ThreadedCollector(BaseCollector):
         sources = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(sources) > 1:
             raise ValueError("pass the new weights once: positional, weights= or policy=")
-        unknown = {model_id, *(weights_dict or ())} - {None, "policy"}
-        if unknown:
+        if unknown := {model_id, *(weights_dict or ())} - {None, "policy"}:
             raise ValueError(f"only model_id 'policy' exists here, got {', '.join(sorted(map(repr, unknown)))}")
         if weights_dict is not None:
             sources = [weights_dict["policy"]]

@@ -8,6 +8,7 @@ writing into a :class:`Slots` view of its executor's arrays. A unit is owned by 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,12 @@ from torchrl.envs import EnvBase, StepCounter
 from torchrl.envs.libs.gym import GymWrapper
 from torchrl.envs.libs.gym import _gym_to_torchrl_spec_transform as _gym_spec
 
+from ._checks import check_int
 from .specs import (LOOP_ROOT_KEYS, TORCHRL_ROOT_KEYS, ArraySpec, EnvKeys, NestedKey, columns_of, key_parts, leaves,
                     reserved_key_problem)
 
 __all__ = ["ActionError", "EnvFactory", "EnvFailure", "EnvpoolUnit", "GymMaker", "GymUnit", "InfoKeys", "Slots",
-           "TorchRLUnit", "Unit", "check_entries", "info_key_list", "make_unit", "resolve_env_factory"]
+           "TorchRLUnit", "Unit", "check_entries", "env_factories", "info_key_list", "make_unit", "resolve_env_factory"]
 
 EnvFactory = Callable[[], "gym.Env | EnvBase"]
 #: Entries of a gymnasium env's ``info`` read into batches: a list of keys (specs inferred from the first
@@ -257,8 +259,7 @@ class GymUnit(Unit):
         self.count = [0] * self.rows
         obs_space = env.observation_space
         root: tuple[str, ...] = () if isinstance(obs_space, gym.spaces.Dict) else ("observation",)
-        spaces = _space_leaves(obs_space, root)
-        if not spaces:
+        if not (spaces := _space_leaves(obs_space, root)):
             raise ValueError(f"the observation space {obs_space!r} has no entries")
         if problem := reserved_key_problem(spaces, _GYM_RESERVED, where="observation space",
                                            fix="rename it in the env (e.g. with a gymnasium ObservationWrapper)"):
@@ -503,8 +504,7 @@ class TorchRLUnit(Unit):
     def reset(self, rows: Sequence[int], seeds: Sequence[int | None]) -> None:
         for e, env in enumerate(self.envs):
             a = e * self.size
-            mine = [r - a for r in rows if a <= r < a + self.size]
-            if not mine:
+            if not (mine := [r - a for r in rows if a <= r < a + self.size]):
                 continue
             seed = seeds[list(rows).index(mine[0] + a)]
             try:
@@ -623,8 +623,7 @@ class GymMaker:
 
 
 def resolve_env_factory(env: str | EnvFactory) -> EnvFactory:
-    """Turn a gymnasium id or a factory into a factory; ``ValueError`` if ``env`` is neither a registered id nor
-    callable."""
+    """A factory from a gymnasium id or a factory; ``ValueError`` if ``env`` is neither a registered id nor callable."""
     if isinstance(env, str):
         if env not in gym.registry:
             close = [k for k in gym.registry if k.lower().startswith(env.lower().split("-")[0])][:5]
@@ -636,14 +635,25 @@ def resolve_env_factory(env: str | EnvFactory) -> EnvFactory:
     return env
 
 
+def env_factories(env: str | EnvFactory | Sequence[str | EnvFactory], num_envs: int | None) -> list[EnvFactory]:
+    """A factory per env: each of a list, or ``env`` ``num_envs`` times (default 1); see :func:`resolve_env_factory`."""
+    if isinstance(env, (list, tuple)):
+        if not env:
+            raise ValueError("the list of env factories is empty; pass at least one")
+        if num_envs is not None and num_envs != len(env):
+            raise ValueError(f"num_envs={num_envs} but {len(env)} env factories were given; drop num_envs")
+        return [resolve_env_factory(e) for e in env]
+    n = 1 if num_envs is None else num_envs
+    check_int("num_envs", n, 1)
+    return [resolve_env_factory(env)] * n
+
+
 def close_quietly(envs: Sequence[Any]) -> None:
     """Close envs being refused or shut down; an error while closing is dropped (the caller's error matters)."""
     for env in envs:
-        try:
+        with contextlib.suppress(Exception):  # the error being raised is the one the caller needs
             if not getattr(env, "is_closed", False):
                 env.close()
-        except Exception:  # noqa: S110 - the error being raised is the one the caller needs
-            pass
 
 
 def make_unit(envs: Sequence[Any], *, max_episode_steps: int | None = None, validate: bool = True,

@@ -295,8 +295,7 @@ class PolicyCall:
         """Fix and return the keys every call gets: an exact ``TensorDictModule`` its ``in_keys``, any other policy
         every root entry (as TorchRL's collector does). Raises ``ValueError`` for keys the env does not provide."""
         keys = list(self._direct_in if self._direct is not None else available)
-        missing = [k for k in keys if k not in available]
-        if missing:
+        if missing := [k for k in keys if k not in available]:
             raise ValueError(f"the policy reads {missing}, which the env does not provide (root entries: "
                              f"{list(available)})")
         self.input_keys = keys
@@ -336,10 +335,9 @@ class PolicyCall:
                     self._weights.release()
             with self._weights_held("the policy cannot be called"):
                 return self._bounded_calls(fn, self.policy_timeout, what)
-        except _CallTimedOut as error:
-            self.failure = error
-            raise
-        except PolicyError:
+        except PolicyError as error:
+            if isinstance(error, _CallTimedOut):
+                self.failure = error
             raise
         except Exception as exc:
             raise PolicyError(f"{type(exc).__name__}: {exc}{context}") from exc
@@ -378,8 +376,7 @@ class PolicyCall:
     def _direct_outputs(self, result: Any) -> dict[NestedKey, np.ndarray]:
         out_keys = self._direct_out
         if isinstance(result, dict):
-            missing = [k for k in out_keys if k not in result]
-            if missing:
+            if missing := [k for k in out_keys if k not in result]:
                 raise PolicyError(f"the policy did not write {missing[0]!r}: it returned a dict with keys "
                                   f"{sorted(map(str, result))}; expected the out_keys {out_keys}")
             result = tuple(result[k] for k in out_keys)
@@ -628,8 +625,7 @@ class Agent:
                 raise CollectionError("the policy was closed while a request was waiting")
             if stop is not None and stop.is_set():
                 raise CollectionError("the wait for the policy's answer was stopped")
-            failure = self.server.failure
-            if failure is not None:
+            if (failure := self.server.failure) is not None:
                 raise PolicyError(failure.reason, env_ids=self.env_ids) from failure
         return request.done.result()
 

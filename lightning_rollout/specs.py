@@ -168,8 +168,4 @@ def columns_of(spec: Composite, *, where: str) -> dict[NestedKey, ArraySpec]:
 
 def leaves(td: TensorDictBase, keys: Iterable[NestedKey]) -> dict[NestedKey, np.ndarray]:
     """``{key: numpy view}`` of ``keys`` in a CPU tensordict (missing keys are skipped)."""
-    out = {}
-    for k in keys:
-        if (value := td.get(k, None)) is not None:
-            out[k] = value.detach().cpu().numpy()
-    return out
+    return {k: value.detach().cpu().numpy() for k in keys if (value := td.get(k, None)) is not None}

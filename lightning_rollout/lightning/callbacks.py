@@ -277,8 +277,7 @@ class RolloutEvaluation(RolloutCallback):
 
     def _write_video(self, trainer: pl.Trainer, step: int, prefix: str) -> None:
         assert self.video_recorder is not None and self.record_video is not None and self._video_dir is not None
-        frames = self.video_recorder.take()
-        if frames is None:
+        if (frames := self.video_recorder.take()) is None:
             return
         mp4_path = (os.path.join(self._video_dir, f"{prefix}-{self.step}-{step:010d}.mp4")
                     if self.record_video.mp4 else None)
@@ -435,8 +434,7 @@ class _FitEnd(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.fast_dev_run:
             return
-        reason = _stop_reason(trainer)
-        if reason:
+        if reason := _stop_reason(trainer):
             rank_zero_info(reason)
         stale = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.save_last
                  and getattr(c, "_last_global_step_saved", trainer.global_step) != trainer.global_step]

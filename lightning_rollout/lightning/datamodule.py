@@ -107,8 +107,7 @@ def _actor(dm: RolloutDataModule) -> Any:
         raise RuntimeError("RolloutDataModule must be used through Trainer.fit(model, datamodule=...)")
     if callable(dm.policy):
         return dm.policy(module)
-    actor = getattr(module, dm.policy, None)
-    if actor is None:
+    if (actor := getattr(module, dm.policy, None)) is None:
         raise AttributeError(f"the LightningModule {type(module).__name__} has no attribute {dm.policy!r} "
                              "holding the acting policy; set RolloutDataModule(policy=...) to its name or to "
                              "a callable returning it")
@@ -150,13 +149,11 @@ def _check_eval(episodes: int, every_n_frames: int | None, every_n_steps: int | 
 
 def _check_precision(trainer: pl.Trainer) -> None:
     precision = str(getattr(trainer, "precision", "32-true"))
-    dtype = _CASTING_PRECISIONS.get(precision)
-    if dtype is not None:
-        raise ValueError(
-            f"Trainer(precision={precision!r}) casts the module's weights, the acting policy's included, to "
-            f"{dtype}, while the envs' observations stay float32: the policy cannot act on them. Use "
-            "precision='bf16-mixed' or '16-mixed' (the weights stay float32 and training_step runs under "
-            "autocast) or '32-true'")
+    if (dtype := _CASTING_PRECISIONS.get(precision)) is not None:
+        raise ValueError(f"Trainer(precision={precision!r}) casts the module's weights, the acting policy's "
+                         f"included, to {dtype}, while the envs' observations stay float32: the policy cannot act "
+                         "on them. Use precision='bf16-mixed' or '16-mixed' (the weights stay float32 and "
+                         "training_step runs under autocast) or '32-true'")
 
 
 def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
@@ -172,16 +169,13 @@ def _step_axis(callbacks: list[pl.Callback]) -> StepAxis:
 def _warn_about_checkpoint_names(trainer: pl.Trainer) -> None:
     """Warn about a ``ModelCheckpoint`` whose ``filename`` would write a metric name holding ``/``."""
     for checkpoint in trainer.checkpoint_callbacks:
-        if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.filename
-                and checkpoint.auto_insert_metric_name):
+        if not (isinstance(checkpoint, ModelCheckpoint) and checkpoint.auto_insert_metric_name):
             continue
-        names = [name for name in re.findall(r"\{([^:}]+)", checkpoint.filename) if "/" in name]
-        if names:
-            warn_user(
-                f"ModelCheckpoint(filename={checkpoint.filename!r}) writes the metric name {names[0]!r} into "
-                "each file name, and its '/' makes a folder per checkpoint; pass auto_insert_metric_name=False "
-                "and name the figure yourself, e.g. filename='epoch={epoch}-step={step}-reward="
-                f"{{{names[0]}:.1f}}'")
+        if names := [name for name in re.findall(r"\{([^:}]+)", checkpoint.filename or "") if "/" in name]:
+            warn_user(f"ModelCheckpoint(filename={checkpoint.filename!r}) writes the metric name {names[0]!r} "
+                      "into each file name, and its '/' makes a folder per checkpoint; pass "
+                      "auto_insert_metric_name=False and name the figure yourself, e.g. "
+                      f"filename='epoch={{epoch}}-step={{step}}-reward={{{names[0]}:.1f}}'")
 
 
 def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
@@ -190,12 +184,11 @@ def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
     if dm.eval_every_n_steps is not None:
         module = trainer.lightning_module
         if module is None or not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"eval_every_n_steps={dm.eval_every_n_steps} counts optimizer steps, and this module does "
-                "not take exactly one per batch (manual optimization or gradient accumulation); use "
-                "eval_every_n_frames= (frames per rank, e.g. "
-                f"{dm.eval_every_n_steps * dm.frames_per_batch} for one evaluation every "
-                f"{dm.eval_every_n_steps} batches)")
+            raise ValueError(f"eval_every_n_steps={dm.eval_every_n_steps} counts optimizer steps, and this module "
+                             "does not take exactly one per batch (manual optimization or gradient accumulation); "
+                             "use eval_every_n_frames= (frames per rank, e.g. "
+                             f"{dm.eval_every_n_steps * dm.frames_per_batch} for one evaluation every "
+                             f"{dm.eval_every_n_steps} batches)")
         batches = dm.eval_every_n_steps
     elif dm.eval_every_n_frames is not None:
         batches = math.ceil(dm.eval_every_n_frames / dm.frames_per_batch)
@@ -206,11 +199,10 @@ def _set_eval_schedule(dm: RolloutDataModule, trainer: pl.Trainer) -> None:
                 and trainer.check_val_every_n_epoch == 1
                 and getattr(trainer, "_val_check_time_interval", None) is None)
     if not (ours or defaults):
-        raise ValueError(
-            "eval_every_n_frames schedules evaluation (it sets the Trainer's val_check_interval and "
-            "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
-            f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
-            f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
+        raise ValueError("eval_every_n_frames schedules evaluation (it sets the Trainer's val_check_interval and "
+                         "check_val_every_n_epoch); leave those at their defaults, or drop eval_every_n_frames and "
+                         f"schedule with the Trainer (got val_check_interval={trainer.val_check_interval!r}, "
+                         f"check_val_every_n_epoch={trainer.check_val_every_n_epoch!r})")
     epoch = _limited_epoch(dm, trainer)
     if defaults and epoch is not None and epoch < batches:
         return  # a smoke run (fast_dev_run, limit_train_batches): evaluate at each epoch's end, as Lightning does
@@ -238,8 +230,7 @@ def _load_counters(collector: ThreadedCollector, state: dict[str, Any], rank: in
 
 
 class _FramesAxis:
-    """Makes every logger of a Trainer write each row at ``frames()``, whatever step it was written at, until
-    :meth:`restore`."""
+    """Makes every logger of a Trainer write each row at ``frames()``, whatever its step, until :meth:`restore`."""
 
     def __init__(self) -> None:
         self.loggers: list[Any] = []
@@ -403,8 +394,7 @@ class RolloutDataModule(pl.LightningDataModule):
             ValueError: a ``Trainer(precision=...)`` that casts the weights; callbacks with different ``step``
                 axes; an evaluation schedule the Trainer's own settings contradict (``docs/lightning.rst``).
         """
-        trainer = self.trainer
-        if trainer is None:
+        if (trainer := self.trainer) is None:
             return
         _check_precision(trainer)
         self._dispatcher = None  # rebuilt from this trainer's callbacks on first use
@@ -434,7 +424,6 @@ class RolloutDataModule(pl.LightningDataModule):
             self._dispatcher = _Dispatcher(self.trainer)
         return self._dispatcher
 
-    # -- training batches ------------------------------------------------------------------------
     def train_dataloader(self) -> _Loader:
         """The batches of this rank's collector (a later ``fit`` gets a fresh one continuing the counts), as many
         as an epoch has (``batches_per_epoch`` when endless, else those left to ``total_frames``)."""
@@ -474,7 +463,6 @@ class RolloutDataModule(pl.LightningDataModule):
             self._events().call("on_rollout_batch", batch)
             yield batch
 
-    # -- evaluation ------------------------------------------------------------------------------
     @property
     def val_dataloader(self) -> Callable[[], _Loader] | None:  # type: ignore[override]
         """The evaluation rounds, one per validation run; ``None`` while no validation loop can run (as before
@@ -543,7 +531,6 @@ class RolloutDataModule(pl.LightningDataModule):
         self._build_eval_loop().run_episodes(episodes, processor=_Collect())
         return results
 
-    # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters for Lightning checkpoints (ints only; weights live in the module's own state)."""
         if self.collector is None or self.collector.is_shut_down:
@@ -552,8 +539,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 "episodes": self.collector.loop.episodes, "seed": self.seed, "rank": _rank(self.trainer)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume counters saved by :meth:`state_dict` (applied when the collector is built); ``ValueError`` for
-        another state."""
+        """Resume the counters of :meth:`state_dict` (once the collector is built); ``ValueError`` for another state."""
         if not state_dict:
             return
         if "collector" not in state_dict:
@@ -563,7 +549,6 @@ class RolloutDataModule(pl.LightningDataModule):
         else:
             self._pending_state = dict(state_dict)
 
-    # -- shutdown --------------------------------------------------------------------------------------
     def teardown(self, stage: str) -> None:
         """Join every env thread, take back the lent ``validation_step`` / ``test_step`` and give the
         loggers back Lightning's own x-axis (the counters stay available for a later checkpoint)."""

@@ -188,8 +188,7 @@ class VideoRecorder:
         self._writer.start()
 
     def wait(self, *, raise_errors: bool = True) -> None:
-        """Wait for the clip being written, if any; ``RuntimeError`` if that failed (a warning without
-        ``raise_errors``)."""
+        """Wait for the clip being written; ``RuntimeError`` if that failed (a warning without ``raise_errors``)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join()

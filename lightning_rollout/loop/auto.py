@@ -171,8 +171,7 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, rows: int = 4, cheap_s:
     executor's cost of a call out): 2 warm-up calls, ``steps`` timed (or those within 1 s), random actions; for a
     step of ``cheap_s`` or more, read its GIL share ``rounds`` times (the median kept). Raises what the env raised."""
     env = factory()
-    batch = batch_rows(env)
-    if batch is not None:
+    if (batch := batch_rows(env)) is not None:
         close_quietly([env])
         return EnvTiming(step_s=float("nan"), gil_release=float("nan"), batch=batch)
     envs = SerialEnvs(build_units([lambda: env] * rows, group=rows, max_episode_steps=None, validate=False,

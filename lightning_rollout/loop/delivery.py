@@ -124,7 +124,6 @@ class Delivery:
             self.episodes += 1
         return self.layout.to_tensordict(out, [len(steps)])
 
-    # -- trajectory ids --------------------------------------------------------------------------------
     def _traj_flat(self, env_ids: np.ndarray, done: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
         """Ids of rows delivered in this order: each env keeps its id until a done row, new ids in delivery order
         (``order``: the rows env by env, if known)."""
@@ -152,7 +151,6 @@ class Delivery:
         self.next_traj += int(done.sum())
         return traj
 
-    # -- events ------------------------------------------------------------------------------------------
     def _emit(self, cols: dict[NestedKey, np.ndarray], processor: EventProcessor, total: int, first: int) -> None:
         """Events for the rows of ``cols``; row ``i`` is frame (or finished episode) ``first + i``."""
         wants_steps = processor.wants_timesteps

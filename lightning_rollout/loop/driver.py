@@ -26,7 +26,7 @@ from torchrl.envs.utils import exploration_type as current_exploration_type
 from .._checks import check_device, check_int, check_seconds, warn_user
 from .._exit import close_at_exit
 from .._threads import torch_threads, torch_threads_set
-from ..envs import EnvFactory, EnvFailure, InfoKeys, info_key_list, resolve_env_factory
+from ..envs import EnvFactory, EnvFailure, InfoKeys, env_factories, info_key_list
 from ..errors import CollectionError, EnvError, PolicyError
 from ..events import EventProcessor, Interrupter
 from ..policy import AutobatchPolicy, BatchedRandomPolicy, PolicyCall, as_policy_module
@@ -48,12 +48,10 @@ def _collecting(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: MultiEnvLoop, *args: Any, **kwargs: Any) -> Any:
         with self._claim:  # a C lock a Ctrl-C cannot split: the claim is taken whole or not at all
-            owner = self._driver
-            if owner is not None:
-                raise CollectionError(
-                    f"{method.__name__}: the loop {self.name!r} is already collecting in thread {owner.name!r} (or "
-                    "this is a call from inside its own collection, e.g. an event processor); a loop has one driver: "
-                    "call it from one thread at a time")
+            if (owner := self._driver) is not None:
+                raise CollectionError(f"{method.__name__}: the loop {self.name!r} is already collecting in thread "
+                                      f"{owner.name!r} (or this is a call from inside its own collection, e.g. an "
+                                      "event processor); a loop has one driver: call it from one thread at a time")
             self._driver = threading.current_thread()
             self.collecting = True
         delivery = self._delivery  # counts set from outside between calls (a resume) are the ones to continue
@@ -144,7 +142,7 @@ class MultiEnvLoop:
                  processor: EventProcessor | None = None, interrupter: Interrupter | None = None,
                  traj_id_start: int = 0, env_shape: Sequence[int] | None = None, name: str = "loop",
                  join_timeout: float = 5.0, start: bool = True) -> None:
-        factories = _factories(env, num_envs)
+        factories = env_factories(env, num_envs)
         n = len(factories)
         check_knobs(envs_per_thread=envs_per_thread, num_workers=num_workers, parallel_steps=parallel_steps, num_envs=n)
         self.join_timeout = _check_arguments(
@@ -231,8 +229,7 @@ class MultiEnvLoop:
         with torch_threads_set(self._torch_threads):
             probed = self.policy.probe(probe, self.num_envs)
         outputs = {k: ArraySpec(s, np.dtype(d)) for k, (s, d) in probed.items()}
-        missing = [k for k in keys.action if k not in outputs]
-        if missing:
+        if missing := [k for k in keys.action if k not in outputs]:
             raise PolicyError(f"the policy wrote no {missing[0]!r} (the env's action key"
                               f"{'s' if len(keys.action) > 1 else ''}: {list(keys.action)}); it wrote {list(outputs)}")
         layout = self.layout = Layout(keys, outputs, loop_keys=unit.loop_keys)
@@ -268,7 +265,6 @@ class MultiEnvLoop:
             if self.seed != self._seeded:
                 self._stepper.reset(np.arange(self.num_envs), _seeds(self.seed, self.num_envs))
 
-    # -- collection calls ---------------------------------------------------------------------------------
     def _run(self, rule: Any, interrupter: Interrupter | None, partial: Callable[[], TensorDict | None]) -> bool | None:
         """Run the stepper (``None``: the loop's interrupter): ``True`` when ``rule`` is done, ``False`` when
         interrupted, ``None`` when before the start. A failure, ``partial()`` on ``exc.partial``, closes the loop."""
@@ -383,7 +379,6 @@ class MultiEnvLoop:
             raise ValueError(f"got {len(seeds)} seeds for {len(ids)} envs")
         self._stepper.reset(np.asarray(ids, dtype=np.int64), list(seeds) if seeds is not None else [None] * len(ids))
 
-    # -- the policy ------------------------------------------------------------------------------------------
     def update_policy(self, state: Any) -> int:
         """Load new weights (a state_dict, a module or a TensorDict); returns the new policy version."""
         return self.policy.update(state)
@@ -397,7 +392,6 @@ class MultiEnvLoop:
         """Version of the weights the next policy call will use."""
         return self.policy.version
 
-    # -- what the loop is -----------------------------------------------------------------------------------
     @property
     def env_keys(self) -> EnvKeys:
         """Every leaf the envs read and write, from their TorchRL specs."""
@@ -420,7 +414,6 @@ class MultiEnvLoop:
         """The loop's pool threads (for monitoring)."""
         return iter(getattr(self._envs, "pool", ()))
 
-    # -- shutdown ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop and release everything (each thread and process within ``join_timeout``); idempotent, any thread.
         From another thread while a call runs, that call ends with :class:`CollectionError` first."""
@@ -445,8 +438,7 @@ class MultiEnvLoop:
                 self._agent.close()
             elif getattr(self, "policy", None) is not None:
                 self.policy.close(self.join_timeout)
-            delivery = getattr(self, "_delivery", None)
-            if delivery is not None:
+            if (delivery := getattr(self, "_delivery", None)) is not None:
                 delivery.pool.clear()
             self._shut = True  # only now: a close cut short (Ctrl-C) is finished by the next one
         if stuck:
@@ -485,8 +477,7 @@ def _seeds(seed: int | Sequence[int] | None, num_envs: int) -> list[int | None]:
 
 
 def _random_actions(spec: Any, columns: dict[NestedKey, ArraySpec]) -> Callable[[int], dict[NestedKey, np.ndarray]]:
-    """Uniformly random actions of ``rows`` envs, laid out as the policy's action columns (an index where the
-    spec samples one-hot)."""
+    """Uniform random actions of ``rows`` envs in the policy's action columns (an index where the spec is one-hot)."""
     policy = BatchedRandomPolicy(spec)
 
     def draw(rows: int) -> dict[NestedKey, np.ndarray]:
@@ -504,25 +495,12 @@ def _random_actions(spec: Any, columns: dict[NestedKey, ArraySpec]) -> Callable[
     return draw
 
 
-def _factories(env: Any, num_envs: int | None) -> list[EnvFactory]:
-    if isinstance(env, (list, tuple)):
-        if not env:
-            raise ValueError("the list of env factories is empty; pass at least one")
-        if num_envs is not None and num_envs != len(env):
-            raise ValueError(f"num_envs={num_envs} but {len(env)} env factories were given; drop num_envs")
-        return [resolve_env_factory(e) for e in env]
-    n = 1 if num_envs is None else num_envs
-    check_int("num_envs", n, 1)
-    return [resolve_env_factory(env)] * n
-
-
 def _check_arguments(*, num_envs: int, max_episode_steps: int | None, random_steps_per_env: int,
                      step_timeout: float | None, join_timeout: float, max_wait: float | None,
                      policy_timeout: float | None, device: Any, traj_id_start: int, env_shape: Sequence[int] | None,
                      seed: Any, exploration_type: Any, processor: Any, interrupter: Any, policy: Any,
                      autobatch_size: int | None) -> float:
-    """Raise ValueError for the first bad argument, with what to change, before any env is built; returns
-    ``join_timeout``."""
+    """Refuse the first bad argument (ValueError: what to change) before any env is built; returns ``join_timeout``."""
     check_int("max_episode_steps", max_episode_steps, 1, optional=True)
     check_int("random_steps_per_env", random_steps_per_env, 0)
     check_seconds("step_timeout", step_timeout, allow_zero=False)

@@ -107,17 +107,15 @@ def build_units(factories: Sequence[EnvFactory], *, group: int, max_episode_step
                     envs.append(factories[j]())
                 except Exception as exc:
                     raise EnvFailure(j, "reset", "env", exc) from exc
-                batch = batch_rows(envs[-1])
-                if batch is None:
+                if (batch := batch_rows(envs[-1])) is None:
                     continue
                 if parallel:
                     raise ValueError(f"parallel_steps=True steps each env in a pool thread; a natively batched "
                                      f"env steps its {batch} envs in one call: leave parallel_steps out")
                 if len(factories) % batch or group != batch:
-                    raise ValueError(
-                        f"the env factory makes a natively batched env of {batch} envs, stepped in one call: "
-                        f"num_envs ({len(factories)}) must be a multiple of {batch} and envs_per_thread "
-                        f"({group}) equal to it; pass envs_per_thread={batch}")
+                    raise ValueError(f"the env factory makes a natively batched env of {batch} envs, stepped in one "
+                                     f"call: num_envs ({len(factories)}) must be a multiple of {batch} and "
+                                     f"envs_per_thread ({group}) equal to it; pass envs_per_thread={batch}")
                 break
             built, envs = envs, []  # make_unit closes them if it refuses them
             units.append(make_unit(built, max_episode_steps=max_episode_steps, validate=validate, info_keys=info_keys))
@@ -255,8 +253,7 @@ class ThreadEnvs(_Local):
                     self._wake.release()
 
     def send(self, rows: np.ndarray, kind: str = "step", seeds: Sequence[int | None] = ()) -> int:
-        """Hand each unit its part of ``rows`` (a step, or a reset with ``seeds``); returns how many units were
-        asked."""
+        """Hand each unit its part of ``rows`` (a step, or a reset with ``seeds``); returns how many units it asked."""
         now = time.perf_counter()
         parts = self._parts(rows) if kind == "step" else self._seeded(rows, seeds)
         for part in parts:

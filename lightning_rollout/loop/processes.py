@@ -71,8 +71,7 @@ def _numpy(tensors: Slots) -> Slots:
 
 def _watch_parent() -> None:
     """End this process as soon as the parent dies (no orphans)."""
-    parent = mp.parent_process()
-    if parent is not None:
+    if (parent := mp.parent_process()) is not None:
         wait_for([parent.sentinel])
         os._exit(0)
 
@@ -148,8 +147,7 @@ def _child_main(conn: Any, seeds: list[int | None], a: int, group: int, options:
 def _exit_status(process: Any) -> str:
     """How ``process`` ended, in words (waits up to 1 s for it to be reaped)."""
     process.join(1.0)
-    code = process.exitcode
-    if code is None:
+    if (code := process.exitcode) is None:
         return "closed its pipe but is still running"
     if code < 0:
         try:

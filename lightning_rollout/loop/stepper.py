@@ -208,7 +208,6 @@ class Stepper:
         mask = self.in_episode[ids]
         return [(c, part) for c, part in ((self.main, ids[~mask]), (self.episodes, ids[mask])) if len(part)]
 
-    # -- the loop -----------------------------------------------------------------------------------------
     def run(self, rule: Rule, interrupter: Interrupter | None) -> bool:
         """Step until ``rule`` is done; ``False`` when the interrupter fired first (steps in flight stay there).
         Raises EnvError, PolicyError, StepTimeoutError (rows settled before stay), CollectionError (closed)."""
@@ -226,8 +225,7 @@ class Stepper:
                     raise
             if not self.flying.any():
                 raise CollectionError("the loop has nothing in flight and the call is not complete (a bug)")
-            ready = self._recv(interrupter)
-            if ready is None:
+            if (ready := self._recv(interrupter)) is None:
                 return False
             self.settle(ready)
             rule.settled(self, ready)
@@ -313,8 +311,7 @@ class Stepper:
                 raise CollectionError("the loop was closed while collecting")
             if interrupter is not None and interrupter.should_stop():
                 return np.concatenate(got) if got else None
-            stuck = None if self.step_timeout is None else self.envs.stuck(self.step_timeout)
-            if stuck is not None:
+            if self.step_timeout is not None and (stuck := self.envs.stuck(self.step_timeout)) is not None:
                 row, phase, where = stuck
                 raise StepTimeoutError(f"no answer within step_timeout={self.step_timeout} s; {where!r} is stuck "
                                        f"inside the env's {phase} and is abandoned",
@@ -345,7 +342,6 @@ class Stepper:
         where = "" if failure.process is None else f" (in worker process {failure.process})"
         return EnvError(f"{failure}{where}", env_id=e, step=step, phase=failure.phase)
 
-    # -- settling -----------------------------------------------------------------------------------------
     def settle(self, ids: np.ndarray) -> None:
         """Write the results of envs ``ids``' steps (in the executor's slots) into their cursors' rings."""
         for cursor, part in self._split(ids):
@@ -398,7 +394,6 @@ class Stepper:
         c.ep_len[ids] = 0
         c.ep_ret[ids] = 0.0
 
-    # -- resets and episodes -------------------------------------------------------------------------------
     def drain(self, ids: np.ndarray) -> None:
         """Wait for the steps in flight of envs ``ids`` and settle them (every other answer is settled too)."""
         while self.flying[ids].any():

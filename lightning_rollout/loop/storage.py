@@ -96,8 +96,7 @@ class Layout:
         td = TensorDict(entries, batch_size=lead)  # nested keys make nested TensorDicts
         for prefix, dims in self.keys.sub_batch.items():
             for root in (prefix, ("next", *prefix)):
-                sub = td.get(root, None)
-                if sub is not None:
+                if (sub := td.get(root, None)) is not None:
                     sub.batch_size = torch.Size([*lead, *dims])
         if names is not None:
             td.refine_names(*names)
@@ -136,8 +135,7 @@ class Ring:
         """Copy step ``steps[...]`` of ``envs[...]`` (index arrays of ``out``'s leading shape) into ``out``."""
         rows, nxt = steps % self.capacity, (steps + 1) % self.capacity
         for k, dst in out.items():
-            root = self.layout.shared_next.get(k)
-            if root is not None:
+            if (root := self.layout.shared_next.get(k)) is not None:
                 dst[...] = self.cols[root][nxt, envs]
             elif k in self.cols:
                 dst[...] = self.cols[k][rows, envs]
