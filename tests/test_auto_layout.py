@@ -155,7 +155,8 @@ def test_the_documented_rule_is_short_and_states_the_thresholds_the_code_uses():
     lines = _rule_lines()
     assert 0 < len(lines) < 15, len(lines)
     rule = " ".join(" ".join(lines).split())
-    defaults = {name: p.default for name, p in inspect.signature(auto.choose_layout).parameters.items()}
+    defaults = {name: p.default for fn in (auto.measure_env, auto.choose_layout)
+                for name, p in inspect.signature(fn).parameters.items()}
     for knob in ("cheap_s", "helper_s", "round_trip_s", "share_s"):
         assert f"{defaults[knob] * 1e6:.0f} us" in rule, knob
     assert f"{defaults['startup_s']:.0f} s" in rule and defaults["releases"] == 0.5 and "half" in rule

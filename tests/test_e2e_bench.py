@@ -195,3 +195,21 @@ def test_quick_bench_runs_the_whole_pipeline(tmp_path: Path) -> None:
     assert not [r for r in report["records"] if r.get("error")]
     assert all(len(r["eval"]) == 2 for r in report["records"] if r["contender"] in CONTENDERS)
     assert "## SAC on HalfCheetah-v5" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.parametrize("algo, overrides", [("ppo", {"steps_per_env": 64, "epochs": 1}),
+                                              ("sac", {"frames_per_batch": 32, "batch_size": 16})])
+def test_lightning_step_times_both_ways_of_stepping_on_every_round_after_the_warm_up(algo: str, overrides: dict
+                                                                                    ) -> None:
+    import torch
+
+    from benchmarks.e2e.lightning_step import measure
+
+    threads = torch.get_num_threads()
+    try:
+        result = measure(algo, rounds=2, overrides={"env": "Pendulum-v1", **overrides})
+    finally:
+        torch.set_num_threads(threads)
+    assert result["rounds"] == 2
+    assert all(len(result["times"][way]) == 2 and min(result["times"][way]) > 0 for way in ("lightning", "plain"))
+    assert result["overhead"] == pytest.approx(result["lightning_step_s"] / result["plain_step_s"] - 1)

@@ -209,11 +209,10 @@ def measure_env(factory: EnvFactory, *, steps: int = 30, rows: int = 4, cheap_s:
         envs.close(0.0)
 
 
-def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, cheap_s: float = 100e-6,
-                  startup_s: float = 10.0, round_trip_s: float = 300e-6, helper_s: float = 500e-6,
-                  share_s: float = 200e-6, releases: float = 0.5, expected_frames: int | None = None,
-                  num_workers: int | str = "auto", envs_per_thread: int | str = "auto", picklable: bool = True
-                  ) -> LayoutChoice:
+def choose_layout(num_envs: int, timing: EnvTiming, *, cores: int | None = None, startup_s: float = 10.0,
+                  round_trip_s: float = 300e-6, helper_s: float = 500e-6, share_s: float = 200e-6,
+                  releases: float = 0.5, expected_frames: int | None = None, num_workers: int | str = "auto",
+                  envs_per_thread: int | str = "auto", picklable: bool = True) -> LayoutChoice:
     """The layout for ``num_envs`` envs with ``timing`` on ``cores`` cores (the rule of ``docs/tuning.rst``). A given
     ``num_workers`` or ``envs_per_thread`` is kept (processes then hold whole groups of ``envs_per_thread``)."""
     if timing.batch is not None:
