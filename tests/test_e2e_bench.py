@@ -212,4 +212,5 @@ def test_lightning_step_times_both_ways_of_stepping_on_every_round_after_the_war
         torch.set_num_threads(threads)
     assert result["rounds"] == 2
     assert all(len(result["times"][way]) == 2 and min(result["times"][way]) > 0 for way in ("lightning", "plain"))
-    assert result["overhead"] == pytest.approx(result["lightning_step_s"] / result["plain_step_s"] - 1)
+    ratios = sorted(a / b - 1 for a, b in zip(result["times"]["lightning"], result["times"]["plain"]))
+    assert result["overhead"] == pytest.approx(sum(ratios) / 2)  # the median of two rounds
