@@ -214,3 +214,16 @@ def test_lightning_step_times_both_ways_of_stepping_on_every_round_after_the_war
     assert all(len(result["times"][way]) == 2 and min(result["times"][way]) > 0 for way in ("lightning", "plain"))
     ratios = sorted(a / b - 1 for a, b in zip(result["times"]["lightning"], result["times"]["plain"]))
     assert result["overhead"] == pytest.approx(sum(ratios) / 2)  # the median of two rounds
+
+
+def test_a_resumed_run_keeps_the_command_that_made_the_runs_it_keeps(tmp_path: Path) -> None:
+    from benchmarks.e2e.cli import main
+
+    first = "python -m benchmarks.e2e --algo ppo --ppo-num-envs 8 --seeds 0 --contender ours"
+    (tmp_path / "results.json").write_text(json.dumps({"command": first, "records": [rec("ppo", "ours", 0, wall=9.0)]}))
+    argv = ["--algo", "ppo", "--ppo-num-envs", "1", "--seeds", "0", "--contender", "ours", "--out", str(tmp_path),
+            "--resume"]
+    report = main(argv)  # the one run planned is in the file already: nothing runs
+    assert report["command"] == f"{first}; then python -m benchmarks.e2e {' '.join(argv)}"
+    assert json.loads((tmp_path / "results.json").read_text())["command"] == report["command"]
+    assert [r["wall_s"] for r in report["records"]] == [9.0]

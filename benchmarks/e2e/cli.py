@@ -184,7 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(), "budgets": budgets, "records": []}
     if args.resume and os.path.exists(results):
         with open(results) as f:
-            report["records"] = [r for r in json.load(f).get("records", []) if not r.get("error")]
+            before = json.load(f)
+        report["records"] = [r for r in before.get("records", []) if not r.get("error")]
+        if before.get("command") not in (None, report["command"]):  # the runs kept came from those commands
+            report["command"] = f"{before['command']}; then {report['command']}"
     done = {(r["algo"], r["contender"], r["seed"], float(r.get("utd", 1.0)), int(r.get("num_envs", 1)))
             for r in report["records"]}
     todo = [s for s in specs if s.key not in done]
