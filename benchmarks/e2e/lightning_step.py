@@ -37,12 +37,11 @@ __all__ = ["main", "measure"]
 
 def measure(algo: str, *, rounds: int = 12, seed: int = 0, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Seconds an optimiser step of ``algo``'s example learner through Lightning and by hand, ``rounds`` interleaved
-    rounds in one ``Trainer.fit`` (one intra-op thread, as the examples); returns their medians, and ``overhead``:
-    the median over the rounds of the Lightning step over the plain one, less 1."""
+    rounds in one ``Trainer.fit`` (with the caller's torch threads; the command line sets one, as the examples);
+    returns their medians, and ``overhead``: the median over the rounds of the Lightning step over the plain one,
+    less 1."""
     if rounds < 2:
         raise ValueError(f"rounds must be >= 2 (one of each order), got {rounds}")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
     ex = example(algo)
     with tempfile.TemporaryDirectory(prefix="lightning-step-") as out:
@@ -96,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--env", default=None, help="the example's env by default (HalfCheetah-v5)")
     parser.add_argument("--json", action="store_true", help="print the record as JSON")
     args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
     result = measure(args.algo, rounds=args.rounds, seed=args.seed,
                      overrides={"env": args.env} if args.env else None)
     if args.json:
