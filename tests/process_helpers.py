@@ -111,3 +111,22 @@ class FrameEnv(MockEnv):
 def frame_envs(n: int) -> list:
     """``n`` picklable factories of :class:`FrameEnv` (env ``i`` gets ``env_id=i``)."""
     return [functools.partial(FrameEnv, i) for i in range(n)]
+
+
+def worker_pids() -> set[int]:
+    """Pids of the live processes started under this one, less multiprocessing's own helpers, which live as long as
+    this process: its resource tracker and its fork server (whose children, the worker processes, count)."""
+    import psutil
+
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(p.cmdline())
+            if "resource_tracker" in command or ("forkserver" in command and p.ppid() == os.getpid()):
+                continue
+            pids.add(p.pid)
+        except psutil.NoSuchProcess:  # ended (or a zombie) meanwhile
+            continue
+    return pids

@@ -256,3 +256,13 @@ def test_every_layout_of_ours_in_a_scenario_is_one_the_knobs_allow():
                             parallel_steps=knobs["parallel_steps"], num_envs=scenario.num_envs)
                 checked += 1
     assert checked >= 20
+
+
+def test_startup_times_each_construction_of_a_loop_with_worker_processes_in_order():
+    """``python -m benchmarks.startup`` (the start-up figures of docs/performance.rst), at a tiny size."""
+    from benchmarks.startup import measure
+
+    times = measure(num_workers=2, repeats=2)
+    assert len(times) == 2 and all(0 < t["build"] <= t["total"] for t in times), times
+    with pytest.raises(ValueError, match="num_workers >= 2"):
+        measure(num_workers=1)

@@ -23,7 +23,7 @@ import torch
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from conftest import assert_batches_equal, steps_per_env
-from process_helpers import balance_policy, count_envs, zero_policy
+from process_helpers import balance_policy, count_envs, worker_pids, zero_policy
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
 
@@ -33,17 +33,8 @@ SHARDS = pytest.mark.parametrize("envs_per_thread", [1, 2], ids=["one env a unit
 
 
 def _children() -> set[int]:
-    """Pids of this process's live worker processes (not multiprocessing's resource tracker)."""
-    import psutil
-
-    pids = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
-                pids.add(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return pids
+    """Pids of this process's live worker processes."""
+    return worker_pids()
 
 
 @SHARDS
@@ -224,6 +215,7 @@ def test_collector_with_worker_processes_yields_torchrl_batches():
 
 _ORPHAN_SCRIPT = """
 import multiprocessing, os, sys, time
+import psutil
 sys.path.insert(0, {tests!r})
 from lightning_rollout import MultiEnvLoop
 from process_helpers import count_envs, zero_policy
@@ -231,12 +223,14 @@ from process_helpers import count_envs, zero_policy
 if __name__ == "__main__":
     loop = MultiEnvLoop(count_envs(3), zero_policy, num_workers=3)  # this process and two workers
     loop.run_env_steps(3)
-    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    workers = [p.pid for p in multiprocessing.active_children()]
+    helpers = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in workers]  # tracker, server
+    print(" ".join(map(str, workers)), "|", " ".join(map(str, helpers)), flush=True)
     time.sleep(60)  # killed here
 """
 
 
-def test_worker_processes_exit_when_the_main_process_is_killed(tmp_path):
+def test_worker_processes_and_multiprocessings_helpers_exit_when_the_main_process_is_killed(tmp_path):
     import psutil
 
     root = Path(__file__).resolve().parents[1]
@@ -244,16 +238,17 @@ def test_worker_processes_exit_when_the_main_process_is_killed(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
     code = textwrap.dedent(_ORPHAN_SCRIPT).format(tests=str(root / "tests"))
     script = tmp_path / "orphan.py"
-    script.write_text(code)  # spawn re-imports the main module from a file
+    script.write_text(code)  # a worker re-imports the main module from a file
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=root, env=env)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2, proc.stderr.read()
+        workers, helpers = ([int(p) for p in part.split()] for part in proc.stdout.readline().split("|"))
+        assert len(workers) == 2, proc.stderr.read()
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+        pids = workers + helpers  # multiprocessing's resource tracker and fork server end too
         gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)
-        assert not alive, f"orphaned worker processes: {[p.pid for p in alive]}"
+        assert not alive, f"orphaned processes: {[(p.pid, p.pid in workers) for p in alive]}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -270,7 +265,7 @@ def test_a_close_cut_short_by_ctrl_c_during_the_joins_of_worker_processes_is_fin
     assert loop.run_env_steps(3)["next", "observation"].shape == (4, 3, 3)
     pids = _children() - before
     assert len(pids) == 1
-    process_class = multiprocessing.get_context("spawn").Process
+    process_class = multiprocessing.process.BaseProcess  # whichever start method made them
     real_join = process_class.join
     calls: list[float | None] = []
 

@@ -27,19 +27,14 @@ import gc, json, os, sys, threading
 
 gc.disable()  # what shutdown() leaves to the garbage collector stays
 
-import psutil
+sys.path.insert(0, {tests!r})
 from lightning_rollout import ThreadedCollector
 from lightning_rollout.envs import GymMaker
+from process_helpers import worker_pids
 
 
 def sample():
-    children = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):  # multiprocessing's, one per process
-                children.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
+    children = worker_pids()
     return {{"fds": len(os.listdir("/proc/self/fd")),
              "shm": len([n for n in os.listdir("/dev/shm") if "_%d_" % os.getpid() in n]),
              "processes": len(children),
@@ -70,7 +65,7 @@ def _soak(tmp_path: Path, cycles: int) -> tuple[list[dict[str, int]], list[str]]
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TMPDIR=str(temp), PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     script = tmp_path / "soak.py"
-    script.write_text(textwrap.dedent(_SOAK_SCRIPT).format(cycles=cycles))
+    script.write_text(textwrap.dedent(_SOAK_SCRIPT).format(cycles=cycles, tests=str(root / "tests")))
     try:
         run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, env=env,
                              timeout=60 * cycles)

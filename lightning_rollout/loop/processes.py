@@ -3,8 +3,10 @@ child processes the others (a :class:`SerialEnvs` each), one message a shard a s
 :class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
 The parent sends ``("build", pickled_factories)``, ``("attach", slots)``, ``("step", rows)``,
 ``("reset", rows, seeds)``, ``("close",)``; a child answers ``("started",)``, ``("ready", keys, roots)``,
-``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children start with ``spawn``,
-not daemonic (an env may start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
+``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children are forked by
+multiprocessing's fork server, which imports this module once a process (``spawn`` where there is none); each imports
+the main module again, as with ``spawn``. Not daemonic (an env may start processes), SIGINT ignored, torch on one
+thread, and end with the parent (a watchdog).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .executors import Envs, POLL_S, SerialEnvs, ThreadEnvs, build_units, merged
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 _BUILD_TIMEOUT_S = 120.0  # seconds a child may take to build and reset its envs
 _FDS = ("; if this process ran out of file descriptors, raise the open-files limit (ulimit -n) or use fewer worker "
         "processes")
@@ -175,8 +178,8 @@ class _Child:
         name, status = self.process.name, _exit_status(self.process)
         if not self.started:
             text = (f"worker process {name!r} {status} while starting, before it ran lightning_rollout's code: "
-                    "'spawn' starts a worker by importing the main module again and unpickling what it is sent, and "
-                    "that failed (the worker's traceback is on stderr)")
+                    "a worker starts by importing the main module again and unpickling what it is sent, and that "
+                    "failed (the worker's traceback is on stderr)")
             if self.process.exitcode == 1:
                 text += (". A script that builds the loop at its top level must guard it with "
                          "`if __name__ == \"__main__\":`; or pass num_workers=1 to keep the envs in threads")
@@ -223,7 +226,9 @@ class ProcessEnvs(Envs):
         self._closed = False
         self._local_left = 0  # rows of shard 0 in flight
         self._stash: list[np.ndarray] = []
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context(_START_METHOD)
+        if _START_METHOD == "forkserver":
+            ctx.set_forkserver_preload([__name__])
         try:
             for i in range(1, num_workers):  # children first: they build while this process builds shard 0
                 a, b = cuts[i], cuts[i + 1]
@@ -233,13 +238,13 @@ class ProcessEnvs(Envs):
                 try:
                     with sigint_blocked():  # the child starts with it blocked: Ctrl-C is ours
                         process.start()
-                except OSError as exc:
+                except (OSError, EOFError) as exc:  # EOFError: the fork server ended (it ran out, too)
                     raise CollectionError(f"could not start worker process {i} ({type(exc).__name__}: {exc}){_FDS}"
                                           ) from exc
                 child_end.close()
                 self.children.append(_Child(i, process, parent_end, a, b))
-            for child in self.children:  # its env factories go once it runs our code, not as spawn's arguments:
-                self._wait(child, "started")  # spawn's write of those blocks for good if the child dies reading them
+            for child in self.children:  # its env factories go once it runs our code, not as start's arguments:
+                self._wait(child, "started")  # start's write of those blocks for good if the child dies reading them
                 try:
                     _send(child.conn, ("build", blobs[child.a:child.b]))
                 except OSError as exc:
