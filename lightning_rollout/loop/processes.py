@@ -35,7 +35,6 @@ from .executors import Envs, POLL_S, SerialEnvs, ThreadEnvs, build_units, merged
 
 __all__ = ["ProcessEnvs", "WorkerDied", "check_picklable"]
 
-_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 _BUILD_TIMEOUT_S = 120.0  # seconds a child may take to build and reset its envs
 _FDS = ("; if this process ran out of file descriptors, raise the open-files limit (ulimit -n) or use fewer worker "
         "processes")
@@ -70,6 +69,16 @@ def _numpy(tensors: Slots) -> Slots:
     """``tensors`` as numpy arrays over the same memory."""
     return Slots(*({k: v.numpy() for k, v in f.items()} if isinstance(f, dict) else f.numpy()
                    for f in vars(tensors).values()))
+
+
+def _context() -> Any:
+    """The workers' multiprocessing context: its fork server, which imports this module once a process, or ``spawn``
+    where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _watch_parent() -> None:
@@ -226,9 +235,7 @@ class ProcessEnvs(Envs):
         self._closed = False
         self._local_left = 0  # rows of shard 0 in flight
         self._stash: list[np.ndarray] = []
-        ctx = torch.multiprocessing.get_context(_START_METHOD)
-        if _START_METHOD == "forkserver":
-            ctx.set_forkserver_preload([__name__])
+        ctx = _context()
         try:
             for i in range(1, num_workers):  # children first: they build while this process builds shard 0
                 a, b = cuts[i], cuts[i + 1]
