@@ -87,11 +87,15 @@ def test_policy_device_runs_every_contenders_policy_there_and_the_report_says_so
     ("gpu0", "--policy-device 'gpu0'"),
     pytest.param("cuda", "sees no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"))])
-def test_a_policy_device_that_is_not_one_or_not_here_is_refused_before_anything_runs(tmp_path, device, message):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path / "no"),
-                           "--policy-device", device], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "no").exists()
+def test_a_policy_device_that_is_not_one_or_not_here_is_refused_before_anything_runs(tmp_path, capsys, device,
+                                                                                     message):
+    from benchmarks.cli import main
+
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick", "--out", str(tmp_path / "no"), "--policy-device", device])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "no").exists() and torch.get_num_threads() == threads
 
 
 def test_each_contender_is_reported_as_it_finishes_so_a_run_cut_short_keeps_what_it_measured(tmp_path):
