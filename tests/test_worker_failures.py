@@ -159,10 +159,10 @@ if __name__ == "__main__":
             result = {{"error": type(exc).__name__, "named": isinstance(exc, CollectionError), "message": str(exc),
                       "cause": repr(exc.__cause__)}}
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        MultiEnvLoop(count_envs(2), zero_policy, num_workers=2, envs_per_thread=1).close()  # works again
         result["extra"] = extra
         result["children"] = sorted(worker_pids())
         results.append(result)
+        MultiEnvLoop(count_envs(2), zero_policy, num_workers=2, envs_per_thread=1).close()  # works again
     print(json.dumps(results), flush=True)
 """
 
