@@ -60,6 +60,18 @@ class CountEnv(gym.Env):
         return self._obs(), 1.0, self.t >= self.length, False, {}
 
 
+class EnvVarEnv(CountEnv):
+    """:class:`CountEnv` whose observation's first entry is the environment variable ``name`` as a float (-1 when
+    unset), read when the env is built."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.value = float(os.environ.get(name, "-1"))
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.value, self.episode, self.t], np.float32)
+
+
 def count_envs(n: int, **kwargs) -> list:
     """``n`` picklable factories of :class:`CountEnv` (env ``i`` gets ``env_id=i``; ``kwargs`` may be
     ``{"fail_at": {2: 3}}``-style dicts keyed by env id)."""

@@ -7,6 +7,7 @@ seconds each to import torch), so the tests share few loops and keep frame count
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -23,7 +24,7 @@ import torch
 from lightning_rollout import EnvError, MultiEnvLoop, StepTimeoutError, ThreadedCollector
 from lightning_rollout.envs import GymMaker
 from conftest import assert_batches_equal, steps_per_env
-from process_helpers import balance_policy, count_envs, worker_pids, zero_policy
+from process_helpers import EnvVarEnv, balance_policy, count_envs, worker_pids, zero_policy
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")]
 
@@ -211,6 +212,21 @@ def test_collector_with_worker_processes_yields_torchrl_batches():
     for batch in batches:  # a CartPole observation is never all zeros: every env's steps arrive, 2-3's included
         assert (batch["next", "observation"].abs().sum(-1) > 0).all()
         assert (batch["next", "reward"] == 1).all()
+
+
+def test_worker_processes_see_the_environment_variables_of_the_moment_their_loop_is_built(monkeypatch):
+    """A variable set after a first loop with worker processes (which started multiprocessing's fork server) is
+    seen by the next loop's worker as by this process's env, as a spawned process would see it."""
+    monkeypatch.delenv("LIGHTNING_ROLLOUT_TEST_VALUE", raising=False)
+    factories = [functools.partial(EnvVarEnv, "LIGHTNING_ROLLOUT_TEST_VALUE")] * 2  # env 1 in the worker
+
+    def first_entries() -> list[float]:
+        with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=1, lookahead=False) as loop:
+            return loop.run_env_steps(1)["next", "observation"][:, 0, 0].tolist()
+
+    assert first_entries() == [-1.0, -1.0]
+    monkeypatch.setenv("LIGHTNING_ROLLOUT_TEST_VALUE", "7")
+    assert first_entries() == [7.0, 7.0]
 
 
 _ORPHAN_SCRIPT = """

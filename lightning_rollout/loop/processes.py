@@ -1,11 +1,11 @@
 """Worker processes: ``num_workers`` contiguous shards of whole units; the stepping thread steps shard 0 itself,
 child processes the others (a :class:`SerialEnvs` each), one message a shard a step, over
 :class:`~lightning_rollout.envs.Slots` in shared memory (a message orders every write before the other side reads).
-The parent sends ``("build", pickled_factories)``, ``("attach", slots)``, ``("step", rows)``,
+The parent sends ``("build", pickled_factories, environ)``, ``("attach", slots)``, ``("step", rows)``,
 ``("reset", rows, seeds)``, ``("close",)``; a child answers ``("started",)``, ``("ready", keys, roots)``,
 ``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children are forked by
 multiprocessing's fork server, which imports this module once a process (``spawn`` where there is none); each imports
-the main module again, as with ``spawn``. Not daemonic (an env may start processes), SIGINT ignored, torch on one
+the main module again and takes the parent's environment variables of the moment, as with ``spawn``. Not daemonic (an env may start processes), SIGINT ignored, torch on one
 thread, and end with the parent (a watchdog).
 """
 
@@ -122,7 +122,9 @@ def _child_main(conn: Any, seeds: list[int | None], a: int, group: int, options:
     envs: SerialEnvs | None = None
     try:
         _send(conn, ("started",))
-        blobs = conn.recv()[1]
+        _, blobs, environ = conn.recv()
+        os.environ.clear()  # the parent's of now, not the fork server's of its start (an env may read them)
+        os.environ.update(environ)
         envs = SerialEnvs(build_units([_factory(i, b) for i, b in enumerate(blobs)], group=group, **options), seeds)
         _send(conn, ("ready", envs.unit.keys, envs.roots))
         try:
@@ -253,7 +255,7 @@ class ProcessEnvs(Envs):
             for child in self.children:  # its env factories go once it runs our code, not as start's arguments:
                 self._wait(child, "started")  # start's write of those blocks for good if the child dies reading them
                 try:
-                    _send(child.conn, ("build", blobs[child.a:child.b]))
+                    _send(child.conn, ("build", blobs[child.a:child.b], dict(os.environ)))
                 except OSError as exc:
                     raise child.death() from exc
             units = build_units(list(factories[:cuts[1]]), group=group, **options)
