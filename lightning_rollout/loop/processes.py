@@ -5,8 +5,8 @@ The parent sends ``("build", pickled_factories, environ)``, ``("attach", slots)`
 ``("reset", rows, seeds)``, ``("close",)``; a child answers ``("started",)``, ``("ready", keys, roots)``,
 ``("ok", kind, rows)`` or ``("failed", row, phase, kind, text, completed, lost)``. Children are forked by
 multiprocessing's fork server, which imports this module once a process (``spawn`` where there is none); each imports
-the main module again and takes the parent's environment variables of the moment, as with ``spawn``. Not daemonic (an env may start processes), SIGINT ignored, torch on one
-thread, and end with the parent (a watchdog).
+the main module again and takes the parent's environment variables of the moment, as with ``spawn``. Not daemonic
+(an env may start processes), SIGINT ignored, torch on one thread, and end with the parent (a watchdog).
 """
 
 from __future__ import annotations
