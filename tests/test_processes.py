@@ -33,17 +33,12 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(sys.platform == "win3
 SHARDS = pytest.mark.parametrize("envs_per_thread", [1, 2], ids=["one env a unit", "a unit a shard"])
 
 
-def _children() -> set[int]:
-    """Pids of this process's live worker processes."""
-    return worker_pids()
-
-
 @SHARDS
 def test_worker_processes_give_the_same_batches_as_in_process_envs_value_for_value(envs_per_thread):
     kwargs = dict(num_envs=4, envs_per_thread=envs_per_thread, seed=3, lookahead=False)
-    before = _children()
+    before = worker_pids()
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, num_workers=2, **kwargs) as remote:
-        assert remote.num_workers == 2 and len(_children() - before) == 1  # this process steps the first shard
+        assert remote.num_workers == 2 and len(worker_pids() - before) == 1  # this process steps the first shard
         ours = [remote.run_env_steps(30), remote.run_steps(12), remote.run_env_steps(30)]
         episodes = remote.run_episodes(2)
     with MultiEnvLoop(GymMaker("CartPole-v1"), balance_policy, **kwargs) as local:
@@ -51,16 +46,16 @@ def test_worker_processes_give_the_same_batches_as_in_process_envs_value_for_val
     assert_batches_equal(ours, reference)
     assert any(b["next", "done"].any() for b in ours)
     assert all(e["next", "done"][-1].item() for e in episodes)
-    assert not (_children() - before), "close() joins every worker process"
+    assert not (worker_pids() - before), "close() joins every worker process"
 
 
 def test_more_worker_processes_than_units_of_envs_are_refused_with_what_to_do():
     """Each process steps whole units of ``envs_per_thread`` envs: 4 envs in one unit cannot be shared by two
     processes. The refusal says which knob to change, and no worker process is left running."""
-    before = _children()
+    before = worker_pids()
     with pytest.raises(ValueError, match="num_workers.*envs_per_thread|envs_per_thread.*num_workers"):
         MultiEnvLoop(count_envs(4), zero_policy, num_workers=2, envs_per_thread=4)
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 @SHARDS
@@ -108,11 +103,11 @@ def test_an_idle_worker_process_blocks_instead_of_spinning():
     milliseconds of CPU, not the half second, and then answers again."""
     import psutil
 
-    before = _children()
+    before = worker_pids()
     with MultiEnvLoop(count_envs(4), zero_policy, num_workers=2, envs_per_thread=2, lookahead=False) as loop:
         batch = loop.run_env_steps(20)
         assert batch["next", "observation"][:, -1, 2].tolist() == [5.0, 5.0, 5.0, 5.0]  # episodes of 5 steps
-        (pid,) = _children() - before
+        (pid,) = worker_pids() - before
         child = psutil.Process(pid)
         used_before = sum(child.cpu_times()[:2])
         threading.Event().wait(0.5)  # idle
@@ -129,10 +124,10 @@ def test_the_first_shard_steps_in_this_process_and_an_error_there_names_no_worke
     pids = {}
     for failing in (1, 2):  # the last env of the first shard, the first of the second
         factories = count_envs(4, fail_at={failing: 6})
-        before = _children()
+        before = worker_pids()
         with MultiEnvLoop(factories, zero_policy, num_workers=2, envs_per_thread=envs_per_thread,
                           lookahead=False) as loop:
-            assert len(_children() - before) == 1
+            assert len(worker_pids() - before) == 1
             with pytest.raises(EnvError, match=rf"env {failing} failed in step at step 6") as info:
                 loop.run_env_steps(50)
         pids[failing] = int(str(info.value).split("in process ")[1].split()[0].rstrip(")"))
@@ -144,18 +139,18 @@ def test_the_first_shard_steps_in_this_process_and_an_error_there_names_no_worke
 
 
 def test_env_failing_its_first_reset_in_this_processs_shard_is_reported_by_the_constructor():
-    before = _children()
+    before = worker_pids()
     with pytest.raises(EnvError, match=r"env 1 failed in reset at step 0: RuntimeError: env 1 reset 0 broke"):
         MultiEnvLoop(count_envs(4, fail_reset={1: 0}), zero_policy, num_workers=2, envs_per_thread=2)
-    assert not (_children() - before), "the child started before the failure is closed"
+    assert not (worker_pids() - before), "the child started before the failure is closed"
 
 
 def test_env_failing_its_first_reset_in_a_worker_process_is_reported_by_the_constructor():
-    before = _children()
+    before = worker_pids()
     with pytest.raises(EnvError, match=r"env 2 failed in reset at step 0: RuntimeError: env 2 reset 0 broke") as info:
         MultiEnvLoop(count_envs(4, fail_reset={2: 0}), zero_policy, num_workers=2, envs_per_thread=2)
     assert "(in worker process 1)" in str(info.value)
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 def test_unpicklable_factory_is_refused_with_what_to_do():
@@ -164,7 +159,7 @@ def test_unpicklable_factory_is_refused_with_what_to_do():
 
 
 def test_hung_env_in_a_worker_process_times_out_and_its_process_is_ended():
-    before = _children()
+    before = worker_pids()
     loop = MultiEnvLoop(count_envs(2, hang_at={1: 4}), zero_policy, num_workers=2, step_timeout=1.0,
                         lookahead=False)
     try:
@@ -175,18 +170,18 @@ def test_hung_env_in_a_worker_process_times_out_and_its_process_is_ended():
         assert counts[1] == 4 and counts[0] >= 4
     finally:
         loop.close()
-    assert not (_children() - before), "the stuck process is terminated, not left running"
+    assert not (worker_pids() - before), "the stuck process is terminated, not left running"
 
 
 def test_hung_env_in_this_processs_shard_times_out_and_every_worker_process_is_ended():
     """Env 0 steps in this process and hangs for 4 s: ``step_timeout`` names it as it names an env of a worker
     process, and ``close()`` still ends the worker."""
-    before = _children()
+    before = worker_pids()
     threads = set(threading.enumerate())
     loop = MultiEnvLoop(count_envs(2, hang_at={0: 4}, hang_s=4.0), zero_policy, num_workers=2, step_timeout=1.0,
                         lookahead=False)
     try:
-        assert len(_children() - before) == 1
+        assert len(worker_pids() - before) == 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a thread stuck in the env's step may be abandoned
             with pytest.raises(StepTimeoutError, match="env 0") as info:
@@ -194,7 +189,7 @@ def test_hung_env_in_this_processs_shard_times_out_and_every_worker_process_is_e
         assert (info.value.env_id, info.value.step) == (0, 4)
     finally:
         loop.close()
-    assert not (_children() - before), "the worker is closed although env 0 is stuck here"
+    assert not (worker_pids() - before), "the worker is closed although env 0 is stuck here"
     for t in set(threading.enumerate()) - threads:  # the env's sleep ends; a thread left in it then leaves
         t.join(30.0)
         assert not t.is_alive()
@@ -276,10 +271,10 @@ def test_a_close_cut_short_by_ctrl_c_during_the_joins_of_worker_processes_is_fin
     ``close()`` of the loop ends and reaps every worker process (none is left running or a zombie)."""
     import psutil
 
-    before = _children()
+    before = worker_pids()
     loop = MultiEnvLoop(count_envs(4), zero_policy, num_workers=2, envs_per_thread=2, lookahead=False)
     assert loop.run_env_steps(3)["next", "observation"].shape == (4, 3, 3)
-    pids = _children() - before
+    pids = worker_pids() - before
     assert len(pids) == 1
     process_class = multiprocessing.process.BaseProcess  # whichever start method made them
     real_join = process_class.join

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import multiprocessing.resource_tracker
 import threading
 import time
 import warnings
@@ -27,6 +26,7 @@ from torchrl.modules import LSTMModule
 from collector_helpers import leaf_keys
 from conftest import ArgmaxNet, CountingPolicy, assert_batches_equal, called_from_probe, mock_envs
 from lightning_rollout import CollectionError, ThreadedCollector
+from process_helpers import worker_pids
 from reliability_helpers import InThread, bounded
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,16 +204,12 @@ def test_torchrls_transforms_warning_is_given_once_with_worker_processes_and_by_
 
 
 def _new_children(before: set[int]) -> list[psutil.Process]:
-    """Child processes of this one started since ``before``, not counting multiprocessing's resource tracker
-    (one per interpreter, started by the first process that uses shared resources, and kept)."""
-    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    """Live processes started under this one since ``before``, less multiprocessing's helpers
+    (:func:`process_helpers.worker_pids`)."""
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for pid in worker_pids() - before:
         try:
-            if child.pid in before or child.pid == tracker or "resource_tracker" in " ".join(child.cmdline()):
-                continue
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
+            found.append(psutil.Process(pid))
         except psutil.NoSuchProcess:  # it ended meanwhile
             continue
     return found

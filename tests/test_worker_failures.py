@@ -25,9 +25,8 @@ from conftest import steps_per_env
 import torch
 
 from lightning_rollout import CollectionError, EnvError, MultiEnvLoop, PolicyError, ThreadedCollector
-from process_helpers import count_envs, zero_policy
+from process_helpers import count_envs, worker_pids, zero_policy
 from reliability_helpers import bounded
-from test_processes import _children
 from worker_helpers import (ClosingEnv, FdStarvedEnv, ForkingEnv, KilledEnv, RaisingEnv, WrongShapeEnv, closed_envs,
                             factories, unpicklable_in_child)
 
@@ -51,7 +50,7 @@ def _run_script(tmp_path: Path, code: str, *, timeout: float = 120.0, **env: str
 def test_a_base_exception_in_a_worker_processs_env_ends_in_an_env_error_naming_it(kind):
     """Env 3 (the second env of worker process 1) raises ``SystemExit`` / ``KeyboardInterrupt``: answered like
     any error of the env, naming env 3, not the first env of its process."""
-    before = _children()
+    before = worker_pids()
     loop = MultiEnvLoop(factories(RaisingEnv, 4, bad=3, at=3, kind=kind), zero_policy, num_workers=2,
                         envs_per_thread=1, lookahead=False)
     try:
@@ -62,7 +61,7 @@ def test_a_base_exception_in_a_worker_processs_env_ends_in_an_env_error_naming_i
     assert "(in worker process 1)" in str(info.value)
     counts = steps_per_env(info.value.partial)
     assert counts[3] == 3 and min(counts.values()) >= 3
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 # -- a worker's death names its cause ------------------------------------------------------------------
@@ -71,7 +70,7 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_not_the_main_gu
     """Env 3 runs in worker process 1 (envs 0-1 step here) and kills it with SIGKILL, at its fourth step
     or while it is being built: the error names the process's first env, says the process was killed by
     SIGKILL (and when), not that the main script lacks an ``if __name__ == "__main__":`` guard."""
-    before = _children()
+    before = worker_pids()
     make = factories(KilledEnv, 4, bad=3, at=3 if when == "step" else None)
     if when == "build":
         with pytest.raises(EnvError, match="while building its envs") as info:
@@ -85,18 +84,18 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_not_the_main_gu
     message = str(info.value)
     assert "was killed by SIGKILL (exit code -9)" in message and "(in worker process 1)" in message
     assert "__main__" not in message and info.value.__cause__ is not None
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 def test_a_factory_that_cannot_be_unpickled_in_the_worker_names_the_real_cause():
-    before = _children()
+    before = worker_pids()
     make = count_envs(3) + [unpicklable_in_child()]  # env 3: in worker process 1
     with pytest.raises(EnvError, match=r"env 3 failed in reset at step 0: the env factory could not be unpickled in "
                                        r"the worker process \(RuntimeError: this factory cannot be rebuilt") as info:
         MultiEnvLoop(make, zero_policy, num_workers=2, envs_per_thread=2)
     assert "__main__" not in str(info.value) and "(in worker process 1)" in str(info.value)
     assert "_refuse_to_unpickle" in str(info.value.__cause__)  # the worker's traceback
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 _UNGUARDED_SCRIPT = """
@@ -130,14 +129,14 @@ def test_a_script_without_a_main_guard_is_told_to_add_one_whatever_its_factories
 def test_a_worker_that_cannot_attach_its_shared_buffers_reports_why_at_construction():
     """Env 3 lowers its worker process's file-descriptor limit to the descriptors already open, so the
     worker cannot receive its shared buffers: the constructor says so, with the worker's error."""
-    before = _children()
+    before = worker_pids()
     make = count_envs(3) + [factories(FdStarvedEnv, 4)[3]]
     with pytest.raises(EnvError, match=r"could not attach the shared buffers of envs \[2, 3\]") as info:
         MultiEnvLoop(make, zero_policy, num_workers=2, envs_per_thread=2)
     message = str(info.value)
     assert "ulimit -n" in message
     assert "(in worker process 1)" in message and "Traceback" in str(info.value.__cause__)
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 _FD_SCRIPT = """
@@ -205,11 +204,11 @@ def _broken_policy(obs: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_construction_refused_after_the_workers_built_their_envs_closes_them_all(tmp_path):
-    before = _children()
+    before = worker_pids()
     with pytest.raises(PolicyError, match="this policy cannot act"):
         MultiEnvLoop(factories(ClosingEnv, 4, marks=str(tmp_path)), _broken_policy, num_workers=2, envs_per_thread=2)
     assert closed_envs(str(tmp_path)) == [0, 1, 2, 3]  # 0-1 here, 2-3 in worker process 1
-    assert not (_children() - before)
+    assert not (worker_pids() - before)
 
 
 # -- the env that failed is named ----------------------------------------------------------------------------
